@@ -1,0 +1,334 @@
+// Every number format and every QDQ rule of the project (../shared/spec/numerics.md), written
+// once as host+device scalar functions. The CPU reference and the CUDA kernels call these, so they
+// produce the same bits on every input, NaN, +-inf, +-0 and subnormals included.
+// Invariants: binary32 round-to-nearest-even everywhere, no FMA contraction (mul_rn/add_rn),
+// exact division (div_rn); NaN results are canonical (f32 0x7FFFFFFF, bf16 0x7FFF, e4m3 0x7F).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define MOEFQ_HD __host__ __device__ __forceinline__
+#else
+#define MOEFQ_HD inline
+#endif
+
+namespace moefq {
+
+// bf16 storage: the raw bits, so CPU headers need no CUDA type.
+struct bf16 {
+  uint16_t bits;
+};
+static_assert(sizeof(bf16) == 2);
+
+inline constexpr float kE4m3Max = 448.0f;
+inline constexpr float kE2m1Max = 6.0f;
+inline constexpr float kE5m2Max = 57344.0f;
+inline constexpr float kFltMax = 3.40282346638528859812e+38f;
+inline constexpr uint32_t kCanonicalNanF32 = 0x7FFFFFFFu;
+inline constexpr uint16_t kCanonicalNanBf16 = 0x7FFF;
+inline constexpr uint8_t kE4m3Nan = 0x7F;
+inline constexpr uint8_t kE5m2Nan = 0x7F;
+inline constexpr uint8_t kUe8m0Nan = 0xFF;
+
+inline constexpr int kNvfp4Block = 16;
+inline constexpr int kMxBlock = 32;
+inline constexpr int kStageBlock = 128;  // e4m3 staging: 1 x 128 blocks along H
+
+// ---------------------------------------------------------------------------------------------
+// binary32 bit access and the spec's arithmetic
+MOEFQ_HD uint32_t f32_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+MOEFQ_HD float f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+MOEFQ_HD bool is_nan(float x) { return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+MOEFQ_HD bool is_finite(float x) { return (f32_bits(x) & 0x7F800000u) != 0x7F800000u; }
+MOEFQ_HD float abs_f32(float x) { return f32_from_bits(f32_bits(x) & 0x7FFFFFFFu); }
+MOEFQ_HD float copysign_f32(float mag, float sign) {
+  return f32_from_bits((f32_bits(mag) & 0x7FFFFFFFu) | (f32_bits(sign) & 0x80000000u));
+}
+MOEFQ_HD float canonical_nan_f32() { return f32_from_bits(kCanonicalNanF32); }
+
+MOEFQ_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+MOEFQ_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+MOEFQ_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+// Round to an integral value, ties to even (the default rounding mode on the host).
+MOEFQ_HD float rint_f32(float x) {
+#if defined(__CUDA_ARCH__)
+  return rintf(x);
+#else
+  return __builtin_rintf(x);
+#endif
+}
+// max over non-NaN values: NaN in x leaves m unchanged (m itself is never NaN).
+MOEFQ_HD float max_ignore_nan(float m, float x) { return x > m ? x : m; }
+
+// 2^e exactly, for e in [-149, 127] (subnormal results included).
+MOEFQ_HD float exp2i(int e) {
+  return e >= -126 ? f32_from_bits(uint32_t(e + 127) << 23) : f32_from_bits(1u << (e + 149));
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16
+MOEFQ_HD float bf16_to_f32(uint16_t b) { return f32_from_bits(uint32_t(b) << 16); }
+MOEFQ_HD float to_f32(bf16 b) { return bf16_to_f32(b.bits); }
+MOEFQ_HD float to_f32(float f) { return f; }
+
+// binary32 -> bf16, round to nearest even; inf stays inf, any NaN becomes the canonical 0x7FFF.
+MOEFQ_HD uint16_t bf16_round_sw(float x) {
+  uint32_t u = f32_bits(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return kCanonicalNanBf16;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+// The same conversion; in kernels the hardware's cvt.rn.bf16.f32, proven equal to bf16_round_sw
+// on all 2^32 inputs by tests/cuda/test_numerics_cuda.cu.
+MOEFQ_HD uint16_t bf16_round(float x) {
+#if defined(__CUDA_ARCH__)
+  uint16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+#else
+  return bf16_round_sw(x);
+#endif
+}
+
+// Output rounding of a QDQ result to the tensor's dtype: bf16 rounds, fp32 keeps the value;
+// either way a NaN becomes canonical so CPU and GPU agree bit for bit.
+MOEFQ_HD void store_out(bf16* p, float v) { p->bits = bf16_round(v); }
+MOEFQ_HD void store_out(float* p, float v) { *p = is_nan(v) ? canonical_nan_f32() : v; }
+
+// ---------------------------------------------------------------------------------------------
+// Minifloats with kExp exponent bits, kMan mantissa bits and bias kBias (e4m3, e5m2, e2m1).
+template <int kExp, int kMan, int kBias>
+struct Minifloat {
+  static constexpr int kEmin = 1 - kBias;  // exponent of the smallest normal
+
+  // Code of the magnitude a (finite, >= 0), rounded to nearest even. The code may exceed the
+  // largest finite code (or land on an inf/NaN code): callers saturate or map to inf.
+  MOEFQ_HD static uint32_t encode_magnitude(float a) {
+    const uint32_t u = f32_bits(a);
+    const int e = int(u >> 23) - 127;
+    if (e < kEmin) {
+      // Target subnormal: a multiple of 2^(kEmin - kMan). Scaling up by a power of two is exact;
+      // m == 2^kMan rounds up into the smallest normal, which is the next code.
+      return uint32_t(rint_f32(mul_rn(a, exp2i(kMan - kEmin))));
+    }
+    constexpr int kShift = 23 - kMan;
+    const uint32_t mant = u & 0x7FFFFFu;
+    uint32_t m = mant >> kShift;
+    const uint32_t rem = mant & ((1u << kShift) - 1u);
+    const uint32_t half = 1u << (kShift - 1);
+    if (rem > half || (rem == half && (m & 1u))) ++m;  // a carry moves into the exponent field
+    return (uint32_t(e + kBias) << kMan) + m;
+  }
+
+  // Exact value of a magnitude code (no inf/NaN handling).
+  MOEFQ_HD static float decode_magnitude(uint32_t code) {
+    const uint32_t e = code >> kMan;
+    const uint32_t m = code & ((1u << kMan) - 1u);
+    if (e == 0) return mul_rn(float(m), exp2i(kEmin - kMan));
+    return f32_from_bits(((e - kBias + 127u) << 23) | (m << (23 - kMan)));
+  }
+};
+using E4m3 = Minifloat<4, 3, 7>;
+using E5m2 = Minifloat<5, 2, 15>;
+using E2m1 = Minifloat<2, 1, 1>;
+
+// e4m3 (OCP "fn"): saturating conversion; |x| above 448 and +-inf become +-448, NaN becomes 0x7F.
+MOEFQ_HD uint8_t e4m3_encode_sat_sw(float x) {
+  const uint32_t u = f32_bits(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return kE4m3Nan;
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const float a = f32_from_bits(u & 0x7FFFFFFFu);
+  if (a >= kE4m3Max) return sign | 0x7E;
+  const uint32_t c = E4m3::encode_magnitude(a);
+  return sign | uint8_t(c > 0x7Eu ? 0x7Eu : c);
+}
+// The same conversion; in kernels the hardware's cvt.rn.satfinite.e4m3x2.f32, proven equal to
+// e4m3_encode_sat_sw on all 2^32 inputs by tests/cuda/test_numerics_cuda.cu.
+MOEFQ_HD uint8_t e4m3_encode_sat(float x) {
+#if defined(__CUDA_ARCH__)
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
+  return uint8_t(r & 0xFFu);
+#else
+  return e4m3_encode_sat_sw(x);
+#endif
+}
+MOEFQ_HD float e4m3_decode(uint8_t c) {
+  if ((c & 0x7Fu) == 0x7Fu) return canonical_nan_f32();
+  const float a = E4m3::decode_magnitude(c & 0x7Fu);
+  return (c & 0x80u) ? -a : a;
+}
+
+// e5m2 (IEEE-like): round to nearest even; overflow past 57344 (rounded) becomes inf.
+// With saturate, it becomes +-57344 instead (inf too). NaN becomes 0x7F.
+MOEFQ_HD uint8_t e5m2_encode(float x, bool saturate) {
+  const uint32_t u = f32_bits(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return kE5m2Nan;
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const float a = f32_from_bits(u & 0x7FFFFFFFu);
+  const uint32_t c = is_finite(a) ? E5m2::encode_magnitude(a) : 0x7Cu;
+  if (c >= 0x7Cu) return sign | (saturate ? 0x7B : 0x7C);
+  return sign | uint8_t(c);
+}
+MOEFQ_HD float e5m2_decode(uint8_t c) {
+  const uint32_t m = c & 0x7Fu;
+  if (m > 0x7Cu) return canonical_nan_f32();
+  const float a = m == 0x7Cu ? f32_from_bits(0x7F800000u) : E5m2::decode_magnitude(m);
+  return (c & 0x80u) ? -a : a;
+}
+
+// e2m1 (FP4): saturating, ties to the even code; magnitudes above 5 and +inf become 6.
+// Returns a 4-bit code (sign in bit 3). NaN is a QDQ rule, so it is mapped to the max code here.
+MOEFQ_HD uint8_t e2m1_encode_sat(float x) {
+  const uint32_t u = f32_bits(x);
+  const uint8_t sign = uint8_t((u >> 28) & 0x8u);
+  const float a = f32_from_bits(u & 0x7FFFFFFFu);
+  if (!(a < kE2m1Max)) return sign | 0x7;  // >= 6, inf, NaN
+  const uint32_t c = E2m1::encode_magnitude(a);
+  return sign | uint8_t(c > 7u ? 7u : c);
+}
+MOEFQ_HD float e2m1_decode(uint8_t c) {
+  const float a = E2m1::decode_magnitude(c & 0x7u);
+  return (c & 0x8u) ? -a : a;
+}
+
+// ue8m0 (MX block scale): value 2^(c - 127); 0xFF is NaN.
+MOEFQ_HD uint8_t ue8m0_from_exponent(int e) { return uint8_t(e + 127); }
+MOEFQ_HD float ue8m0_decode(uint8_t c) { return c == kUe8m0Nan ? canonical_nan_f32() : exp2i(int(c) - 127); }
+// ceil(log2(r)) for finite r > 0, read exactly from the bits (subnormal r included).
+MOEFQ_HD int ceil_log2(float r) {
+  const uint32_t u = f32_bits(r) & 0x7FFFFFFFu;
+  const int be = int(u >> 23);
+  const uint32_t mant = u & 0x7FFFFFu;
+  if (be != 0) return be - 127 + (mant != 0 ? 1 : 0);
+  // subnormal: r = mant * 2^-149, mant in [1, 2^23)
+#if defined(__CUDA_ARCH__)
+  const int fl = 31 - __clz(int(mant));
+#else
+  const int fl = 31 - __builtin_clz(mant);
+#endif
+  return fl - 149 + ((mant & (mant - 1u)) != 0 ? 1 : 0);
+}
+
+// int8, narrow range [-127, 127], round to nearest even. NaN is a QDQ rule (maps to 0 here).
+MOEFQ_HD int8_t int8_encode_sat(float v) {
+  if (is_nan(v)) return 0;
+  const float r = rint_f32(v);
+  return int8_t(r > 127.0f ? 127 : (r < -127.0f ? -127 : int(r)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// QDQ rules. Each element function returns the dequantized binary32 value; the caller stores it
+// with store_out (bf16 rounding or fp32 as is). NaN in x gives the canonical NaN.
+
+// fp8: per-tensor e4m3.
+struct Fp8Params {
+  float s;   // 448 / a
+  float si;  // 1 / s (not a / 448)
+};
+MOEFQ_HD Fp8Params fp8_params(float amax) {
+  const float a = amax <= 5.9604644775390625e-08f ? 1.0f : amax;  // 2^-24
+  const float s = div_rn(kE4m3Max, a);
+  return {s, div_rn(1.0f, s)};
+}
+MOEFQ_HD float fp8_qdq(float x, Fp8Params p) {
+  if (is_nan(x)) return canonical_nan_f32();
+  return mul_rn(e4m3_decode(e4m3_encode_sat(mul_rn(x, p.s))), p.si);
+}
+
+// nvfp4: e2m1 elements, blocks of 16, e4m3 block scales, fp32 global scale.
+MOEFQ_HD float nvfp4_global_scale(float amax) {
+  const float gs = mul_rn(amax, 1.0f / 2688.0f);  // the rounded reciprocal, as the reference does
+  return gs <= 0.0f ? 1e-12f : gs;
+}
+// The block's dequantization scale from its max |x| over non-NaN elements.
+MOEFQ_HD float nvfp4_block_scale(float bmax, float gs) {
+  float t = div_rn(bmax, mul_rn(6.0f, gs));
+  t = t < kE4m3Max ? t : kE4m3Max;
+  const float scale = mul_rn(e4m3_decode(e4m3_encode_sat(t)), gs);
+  return scale < 1e-5f ? 1.0f : scale;
+}
+MOEFQ_HD float nvfp4_qdq(float x, float scale) {
+  if (is_nan(x)) return canonical_nan_f32();
+  const float q = e2m1_decode(e2m1_encode_sat(div_rn(abs_f32(x), scale)));
+  if (q == 0.0f) return 0.0f;  // the reference framework's rule: a zero is +0 whatever the sign
+  return copysign_f32(mul_rn(q, scale), x);
+}
+
+// mxfp8 / mxfp4: blocks of 32, ue8m0 scales. Block max: +-inf counts as the largest finite float.
+MOEFQ_HD float mx_block_max_update(float m, float x) {
+  const float a = abs_f32(x);
+  return max_ignore_nan(m, a > kFltMax ? kFltMax : a);
+}
+// Block exponent e (the scale is 2^e, ue8m0 code e + 127) for element maximum kElemMax (448 or 6).
+MOEFQ_HD int mx_block_exponent(float bmax, float elem_max) {
+  if (!(bmax > 0.0f) || !is_finite(bmax)) return 0;
+  const int e = ceil_log2(div_rn(bmax, elem_max));
+  return e < -127 ? -127 : (e > 127 ? 127 : e);
+}
+MOEFQ_HD float mxfp8_qdq(float x, int e) {
+  if (is_nan(x)) return canonical_nan_f32();
+  // e4m3 is sign-symmetric, so converting x itself equals sign(x) * conv(|x| ...).
+  return mul_rn(e4m3_decode(e4m3_encode_sat(mul_rn(x, exp2i(-e)))), exp2i(e));
+}
+MOEFQ_HD float mxfp4_qdq(float x, int e) {
+  if (is_nan(x)) return canonical_nan_f32();
+  return mul_rn(e2m1_decode(e2m1_encode_sat(mul_rn(x, exp2i(-e)))), exp2i(e));
+}
+
+// int8: per-tensor, narrow range. s = 127 / amax; s == 0 stands for "amax < 2^-24: y = 0".
+MOEFQ_HD float int8_scale(float amax) {
+  return amax < 5.9604644775390625e-08f ? 0.0f : div_rn(127.0f, amax);
+}
+MOEFQ_HD float int8_qdq(float x, float s) {
+  if (is_nan(x)) return canonical_nan_f32();
+  if (s == 0.0f) return 0.0f;
+  return div_rn(float(int8_encode_sat(mul_rn(x, s))), s);
+}
+
+// e4m3 staging of expert inputs (1 x 128 blocks, fp32 scales): the real FP8 cast of the engine.
+// block_amax is the max |x| over the block's non-NaN elements.
+MOEFQ_HD float stage_scale(float block_amax) {
+  const float a = block_amax > 1e-4f ? block_amax : 1e-4f;
+  return div_rn(a, kE4m3Max);
+}
+MOEFQ_HD uint8_t stage_encode(float x, float inv_scale) { return e4m3_encode_sat(mul_rn(x, inv_scale)); }
+MOEFQ_HD float stage_decode(uint8_t x8, float scale) { return mul_rn(e4m3_decode(x8), scale); }
+
+}  // namespace moefq

@@ -1,0 +1,44 @@
+// Fake quantization (QDQ) of whole tensors on the CPU: the reference every other backend is
+// compared with bit for bit. Tensors are row-major [rows, cols]; blocks run along cols and never
+// cross a row; a short final block uses the elements it has. Output keeps the input's dtype.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "moefq/numerics.h"
+
+namespace moefq {
+
+enum class Format { kFp8, kNvfp4, kMxfp8, kMxfp4, kInt8 };
+inline constexpr Format kAllFormats[] = {Format::kFp8, Format::kNvfp4, Format::kMxfp8,
+                                         Format::kMxfp4, Format::kInt8};
+
+const char* format_name(Format f);
+// "fp8", "nvfp4", "mxfp8", "mxfp4", "int8"; nullopt for anything else.
+std::optional<Format> parse_format(std::string_view name);
+// "fp8|nvfp4|mxfp8|mxfp4|int8", for messages.
+std::string format_choices();
+// Elements per block along the last dimension; 0 for the per-tensor formats.
+int format_block_size(Format f);
+// Whether the format has a global (per-tensor) amax: fp8, nvfp4, int8.
+bool format_has_global_amax(Format f);
+
+enum class DType { kBF16, kF32 };
+
+// max |x| over the non-NaN elements (+inf counts), 0 for an empty tensor: the "dynamic" amax.
+float amax_ref(const bf16* x, int64_t n);
+float amax_ref(const float* x, int64_t n);
+
+// y = QDQ_f(x) with the given global amax (ignored by mxfp8/mxfp4). x, y: [rows, cols].
+// y may alias x.
+void qdq_ref(Format f, const bf16* x, bf16* y, int64_t rows, int64_t cols, float amax);
+void qdq_ref(Format f, const float* x, float* y, int64_t rows, int64_t cols, float amax);
+
+// The engine's e4m3 staging cast (numerics.md). x: [rows, cols] bf16; x8: [rows, cols] e4m3;
+// scales: [rows, ceil(cols / 128)] fp32 (the dequantization scale sf of each 1 x 128 block).
+void stage_e4m3_ref(const bf16* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols);
+
+}  // namespace moefq

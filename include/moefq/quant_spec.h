@@ -1,0 +1,34 @@
+// What a fake quantizer does: its format, block size and where its global amax comes from.
+// Shared by recipes (which produce specs) and quantizers (which apply them).
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "moefq/qdq.h"
+
+namespace moefq {
+
+enum class AmaxSource {
+  kCalibrated,  // max calibration over the data the quantizer is shown
+  kConstant,    // a fixed value (e.g. 2688 makes the nvfp4 global scale 1)
+  kDynamic,     // per call, max |x| over the whole tensor
+};
+const char* amax_source_name(AmaxSource s);
+
+struct QuantSpec {
+  Format format = Format::kFp8;
+  int block_size = 0;  // 0: the format's own (16 nvfp4, 32 mx, none for fp8/int8)
+  AmaxSource amax_source = AmaxSource::kCalibrated;
+  float constant_amax = 0.0f;  // used when amax_source == kConstant
+
+  // Throws moefq::Error (bad input) naming `quantizer` when the spec is invalid: a block size the
+  // format does not have, a constant amax that is not finite and > 0.
+  void validate(std::string_view quantizer) const;
+  // e.g. "nvfp4 (block 16, e4m3 scales), amax constant 2688"
+  std::string describe() const;
+};
+
+bool operator==(const QuantSpec& a, const QuantSpec& b);
+
+}  // namespace moefq

@@ -1,0 +1,52 @@
+#include "moefq/quant_spec.h"
+
+#include <sstream>
+
+#include "moefq/errors.h"
+
+namespace moefq {
+
+const char* amax_source_name(AmaxSource s) {
+  switch (s) {
+    case AmaxSource::kCalibrated: return "calibrated";
+    case AmaxSource::kConstant: return "constant";
+    case AmaxSource::kDynamic: return "dynamic";
+  }
+  return "?";
+}
+
+void QuantSpec::validate(std::string_view quantizer) const {
+  const int own = format_block_size(format);
+  MOEFQ_CHECK(block_size == 0 || block_size == own, quantizer, ": format ", format_name(format),
+              own ? " uses blocks of " + std::to_string(own) : std::string(" is per-tensor"),
+              ", not blocks of ", block_size);
+  if (amax_source == AmaxSource::kConstant)
+    MOEFQ_CHECK(is_finite(constant_amax) && constant_amax > 0.0f, quantizer,
+                ": constant_amax must be a finite number > 0, got ", constant_amax);
+}
+
+std::string QuantSpec::describe() const {
+  std::ostringstream os;
+  os << format_name(format);
+  switch (format) {
+    case Format::kNvfp4: os << " (e2m1, block 16, e4m3 scales)"; break;
+    case Format::kMxfp8: os << " (e4m3, block 32, ue8m0 scales)"; break;
+    case Format::kMxfp4: os << " (e2m1, block 32, ue8m0 scales)"; break;
+    case Format::kFp8: os << " (e4m3, per tensor)"; break;
+    case Format::kInt8: os << " (int8, per tensor)"; break;
+  }
+  if (format_has_global_amax(format)) {
+    os << ", amax " << amax_source_name(amax_source);
+    if (amax_source == AmaxSource::kConstant) os << " " << constant_amax;
+  }
+  return os.str();
+}
+
+bool operator==(const QuantSpec& a, const QuantSpec& b) {
+  return a.format == b.format && (a.block_size ? a.block_size : format_block_size(a.format)) ==
+                                     (b.block_size ? b.block_size : format_block_size(b.format)) &&
+         a.amax_source == b.amax_source &&
+         (a.amax_source != AmaxSource::kConstant || a.constant_amax == b.constant_amax);
+}
+
+}  // namespace moefq

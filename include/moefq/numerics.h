@@ -85,6 +85,22 @@ MOEFQ_HD float div_rn(float a, float b) {
   return a / b;
 #endif
 }
+MOEFQ_HD float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);
+#endif
+}
+// RN(a / b), given r = RN(1 / b), with one multiply and two fused multiply-adds (Markstein's
+// correction: the residual a - b*q0 is exact, and q0 + residual*r rounds to the correctly rounded
+// quotient). Holds while the quotient and the residual stay normal; callers use it only where a
+// quotient outside that range cannot change the result. tests/numerics/test_division.cpp checks
+// it against div_rn on every bf16 input for every scale the callers can produce.
+MOEFQ_HD float div_rn_recip(float a, float b, float r) {
+  const float q0 = mul_rn(a, r);
+  return fma_rn(fma_rn(-b, q0, a), r, q0);
+}
 // Round to an integral value, ties to even (the default rounding mode on the host).
 MOEFQ_HD float rint_f32(float x) {
 #if defined(__CUDA_ARCH__)
@@ -93,8 +109,15 @@ MOEFQ_HD float rint_f32(float x) {
   return __builtin_rintf(x);
 #endif
 }
-// max over non-NaN values: NaN in x leaves m unchanged (m itself is never NaN).
-MOEFQ_HD float max_ignore_nan(float m, float x) { return x > m ? x : m; }
+// max over non-NaN values: NaN in x leaves m unchanged (m itself is never NaN, and neither is -0
+// among the |x| this is used on). fmaxf has exactly this behaviour and is one instruction.
+MOEFQ_HD float max_ignore_nan(float m, float x) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(m, x);
+#else
+  return x > m ? x : m;
+#endif
+}
 
 // 2^e exactly, for e in [-149, 127] (subnormal results included).
 MOEFQ_HD float exp2i(int e) {
@@ -123,6 +146,17 @@ MOEFQ_HD uint16_t bf16_round(float x) {
   return r;
 #else
   return bf16_round_sw(x);
+#endif
+}
+
+// Two conversions packed as bf16x2 (lo in bits 0-15); in kernels one cvt.rn.bf16x2.f32.
+MOEFQ_HD uint32_t bf16x2_round(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return uint32_t(bf16_round_sw(lo)) | (uint32_t(bf16_round_sw(hi)) << 16);
 #endif
 }
 
@@ -189,10 +223,22 @@ MOEFQ_HD uint8_t e4m3_encode_sat(float x) {
   return e4m3_encode_sat_sw(x);
 #endif
 }
-MOEFQ_HD float e4m3_decode(uint8_t c) {
-  if ((c & 0x7Fu) == 0x7Fu) return canonical_nan_f32();
+// Decoding is exact; for a code known not to be NaN (every saturating encode result) kernels use
+// the hardware's cvt through f16, which represents every e4m3 value exactly.
+MOEFQ_HD float e4m3_decode_finite(uint8_t c) {
+#if defined(__CUDA_ARCH__)
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(uint16_t(c)));
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(uint16_t(h2 & 0xFFFFu)));
+  return f;
+#else
   const float a = E4m3::decode_magnitude(c & 0x7Fu);
   return (c & 0x80u) ? -a : a;
+#endif
+}
+MOEFQ_HD float e4m3_decode(uint8_t c) {
+  return (c & 0x7Fu) == 0x7Fu ? canonical_nan_f32() : e4m3_decode_finite(c);
 }
 
 // e5m2 (IEEE-like): round to nearest even; overflow past 57344 (rounded) becomes inf.
@@ -226,6 +272,16 @@ MOEFQ_HD uint8_t e2m1_encode_sat(float x) {
 MOEFQ_HD float e2m1_decode(uint8_t c) {
   const float a = E2m1::decode_magnitude(c & 0x7u);
   return (c & 0x8u) ? -a : a;
+}
+// e2m1_decode(e2m1_encode_sat(v)) for v >= 0 (inf included), computed on the value; NaN stays
+// NaN. In each binade of e2m1 the step is a power of two (0.5 below 2, 1 below 4, 2 above), and
+// adding then subtracting C = 1.5 * 2^23 * step rounds v to a multiple of the step, to nearest
+// even: the even multiple is the even code. Both additions are exact apart from that rounding.
+// Checked against the code path on every non-negative binary32 by tests/numerics/test_division.cpp.
+MOEFQ_HD float e2m1_round_sat(float v) {
+  const float c = v < 2.0f ? 6291456.0f : (v < 4.0f ? 12582912.0f : 25165824.0f);
+  const float q = add_rn(add_rn(v, c), -c);
+  return q > kE2m1Max ? kE2m1Max : q;
 }
 
 // ue8m0 (MX block scale): value 2^(c - 127); 0xFF is NaN.
@@ -269,6 +325,7 @@ MOEFQ_HD Fp8Params fp8_params(float amax) {
 }
 MOEFQ_HD float fp8_qdq(float x, Fp8Params p) {
   if (is_nan(x)) return canonical_nan_f32();
+  // Checked decode: with amax = +inf, s = 0 and inf * 0 is NaN, which must stay NaN.
   return mul_rn(e4m3_decode(e4m3_encode_sat(mul_rn(x, p.s))), p.si);
 }
 
@@ -277,17 +334,37 @@ MOEFQ_HD float nvfp4_global_scale(float amax) {
   const float gs = mul_rn(amax, 1.0f / 2688.0f);  // the rounded reciprocal, as the reference does
   return gs <= 0.0f ? 1e-12f : gs;
 }
-// The block's dequantization scale from its max |x| over non-NaN elements.
-MOEFQ_HD float nvfp4_block_scale(float bmax, float gs) {
-  float t = div_rn(bmax, mul_rn(6.0f, gs));
-  t = t < kE4m3Max ? t : kE4m3Max;
-  const float scale = mul_rn(e4m3_decode(e4m3_encode_sat(t)), gs);
+// The block's e4m3 scale code from its max |x| over non-NaN elements.
+MOEFQ_HD uint8_t nvfp4_block_code(float bmax, float gs) {
+  const float t = div_rn(bmax, mul_rn(6.0f, gs));
+  return e4m3_encode_sat(t > kE4m3Max ? kE4m3Max : t);  // NaN (amax = +inf) stays NaN: code 0x7F
+}
+// The block's dequantization scale from its code (NaN for the NaN code).
+MOEFQ_HD float nvfp4_scale_from_code(uint8_t sf, float gs) {
+  const float scale = mul_rn(e4m3_decode(sf), gs);
   return scale < 1e-5f ? 1.0f : scale;
+}
+MOEFQ_HD float nvfp4_block_scale(float bmax, float gs) {
+  return nvfp4_scale_from_code(nvfp4_block_code(bmax, gs), gs);
 }
 MOEFQ_HD float nvfp4_qdq(float x, float scale) {
   if (is_nan(x)) return canonical_nan_f32();
   const float q = e2m1_decode(e2m1_encode_sat(div_rn(abs_f32(x), scale)));
   if (q == 0.0f) return 0.0f;  // the reference framework's rule: a zero is +0 whatever the sign
+  return copysign_f32(mul_rn(q, scale), x);
+}
+// The same result with the block's division done as div_rn_recip (rcp = RN(1 / scale), computed
+// once per block). scale >= 1e-5, so a quotient that could round to an e2m1 boundary (>= 0.25)
+// has a normal dividend; quotients >= 8 saturate to 6 either way. NaN x or scale gives NaN.
+MOEFQ_HD float nvfp4_qdq_recip(float x, float scale, float rcp) {
+  if (is_nan(x)) return canonical_nan_f32();
+  const float a = abs_f32(x);
+  // Clamping q0 to 8 keeps the correction finite for huge |x| (the result still saturates); a
+  // NaN x is clamped to 8 too, but the first fma then makes v NaN again.
+  float q0 = mul_rn(a, rcp);
+  q0 = q0 < 8.0f ? q0 : 8.0f;
+  const float q = e2m1_round_sat(fma_rn(fma_rn(-scale, q0, a), rcp, q0));
+  if (q == 0.0f) return 0.0f;
   return copysign_f32(mul_rn(q, scale), x);
 }
 
@@ -302,24 +379,43 @@ MOEFQ_HD int mx_block_exponent(float bmax, float elem_max) {
   const int e = ceil_log2(div_rn(bmax, elem_max));
   return e < -127 ? -127 : (e > 127 ? 127 : e);
 }
-MOEFQ_HD float mxfp8_qdq(float x, int e) {
+// The block's two powers of two: 2^-e scales into the element format, 2^e back.
+struct MxScale {
+  float to_elem;
+  float from_elem;
+};
+MOEFQ_HD MxScale mx_scale(int e) { return {exp2i(-e), exp2i(e)}; }
+MOEFQ_HD float mxfp8_qdq(float x, MxScale s) {
   if (is_nan(x)) return canonical_nan_f32();
   // e4m3 is sign-symmetric, so converting x itself equals sign(x) * conv(|x| ...).
-  return mul_rn(e4m3_decode(e4m3_encode_sat(mul_rn(x, exp2i(-e)))), exp2i(e));
+  return mul_rn(e4m3_decode_finite(e4m3_encode_sat(mul_rn(x, s.to_elem))), s.from_elem);
 }
-MOEFQ_HD float mxfp4_qdq(float x, int e) {
+MOEFQ_HD float mxfp4_qdq(float x, MxScale s) {
   if (is_nan(x)) return canonical_nan_f32();
-  return mul_rn(e2m1_decode(e2m1_encode_sat(mul_rn(x, exp2i(-e)))), exp2i(e));
+  return copysign_f32(mul_rn(e2m1_round_sat(abs_f32(mul_rn(x, s.to_elem))), s.from_elem), x);
 }
 
-// int8: per-tensor, narrow range. s = 127 / amax; s == 0 stands for "amax < 2^-24: y = 0".
-MOEFQ_HD float int8_scale(float amax) {
-  return amax < 5.9604644775390625e-08f ? 0.0f : div_rn(127.0f, amax);
+// int8: per-tensor, narrow range. With amax = +inf, s = 0 and every y = q / 0 is NaN.
+struct Int8Params {
+  float s;    // 127 / amax
+  bool zero;  // amax < 2^-24: y = 0
+};
+MOEFQ_HD Int8Params int8_params(float amax) {
+  const bool zero = amax < 5.9604644775390625e-08f;
+  return {zero ? 0.0f : div_rn(127.0f, amax), zero};
 }
-MOEFQ_HD float int8_qdq(float x, float s) {
+MOEFQ_HD float int8_qdq(float x, Int8Params p) {
   if (is_nan(x)) return canonical_nan_f32();
-  if (s == 0.0f) return 0.0f;
-  return div_rn(float(int8_encode_sat(mul_rn(x, s))), s);
+  if (p.zero) return 0.0f;
+  return div_rn(float(int8_encode_sat(mul_rn(x, p.s))), p.s);
+}
+// The same with rcp = RN(1 / s): q is an integer of magnitude <= 127, so quotient and residual stay
+// normal whenever q != 0 (s = 127 / amax with amax >= 2^-24). Only for amax < 2^127, where
+// q * rcp cannot overflow.
+MOEFQ_HD float int8_qdq_recip(float x, Int8Params p, float rcp) {
+  if (is_nan(x)) return canonical_nan_f32();
+  if (p.zero) return 0.0f;
+  return div_rn_recip(float(int8_encode_sat(mul_rn(x, p.s))), p.s, rcp);
 }
 
 // e4m3 staging of expert inputs (1 x 128 blocks, fp32 scales): the real FP8 cast of the engine.

@@ -1,7 +1,25 @@
-// Subcommands of the moefq tool.
+// Subcommands of the moefq tool. Each registers itself on the CLI11 app and runs when chosen;
+// errors are thrown as moefq::Error and mapped to exit codes by main().
 #pragma once
 
+#include <functional>
+#include <string>
+
+namespace CLI {
+class App;
+}
+
 namespace moefq::cli {
+
 // Parses argv and runs the chosen subcommand; returns the exit status.
 int run(int argc, char** argv);
+
+// Each returns the action to run when its subcommand was chosen.
+std::function<int()> add_qdq_command(CLI::App& app);
+std::function<int()> add_bench_command(CLI::App& app);
+
+// Device selection shared by commands: "auto" (cuda when a GPU is visible), "cpu" or "cuda".
+// Returns true for cuda; throws a bad-input error for an unknown name or cuda without a GPU.
+bool use_cuda(const std::string& device);
+
 }  // namespace moefq::cli

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda/host_api.h"
 #include "moefq/errors.h"
 
 #define MOEFQ_CUDA_CHECK(call)                                                                  \
@@ -16,8 +17,3 @@
   } while (0)
 
 #define MOEFQ_CUDA_CHECK_LAUNCH() MOEFQ_CUDA_CHECK(cudaGetLastError())
-
-namespace moefq::cuda {
-// Number of usable CUDA devices; 0 when there is no driver or no GPU (never throws).
-int device_count();
-}  // namespace moefq::cuda

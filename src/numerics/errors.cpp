@@ -9,13 +9,10 @@ void throw_error(ErrorKind kind, const char* stmt, const char* file, int line,
                  const std::string& message) {
   // Users read the message; the location helps a developer. MOEFQ_ERROR_LOCATION=1 appends it to
   // bad-input errors too (it is always appended for internal errors).
-  std::string text = message;
   const char* loc = std::getenv("MOEFQ_ERROR_LOCATION");
-  if (kind == ErrorKind::kInternal || (loc && std::strcmp(loc, "1") == 0)) {
-    const char* base = std::strrchr(file, '/');
-    text += concat(" [", stmt[0] ? stmt : "failed", " at ", base ? base + 1 : file, ":", line, "]");
-  }
-  throw Error(kind, text);
+  if (kind != ErrorKind::kInternal && !(loc && std::strcmp(loc, "1") == 0)) throw Error(kind, message);
+  const char* base = std::strrchr(file, '/');
+  throw Error(kind, concat(message, " [", stmt[0] ? stmt : "failed", " at ", base ? base + 1 : file, ":", line, "]"));
 }
 
 }  // namespace moefq::detail

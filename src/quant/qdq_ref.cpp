@@ -75,8 +75,8 @@ void qdq_impl(Format f, const T* x, T* y, int64_t rows, int64_t cols, float amax
       return;
     }
     case Format::kInt8: {
-      const float s = int8_scale(amax);
-      for (int64_t i = 0; i < n; ++i) store_out(&y[i], int8_qdq(to_f32(x[i]), s));
+      const Int8Params p = int8_params(amax);
+      for (int64_t i = 0; i < n; ++i) store_out(&y[i], int8_qdq(to_f32(x[i]), p));
       return;
     }
     case Format::kNvfp4: {
@@ -99,9 +99,9 @@ void qdq_impl(Format f, const T* x, T* y, int64_t rows, int64_t cols, float amax
           [fp8](const T* b, int64_t len) {
             float bmax = 0.0f;
             for (int64_t i = 0; i < len; ++i) bmax = mx_block_max_update(bmax, to_f32(b[i]));
-            return mx_block_exponent(bmax, fp8 ? kE4m3Max : kE2m1Max);
+            return mx_scale(mx_block_exponent(bmax, fp8 ? kE4m3Max : kE2m1Max));
           },
-          [fp8](float v, int e) { return fp8 ? mxfp8_qdq(v, e) : mxfp4_qdq(v, e); });
+          [fp8](float v, MxScale s) { return fp8 ? mxfp8_qdq(v, s) : mxfp4_qdq(v, s); });
       return;
     }
   }

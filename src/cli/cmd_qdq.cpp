@@ -1,0 +1,246 @@
+// moefq qdq: fake-quantize the tensors of a safetensors file (or a built-in sample) and report
+// the error metrics of each.
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+
+#include "cli/commands.h"
+#include "cli/table.h"
+#include "moefq/errors.h"
+#include "moefq/fileio.h"
+#include "moefq/metrics.h"
+#include "moefq/qdq.h"
+#include "moefq/safetensors.h"
+#include "moefq/synthetic.h"
+#ifdef MOEFQ_HAS_CUDA
+#include "cuda/host_api.h"
+#endif
+
+namespace moefq::cli {
+namespace {
+
+struct QdqOptions {
+  std::string in, out, format, amax, device = "auto", report;
+  std::vector<std::string> tensors;
+  int64_t sample_rows = 512, sample_cols = 7168;
+};
+
+struct Result {
+  std::string tensor, dtype, format;
+  std::vector<int64_t> shape;
+  float amax = 0;
+  bool amax_used = true;
+  ErrorMetrics m;
+};
+
+float parse_amax(const std::string& text) {
+  char* end = nullptr;
+  errno = 0;
+  const float v = std::strtof(text.c_str(), &end);
+  MOEFQ_CHECK(!text.empty() && end && *end == '\0' && errno == 0 && std::isfinite(v) && v > 0,
+              "--amax: expected a finite number > 0, got '", text, "'");
+  return v;
+}
+
+// [rows, cols] view of a tensor of any rank: blocks run along the last dimension.
+std::pair<int64_t, int64_t> as_matrix(const std::vector<int64_t>& shape) {
+  if (shape.empty()) return {1, 1};
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+  return {rows, shape.back()};
+}
+
+// QDQ of one tensor on the chosen device; returns the amax used.
+template <typename T>
+float qdq_tensor(Format f, const std::vector<T>& x, std::vector<T>& y, int64_t rows, int64_t cols,
+                 std::optional<float> amax, bool cuda) {
+  y.resize(x.size());
+  const DType dt = sizeof(T) == 2 ? DType::kBF16 : DType::kF32;
+#ifdef MOEFQ_HAS_CUDA
+  if (cuda) return cuda::qdq_host_tensor(f, dt, x.data(), y.data(), rows, cols, amax);
+#else
+  (void)cuda;
+  (void)dt;
+#endif
+  const float a = amax ? *amax : amax_ref(x.data(), rows * cols);
+  qdq_ref(f, x.data(), y.data(), rows, cols, a);
+  return a;
+}
+
+template <typename T>
+Result run_one(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape,
+               const std::vector<T>& x, std::vector<T>& y, Format f, std::optional<float> amax, bool cuda) {
+  const auto [rows, cols] = as_matrix(shape);
+  Result r;
+  r.tensor = name;
+  r.dtype = dtype;
+  r.format = format_name(f);
+  r.shape = shape;
+  r.amax = qdq_tensor(f, x, y, rows, cols, amax, cuda);
+  r.amax_used = format_has_global_amax(f);
+  r.m = compute_metrics(y.data(), x.data(), int64_t(x.size()));
+  return r;
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+void print_results(const std::vector<Result>& results) {
+  Table t({"tensor", "dtype", "shape", "format", "amax", "rel_l2", "cosine", "calc_diff", "max_abs",
+           "snr_db", "skipped"});
+  for (const Result& r : results)
+    t.add({r.tensor, r.dtype, shape_str(r.shape), r.format, r.amax_used ? fmt_num(r.amax, 6) : "-",
+           fmt_num(r.m.rel_l2), fmt_fixed(r.m.cosine, 6), fmt_num(r.m.calc_diff), fmt_num(r.m.max_abs),
+           fmt_fixed(r.m.snr_db, 2), std::to_string(r.m.skipped_nonfinite)});
+  t.print();
+}
+
+nlohmann::json json_number(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(fmt_num(v)); }
+
+void write_report(const std::string& path, const QdqOptions& o, const std::string& device,
+                  const std::vector<Result>& results) {
+  nlohmann::json j;
+  j["tool"] = "moefq qdq";
+  j["version"] = MOEFQ_VERSION;
+  j["input"] = o.in.empty() ? "built-in sample" : o.in;
+  j["device"] = device;
+  for (const Result& r : results)
+    j["results"].push_back({{"tensor", r.tensor}, {"dtype", r.dtype}, {"shape", r.shape},
+                            {"format", r.format}, {"amax", r.amax_used ? json_number(r.amax) : nlohmann::json()},
+                            {"rel_l2", json_number(r.m.rel_l2)}, {"cosine", json_number(r.m.cosine)},
+                            {"calc_diff", json_number(r.m.calc_diff)}, {"max_abs", json_number(r.m.max_abs)},
+                            {"snr_db", json_number(r.m.snr_db)}, {"count", r.m.count},
+                            {"skipped_nonfinite", r.m.skipped_nonfinite}});
+  write_file_atomic(path, j.dump(2) + "\n");
+}
+
+template <typename T>
+std::vector<T> copy_elements(std::span<const uint8_t> bytes) {
+  std::vector<T> v(bytes.size() / sizeof(T));
+  if (!bytes.empty()) std::memcpy(v.data(), bytes.data(), bytes.size());
+  return v;
+}
+
+template <typename T>
+std::span<const uint8_t> as_bytes(const std::vector<T>& v) {
+  return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T)};
+}
+
+int run_qdq(const QdqOptions& o) {
+  std::vector<Format> formats;
+  if (!o.format.empty()) {
+    const auto f = parse_format(o.format);
+    MOEFQ_CHECK(f.has_value(), "--format: unknown format '", o.format, "' (expected ", format_choices(), ")");
+    formats.push_back(*f);
+  }
+  const std::optional<float> amax = o.amax.empty() ? std::nullopt : std::optional<float>(parse_amax(o.amax));
+  const bool cuda = use_cuda(o.device);
+  std::string device = "cpu";
+#ifdef MOEFQ_HAS_CUDA
+  if (cuda) device = "cuda: " + cuda::device_description();
+#endif
+  for (Format f : formats)
+    if (amax && !format_has_global_amax(f))
+      std::fprintf(stderr, "note: --amax is ignored by %s (its block scales need no global amax)\n", format_name(f));
+
+  std::vector<Result> results;
+  SafetensorsWriter writer;
+  if (o.in.empty()) {
+    // The built-in sample: synthetic activations with outlier channels, every format by default.
+    MOEFQ_CHECK(o.tensors.empty(), "--tensor needs --in");
+    if (formats.empty()) formats.assign(std::begin(kAllFormats), std::end(kAllFormats));
+    std::fprintf(stderr, "moefq qdq: built-in sample [%lld, %lld] bf16 (synthetic activations with outlier "
+                 "channels) on %s\n", (long long)o.sample_rows, (long long)o.sample_cols, device.c_str());
+    std::vector<bf16> x;
+    for (float v : synthetic_activations(o.sample_rows, o.sample_cols, 2026)) x.push_back({bf16_round(v)});
+    const std::vector<int64_t> shape = {o.sample_rows, o.sample_cols};
+    writer.add("sample", StDtype::kBF16, shape, as_bytes(x));
+    for (Format f : formats) {
+      std::vector<bf16> y;
+      results.push_back(run_one("sample", "BF16", shape, x, y, f, amax, cuda));
+      writer.add(std::string("sample.") + format_name(f), StDtype::kBF16, shape, as_bytes(y));
+    }
+  } else {
+    MOEFQ_CHECK(!o.out.empty(), "--out is required with --in (the fake-quantized copy is written there)");
+    MOEFQ_CHECK(formats.size() == 1, "--format is required with --in (one of ", format_choices(), ")");
+    const SafetensorsFile file = SafetensorsFile::open(o.in);
+    std::set<std::string> wanted(o.tensors.begin(), o.tensors.end());
+    for (const std::string& name : wanted)
+      MOEFQ_CHECK(file.find(name) != nullptr, "--tensor: ", o.in, " has no tensor named '", name, "'");
+    for (const auto& [k, v] : file.header().metadata) writer.set_metadata(k, v);
+    writer.set_metadata("moefq.qdq", std::string(format_name(formats[0])) + (amax ? " amax " + o.amax : " dynamic amax"));
+    const auto& tensors = file.header().tensors;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const TensorInfo& t = tensors[i];
+      const auto bytes = file.bytes(t);
+      const bool selected = wanted.empty() || wanted.count(t.name);
+      const bool floating = t.dtype == StDtype::kBF16 || t.dtype == StDtype::kF32;
+      if (!selected || !floating) {
+        if (selected)
+          std::fprintf(stderr, "note: %s has dtype %s; copied unchanged (only BF16 and F32 are quantized)\n",
+                       t.name.c_str(), st_dtype_name(t.dtype));
+        writer.add(t.name, t.dtype, t.shape, bytes);
+        continue;
+      }
+      std::fprintf(stderr, "[%zu/%zu] %s %s %s\n", i + 1, tensors.size(), t.name.c_str(),
+                   st_dtype_name(t.dtype), shape_str(t.shape).c_str());
+      if (t.dtype == StDtype::kBF16) {
+        const auto x = copy_elements<bf16>(bytes);
+        std::vector<bf16> y;
+        results.push_back(run_one(t.name, "BF16", t.shape, x, y, formats[0], amax, cuda));
+        writer.add(t.name, t.dtype, t.shape, as_bytes(y));
+      } else {
+        const auto x = copy_elements<float>(bytes);
+        std::vector<float> y;
+        results.push_back(run_one(t.name, "F32", t.shape, x, y, formats[0], amax, cuda));
+        writer.add(t.name, t.dtype, t.shape, as_bytes(y));
+      }
+    }
+  }
+  print_results(results);
+  if (!o.out.empty()) {
+    writer.write(o.out);
+    std::fprintf(stderr, "wrote %s\n", o.out.c_str());
+  }
+  if (!o.report.empty()) {
+    write_report(o.report, o, device, results);
+    std::fprintf(stderr, "wrote %s\n", o.report.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::function<int()> add_qdq_command(CLI::App& app) {
+  auto opts = std::make_shared<QdqOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "qdq", "Fake-quantize (quantize-dequantize) the BF16/F32 tensors of a safetensors file and "
+             "print each tensor's error metrics. Without --in, runs every format on a built-in sample.");
+  sub->add_option("--in", opts->in, "input .safetensors file");
+  sub->add_option("--out", opts->out, "output .safetensors file (same names, dtypes and shapes)");
+  sub->add_option("--format", opts->format, "fp8 | nvfp4 | mxfp8 | mxfp4 | int8");
+  sub->add_option("--amax", opts->amax, "global amax (fp8, nvfp4, int8); default: each tensor's own max |x|");
+  sub->add_option("--tensor", opts->tensors, "only these tensors (repeatable); the others are copied unchanged");
+  sub->add_option("--device", opts->device, "auto | cpu | cuda (default auto: cuda when a GPU is visible)");
+  sub->add_option("--report", opts->report, "also write the metrics as JSON to this file");
+  sub->add_option("--sample-rows", opts->sample_rows, "rows of the built-in sample")->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--sample-cols", opts->sample_cols, "columns of the built-in sample")->check(CLI::Range(1, 1 << 16));
+  sub->footer(
+      "Examples:\n"
+      "  moefq qdq                                   # every format on the built-in sample\n"
+      "  moefq qdq --in acts.safetensors --out acts.nvfp4.safetensors --format nvfp4 --amax 2688\n"
+      "Exit status: 0 success, 2 bad input (nothing is written then).");
+  return [sub, opts] { return sub->parsed() ? run_qdq(*opts) : 0; };
+}
+
+}  // namespace moefq::cli

@@ -1,0 +1,349 @@
+#include "cuda/qdq_kernels.cuh"
+
+#include <algorithm>
+
+#include "cuda/cuda_check.h"
+#include "moefq/numerics.h"
+
+namespace moefq::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;  // 16-byte chunks per thread, all loaded before the first is used
+
+// 16 bytes of T: the unit every thread loads and stores.
+template <typename T>
+union Chunk {
+  static constexpr int kN = 16 / int(sizeof(T));
+  int4 raw;
+  T v[kN];
+};
+
+// Per-format rule: the per-tensor parameters (from the device amax), the per-block reduction and
+// parameter, and the element function. All numerics come from numerics.h. A rule may keep a
+// per-tensor table in shared memory (Shared), filled by the CTA's first threads in the
+// constructor; kernels call __syncthreads() after constructing the rule.
+struct NoShared {};
+
+template <Format F>
+struct Rule;
+
+template <>
+struct Rule<Format::kFp8> {
+  static constexpr int kBlock = 0;
+  using Shared = NoShared;
+  Fp8Params p;
+  __device__ Rule(const float* amax, Shared&) : p(fp8_params(*amax)) {}
+  __device__ float reduce(float m, float) const { return m; }
+  __device__ int block_param(float) const { return 0; }
+  __device__ float apply(float x, int) const { return fp8_qdq(x, p); }
+};
+
+template <>
+struct Rule<Format::kInt8> {
+  static constexpr int kBlock = 0;
+  using Shared = NoShared;
+  Int8Params p;
+  float rcp;
+  bool recip;  // q * rcp cannot overflow (int8_qdq_recip's condition)
+  __device__ Rule(const float* amax, Shared&)
+      : p(int8_params(*amax)), rcp(div_rn(1.0f, p.s)), recip(*amax < 1.7014118e38f) {}
+  __device__ float reduce(float m, float) const { return m; }
+  __device__ int block_param(float) const { return 0; }
+  __device__ float apply(float x, int) const {
+    return recip ? int8_qdq_recip(x, p, rcp) : int8_qdq(x, p);
+  }
+};
+
+struct Nvfp4Block {
+  float scale, rcp;
+};
+template <>
+struct Rule<Format::kNvfp4> {
+  static constexpr int kBlock = kNvfp4Block;
+  // Every block scale the tensor can have, and its RN reciprocal, by e4m3 code: two divisions
+  // per CTA instead of one per block.
+  struct Shared {
+    float scale[128], rcp[128];
+  };
+  float gs;
+  const Shared& table;
+  __device__ Rule(const float* amax, Shared& sh) : gs(nvfp4_global_scale(*amax)), table(sh) {
+    if (threadIdx.x < 128) {
+      const float scale = nvfp4_scale_from_code(uint8_t(threadIdx.x), gs);
+      sh.scale[threadIdx.x] = scale;
+      sh.rcp[threadIdx.x] = div_rn(1.0f, scale);
+    }
+  }
+  __device__ float reduce(float m, float x) const { return max_ignore_nan(m, abs_f32(x)); }
+  __device__ Nvfp4Block block_param(float bmax) const {
+    const uint8_t sf = nvfp4_block_code(bmax, gs);  // 0..0x7F (bmax >= 0)
+    return {table.scale[sf], table.rcp[sf]};
+  }
+  __device__ float apply(float x, Nvfp4Block b) const { return nvfp4_qdq_recip(x, b.scale, b.rcp); }
+};
+
+template <>
+struct Rule<Format::kMxfp8> {
+  static constexpr int kBlock = kMxBlock;
+  using Shared = NoShared;
+  __device__ Rule(const float*, Shared&) {}
+  __device__ float reduce(float m, float x) const { return mx_block_max_update(m, x); }
+  __device__ MxScale block_param(float bmax) const {
+    return mx_scale(mx_block_exponent(bmax, kE4m3Max));
+  }
+  __device__ float apply(float x, MxScale s) const { return mxfp8_qdq(x, s); }
+};
+
+template <>
+struct Rule<Format::kMxfp4> {
+  static constexpr int kBlock = kMxBlock;
+  using Shared = NoShared;
+  __device__ Rule(const float*, Shared&) {}
+  __device__ float reduce(float m, float x) const { return mx_block_max_update(m, x); }
+  __device__ MxScale block_param(float bmax) const {
+    return mx_scale(mx_block_exponent(bmax, kE2m1Max));
+  }
+  __device__ float apply(float x, MxScale s) const { return mxfp4_qdq(x, s); }
+};
+
+// 16 bytes of outputs: bf16 pairs with one packed conversion each, fp32 as is (NaN canonical).
+__device__ __forceinline__ int4 pack(const float (&v)[8]) {
+  return make_int4(int(bf16x2_round(v[0], v[1])), int(bf16x2_round(v[2], v[3])),
+                   int(bf16x2_round(v[4], v[5])), int(bf16x2_round(v[6], v[7])));
+}
+__device__ __forceinline__ int4 pack(const float (&v)[4]) {
+  Chunk<float> out;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) store_out(&out.v[i], v[i]);
+  return out.raw;
+}
+
+// Vectorised QDQ over num_chunks 16-byte chunks. A block of the format spans kLanes consecutive
+// lanes (1 for per-tensor formats), which exchange their partial maxima with shuffles; blocks are
+// whole because cols is a multiple of the block and warps start on chunk multiples of 32.
+template <typename T, Format F>
+__global__ void __launch_bounds__(kThreads) qdq_vec_kernel(const T* __restrict__ x, T* y,
+                                                           int64_t num_chunks, const float* amax) {
+  using C = Chunk<T>;
+  constexpr int kLanes = Rule<F>::kBlock ? Rule<F>::kBlock / C::kN : 1;
+  static_assert(kLanes >= 1 && kLanes <= 32 && (32 % kLanes) == 0);
+  __shared__ typename Rule<F>::Shared shared;
+  const Rule<F> rule(amax, shared);
+  const int64_t first = int64_t(blockIdx.x) * kUnroll * kThreads + threadIdx.x;
+  C in[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t c = first + int64_t(u) * kThreads;
+    in[u].raw = c < num_chunks ? __ldg(reinterpret_cast<const int4*>(x) + c) : make_int4(0, 0, 0, 0);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t c = first + int64_t(u) * kThreads;
+    float v[C::kN];
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < C::kN; ++i) {
+      v[i] = to_f32(in[u].v[i]);
+      m = rule.reduce(m, v[i]);
+    }
+#pragma unroll
+    for (int o = 1; o < kLanes; o <<= 1) m = max_ignore_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    const auto param = rule.block_param(m);
+#pragma unroll
+    for (int i = 0; i < C::kN; ++i) v[i] = rule.apply(v[i], param);
+    if (c < num_chunks) __stcs(reinterpret_cast<int4*>(y) + c, pack(v));
+  }
+}
+
+// Any shape and alignment: one thread per block of the format (per element for per-tensor
+// formats); a short final block uses the elements it has.
+template <typename T, Format F>
+__global__ void qdq_generic_kernel(const T* x, T* y, int64_t rows, int64_t cols, const float* amax) {
+  constexpr int64_t kBlock = Rule<F>::kBlock ? Rule<F>::kBlock : 1;
+  __shared__ typename Rule<F>::Shared shared;
+  const Rule<F> rule(amax, shared);
+  __syncthreads();
+  const int64_t blocks_per_row = (cols + kBlock - 1) / kBlock;
+  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= rows * blocks_per_row) return;
+  const int64_t row = b / blocks_per_row;
+  const int64_t c0 = (b % blocks_per_row) * kBlock;
+  const int64_t c1 = c0 + kBlock < cols ? c0 + kBlock : cols;
+  const T* xr = x + row * cols;
+  T* yr = y + row * cols;
+  float m = 0.0f;
+  for (int64_t c = c0; c < c1; ++c) m = rule.reduce(m, to_f32(xr[c]));
+  const auto param = rule.block_param(m);
+  for (int64_t c = c0; c < c1; ++c) store_out(&yr[c], rule.apply(to_f32(xr[c]), param));
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+unsigned grid_for(int64_t work, int64_t per_block) {
+  return unsigned((work + per_block - 1) / per_block);
+}
+
+template <typename T, Format F>
+void launch_format(const T* x, T* y, int64_t rows, int64_t cols, const float* amax, cudaStream_t stream) {
+  const int64_t n = rows * cols;
+  if (n == 0) return;
+  constexpr int64_t kN = Chunk<T>::kN;
+  constexpr int64_t kBlock = Rule<F>::kBlock;
+  const bool vec = aligned16(x) && aligned16(y) && (kBlock ? cols % kBlock == 0 : true);
+  if (!vec) {
+    const int64_t blocks = rows * ((cols + (kBlock ? kBlock : 1) - 1) / (kBlock ? kBlock : 1));
+    qdq_generic_kernel<T, F><<<grid_for(blocks, kThreads), kThreads, 0, stream>>>(x, y, rows, cols, amax);
+    MOEFQ_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const int64_t num_chunks = n / kN;
+  if (num_chunks > 0) {
+    qdq_vec_kernel<T, F><<<grid_for(num_chunks, kThreads * kUnroll), kThreads, 0, stream>>>(
+        x, y, num_chunks, amax);
+    MOEFQ_CUDA_CHECK_LAUNCH();
+  }
+  const int64_t tail = n - num_chunks * kN;  // per-tensor formats only: the last < 16 bytes
+  if (tail > 0) {
+    const int64_t off = num_chunks * kN;
+    qdq_generic_kernel<T, F><<<1, kThreads, 0, stream>>>(x + off, y + off, 1, tail, amax);
+    MOEFQ_CUDA_CHECK_LAUNCH();
+  }
+}
+
+template <typename T>
+void launch_typed(Format f, const T* x, T* y, int64_t rows, int64_t cols, const float* amax,
+                  cudaStream_t stream) {
+  switch (f) {
+    case Format::kFp8: return launch_format<T, Format::kFp8>(x, y, rows, cols, amax, stream);
+    case Format::kNvfp4: return launch_format<T, Format::kNvfp4>(x, y, rows, cols, amax, stream);
+    case Format::kMxfp8: return launch_format<T, Format::kMxfp8>(x, y, rows, cols, amax, stream);
+    case Format::kMxfp4: return launch_format<T, Format::kMxfp4>(x, y, rows, cols, amax, stream);
+    case Format::kInt8: return launch_format<T, Format::kInt8>(x, y, rows, cols, amax, stream);
+  }
+}
+
+// Running max of |x| into *amax (non-negative floats order like their bit patterns).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x, int64_t n, float* amax) {
+  float m = 0.0f;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    m = max_ignore_nan(m, abs_f32(to_f32(x[i])));
+  const unsigned w = __reduce_max_sync(0xFFFFFFFFu, f32_bits(m));
+  if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<unsigned*>(amax), w);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) amax_vec_kernel(const T* __restrict__ x, int64_t num_chunks, float* amax) {
+  using C = Chunk<T>;
+  float m = 0.0f;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < num_chunks; c += stride) {
+    C in;
+    in.raw = __ldg(reinterpret_cast<const int4*>(x) + c);
+#pragma unroll
+    for (int i = 0; i < C::kN; ++i) m = max_ignore_nan(m, abs_f32(to_f32(in.v[i])));
+  }
+  const unsigned w = __reduce_max_sync(0xFFFFFFFFu, f32_bits(m));
+  if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<unsigned*>(amax), w);
+}
+
+template <typename T>
+void launch_amax_typed(const T* x, int64_t n, float* amax, cudaStream_t stream) {
+  if (n == 0) return;
+  int sms = 0, dev = 0;
+  MOEFQ_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEFQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const unsigned grid_cap = unsigned(sms) * 8;
+  constexpr int64_t kN = Chunk<T>::kN;
+  if (aligned16(x) && n % kN == 0) {
+    const int64_t chunks = n / kN;
+    amax_vec_kernel<T><<<std::min(grid_cap, grid_for(chunks, kThreads)), kThreads, 0, stream>>>(x, chunks, amax);
+  } else {
+    amax_kernel<T><<<std::min(grid_cap, grid_for(n, kThreads)), kThreads, 0, stream>>>(x, n, amax);
+  }
+  MOEFQ_CUDA_CHECK_LAUNCH();
+}
+
+// e4m3 staging: 16 lanes x 8 bf16 per 1 x 128 block.
+__global__ void __launch_bounds__(kThreads) stage_vec_kernel(const bf16* __restrict__ x, uint8_t* x8,
+                                                             float* scales, int64_t num_chunks) {
+  using C = Chunk<bf16>;
+  constexpr int kLanes = kStageBlock / C::kN;
+  const int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  C in;
+  in.raw = c < num_chunks ? __ldg(reinterpret_cast<const int4*>(x) + c) : make_int4(0, 0, 0, 0);
+  float v[C::kN];
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < C::kN; ++i) {
+    v[i] = to_f32(in.v[i]);
+    m = max_ignore_nan(m, abs_f32(v[i]));
+  }
+#pragma unroll
+  for (int o = 1; o < kLanes; o <<= 1) m = max_ignore_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  const float sf = stage_scale(m);
+  const float inv = div_rn(1.0f, sf);
+  union {
+    uint2 raw;
+    uint8_t b[8];
+  } out;
+#pragma unroll
+  for (int i = 0; i < C::kN; ++i) out.b[i] = stage_encode(v[i], inv);
+  if (c < num_chunks) {
+    reinterpret_cast<uint2*>(x8)[c] = out.raw;
+    if (c % kLanes == 0) scales[c / kLanes] = sf;
+  }
+}
+
+__global__ void stage_generic_kernel(const bf16* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols) {
+  const int64_t blocks_per_row = (cols + kStageBlock - 1) / kStageBlock;
+  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= rows * blocks_per_row) return;
+  const int64_t row = b / blocks_per_row;
+  const int64_t c0 = (b % blocks_per_row) * kStageBlock;
+  const int64_t c1 = c0 + kStageBlock < cols ? c0 + kStageBlock : cols;
+  float m = 0.0f;
+  for (int64_t c = c0; c < c1; ++c) m = max_ignore_nan(m, abs_f32(to_f32(x[row * cols + c])));
+  const float sf = stage_scale(m);
+  const float inv = div_rn(1.0f, sf);
+  for (int64_t c = c0; c < c1; ++c) x8[row * cols + c] = stage_encode(to_f32(x[row * cols + c]), inv);
+  scales[b] = sf;
+}
+
+}  // namespace
+
+void launch_qdq(Format f, DType dt, const void* x, void* y, int64_t rows, int64_t cols,
+                const float* d_amax, cudaStream_t stream) {
+  MOEFQ_ASSERT(rows >= 0 && cols >= 0, "launch_qdq: negative shape");
+  MOEFQ_ASSERT(d_amax != nullptr || !format_has_global_amax(f), "launch_qdq: ", format_name(f),
+               " needs a device amax");
+  if (dt == DType::kBF16)
+    launch_typed(f, static_cast<const bf16*>(x), static_cast<bf16*>(y), rows, cols, d_amax, stream);
+  else
+    launch_typed(f, static_cast<const float*>(x), static_cast<float*>(y), rows, cols, d_amax, stream);
+}
+
+void launch_amax(DType dt, const void* x, int64_t n, float* d_amax, cudaStream_t stream) {
+  if (dt == DType::kBF16)
+    launch_amax_typed(static_cast<const bf16*>(x), n, d_amax, stream);
+  else
+    launch_amax_typed(static_cast<const float*>(x), n, d_amax, stream);
+}
+
+void launch_stage_e4m3(const bf16* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols,
+                       cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  if (cols % kStageBlock == 0 && aligned16(x) && (reinterpret_cast<uintptr_t>(x8) & 7u) == 0) {
+    const int64_t chunks = rows * cols / Chunk<bf16>::kN;
+    stage_vec_kernel<<<grid_for(chunks, kThreads), kThreads, 0, stream>>>(x, x8, scales, chunks);
+  } else {
+    const int64_t blocks = rows * ((cols + kStageBlock - 1) / kStageBlock);
+    stage_generic_kernel<<<grid_for(blocks, kThreads), kThreads, 0, stream>>>(x, x8, scales, rows, cols);
+  }
+  MOEFQ_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moefq::cuda

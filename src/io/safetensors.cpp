@@ -1,0 +1,453 @@
+#include "moefq/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <tuple>
+#include <nlohmann/json.hpp>
+#include <utility>
+
+#include "moefq/errors.h"
+
+namespace moefq {
+namespace {
+
+using Json = nlohmann::json;
+
+struct DtypeEntry {
+  StDtype dtype;
+  const char* name;
+  size_t size;
+};
+
+constexpr DtypeEntry kDtypes[] = {
+    {StDtype::kBool, "BOOL", 1},     {StDtype::kU8, "U8", 1},   {StDtype::kI8, "I8", 1},
+    {StDtype::kF8E5M2, "F8_E5M2", 1}, {StDtype::kF8E4M3, "F8_E4M3", 1},
+    {StDtype::kF8E8M0, "F8_E8M0", 1}, {StDtype::kI16, "I16", 2}, {StDtype::kU16, "U16", 2},
+    {StDtype::kF16, "F16", 2},       {StDtype::kBF16, "BF16", 2}, {StDtype::kI32, "I32", 4},
+    {StDtype::kU32, "U32", 4},       {StDtype::kF32, "F32", 4}, {StDtype::kF64, "F64", 8},
+    {StDtype::kI64, "I64", 8},       {StDtype::kU64, "U64", 8},
+};
+
+const DtypeEntry& dtype_entry(StDtype dtype) {
+  for (const DtypeEntry& e : kDtypes)
+    if (e.dtype == dtype) return e;
+  MOEFQ_FAIL(ErrorKind::kInternal, "unknown StDtype ", static_cast<int>(dtype));
+}
+
+std::string known_dtype_names() {
+  std::string out;
+  for (const DtypeEntry& e : kDtypes) {
+    if (!out.empty()) out += ", ";
+    out += e.name;
+  }
+  return out;
+}
+
+// A JSON-quoted, length-capped copy of a user-supplied string for error messages; invalid UTF-8
+// becomes U+FFFD rather than a second error.
+std::string quote(std::string_view s) {
+  constexpr size_t kMaxShown = 120;
+  std::string shown(s.substr(0, kMaxShown));
+  std::string out = Json(shown).dump(-1, ' ', false, Json::error_handler_t::replace);
+  if (s.size() > kMaxShown) out += "...";
+  return out;
+}
+
+// A compact "[d0, d1, ...]"; long shapes are elided so a hostile header cannot bloat a message.
+std::string shape_str(const std::vector<int64_t>& shape) {
+  constexpr size_t kMaxShown = 8;
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size() && i < kMaxShown; ++i) {
+    if (i) out += ", ";
+    out += std::to_string(shape[i]);
+  }
+  if (shape.size() > kMaxShown) out += ", ... (" + std::to_string(shape.size()) + " dims)";
+  return out + "]";
+}
+
+// Product of the dims times `elem_size`, or nullopt when it does not fit in 64 bits. A zero dim
+// makes the tensor empty whatever the other dims are, so it is checked first.
+std::optional<uint64_t> checked_byte_count(const std::vector<int64_t>& shape, uint64_t elem_size) {
+  for (int64_t d : shape)
+    if (d == 0) return 0;
+  uint64_t total = elem_size;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(total, static_cast<uint64_t>(d), &total)) return std::nullopt;
+  }
+  return total;
+}
+
+bool is_valid_utf8_json_string(const std::string& s) {
+  try {
+    (void)Json(s).dump();
+    return true;
+  } catch (const Json::exception&) {
+    return false;
+  }
+}
+
+uint64_t load_u64_le(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// The header's nesting never exceeds 3 (root, tensor entry, shape); anything deeper is rejected
+// while parsing so a hostile header cannot build a deep tree.
+constexpr int kMaxJsonDepth = 8;
+
+Json parse_header_json(std::string_view text, const std::string& what) {
+  // nlohmann keeps the last of duplicate keys silently; track the keys of every open object.
+  std::vector<std::set<std::string>> open_objects;
+  auto callback = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    switch (event) {
+      case Json::parse_event_t::object_start:
+      case Json::parse_event_t::array_start:
+        MOEFQ_CHECK(depth < kMaxJsonDepth, what, ": header nests deeper than ", kMaxJsonDepth,
+                    " levels; a safetensors header is at most 3 deep");
+        if (event == Json::parse_event_t::object_start) open_objects.emplace_back();
+        break;
+      case Json::parse_event_t::object_end:
+        if (!open_objects.empty()) open_objects.pop_back();
+        break;
+      case Json::parse_event_t::key: {
+        const std::string& key = parsed.get_ref<const std::string&>();
+        MOEFQ_CHECK(!open_objects.empty() && open_objects.back().insert(key).second, what,
+                    ": header has the key ", quote(key), " twice in one object");
+        break;
+      }
+      default:
+        break;
+    }
+    return true;
+  };
+  try {
+    return Json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true,
+                       /*ignore_comments=*/false);
+  } catch (const Json::exception& e) {
+    MOEFQ_FAIL(ErrorKind::kBadInput, what, ": header is not valid JSON: ", e.what());
+  }
+}
+
+// Reads a non-negative JSON integer that fits `limit`; `field` names it in messages.
+uint64_t get_unsigned(const Json& v, uint64_t limit, const std::string& where, const std::string& field) {
+  if (v.is_number_unsigned()) {
+    const uint64_t x = v.get<uint64_t>();
+    MOEFQ_CHECK(x <= limit, where, ": ", field, " is ", x, ", larger than the maximum ", limit);
+    return x;
+  }
+  MOEFQ_CHECK(!v.is_number_integer(), where, ": ", field, " is negative (", v.get<int64_t>(), ")");
+  MOEFQ_CHECK(!v.is_number_float(), where, ": ", field, " is not an integer (", v.dump(),
+              "); it must be a non-negative integer");
+  MOEFQ_FAIL(ErrorKind::kBadInput, where, ": ", field, " is a JSON ", v.type_name(),
+             ", expected a non-negative integer");
+}
+
+const Json& require_field(const Json& entry, const char* field, const std::string& where) {
+  auto it = entry.find(field);
+  MOEFQ_CHECK(it != entry.end(), where, ": missing \"", field, "\"");
+  return *it;
+}
+
+TensorInfo parse_tensor_entry(const std::string& name, const Json& entry, uint64_t data_size,
+                              const std::string& what) {
+  const std::string where = what + ": tensor " + quote(name);
+  MOEFQ_CHECK(entry.is_object(), where, ": entry is a JSON ", entry.type_name(),
+              ", expected an object with \"dtype\", \"shape\" and \"data_offsets\"");
+  TensorInfo info;
+  info.name = name;
+
+  const Json& dtype = require_field(entry, "dtype", where);
+  MOEFQ_CHECK(dtype.is_string(), where, ": \"dtype\" is a JSON ", dtype.type_name(),
+              ", expected a string such as \"BF16\"");
+  const std::string& dtype_name = dtype.get_ref<const std::string&>();
+  const std::optional<StDtype> parsed_dtype = parse_st_dtype(dtype_name);
+  MOEFQ_CHECK(parsed_dtype.has_value(), where, ": unknown dtype ", quote(dtype_name), " (known: ",
+              known_dtype_names(), ")");
+  info.dtype = *parsed_dtype;
+
+  const Json& shape = require_field(entry, "shape", where);
+  MOEFQ_CHECK(shape.is_array(), where, ": \"shape\" is a JSON ", shape.type_name(),
+              ", expected an array of non-negative integers");
+  info.shape.reserve(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) {
+    const uint64_t d = get_unsigned(shape[i], std::numeric_limits<int64_t>::max(), where,
+                                    "shape dimension " + std::to_string(i));
+    info.shape.push_back(static_cast<int64_t>(d));
+  }
+  const std::optional<uint64_t> num_bytes = checked_byte_count(info.shape, st_dtype_size(info.dtype));
+  MOEFQ_CHECK(num_bytes.has_value(), where, ": shape ", shape_str(info.shape), " of ", dtype_name,
+              " overflows: its byte count does not fit in 64 bits");
+
+  const Json& offsets = require_field(entry, "data_offsets", where);
+  MOEFQ_CHECK(offsets.is_array() && offsets.size() == 2, where, ": \"data_offsets\" is ",
+              offsets.is_array() ? "an array of " + std::to_string(offsets.size()) + " elements"
+                                 : std::string("a JSON ") + offsets.type_name(),
+              ", expected [begin, end]");
+  const uint64_t kAny = std::numeric_limits<uint64_t>::max();
+  info.begin = get_unsigned(offsets[0], kAny, where, "data_offsets begin");
+  info.end = get_unsigned(offsets[1], kAny, where, "data_offsets end");
+  MOEFQ_CHECK(info.begin <= info.end, where, ": data_offsets [", info.begin, ", ", info.end,
+              "] has begin > end");
+  MOEFQ_CHECK(info.end <= data_size, where, ": data_offsets [", info.begin, ", ", info.end,
+              "] end out of range: the data buffer holds ", data_size, " bytes (truncated file?)");
+  MOEFQ_CHECK(*num_bytes == info.end - info.begin, where, ": shape ", shape_str(info.shape), " of ",
+              dtype_name, " needs ", *num_bytes, " bytes but data_offsets [", info.begin, ", ",
+              info.end, "] span ", info.end - info.begin, " bytes");
+  return info;
+}
+
+void parse_metadata(const Json& meta, std::map<std::string, std::string>& out, const std::string& what) {
+  MOEFQ_CHECK(meta.is_object(), what, ": \"__metadata__\" is a JSON ", meta.type_name(),
+              ", expected an object of string values");
+  for (const auto& [key, value] : meta.items()) {
+    MOEFQ_CHECK(value.is_string(), what, ": \"__metadata__\" value for key ", quote(key),
+                " is a JSON ", value.type_name(), ", expected a string");
+    out.emplace(key, value.get<std::string>());
+  }
+}
+
+// Tensors sorted by (begin, end) must tile [0, data_size) exactly, as the reference reader requires.
+void check_coverage(const std::vector<TensorInfo>& tensors, uint64_t data_size, const std::string& what) {
+  uint64_t cursor = 0;
+  const TensorInfo* prev = nullptr;
+  for (const TensorInfo& t : tensors) {
+    MOEFQ_CHECK(t.begin >= cursor, what, ": tensors ", quote(prev ? prev->name : ""), " [",
+                prev ? prev->begin : 0, ", ", prev ? prev->end : 0, "] and ", quote(t.name), " [",
+                t.begin, ", ", t.end, "] overlap");
+    MOEFQ_CHECK(t.begin == cursor, what, ": hole in the data buffer: bytes [", cursor, ", ",
+                t.begin, ") are not covered by any tensor (before ", quote(t.name), ")");
+    cursor = t.end;
+    prev = &t;
+  }
+  MOEFQ_CHECK(cursor == data_size, what, ": the data buffer has ", data_size - cursor,
+              " trailing bytes [", cursor, ", ", data_size, ") not covered by any tensor");
+}
+
+// Writes all of `bytes` to `fd`, retrying short writes and EINTR.
+void write_all(int fd, const uint8_t* data, size_t size, const std::string& tmp_path) {
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, size);
+    if (n < 0 && errno == EINTR) continue;
+    MOEFQ_CHECK(n > 0, tmp_path, ": write failed: ", n < 0 ? std::strerror(errno) : "wrote nothing");
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+// Owns the temporary output until it is renamed: closes it and, unless committed, removes it.
+struct TempFile {
+  int fd = -1;
+  std::string path;
+  bool committed = false;
+  ~TempFile() {
+    if (fd >= 0) ::close(fd);
+    if (!committed && !path.empty()) ::unlink(path.c_str());
+  }
+};
+
+}  // namespace
+
+const char* st_dtype_name(StDtype dtype) { return dtype_entry(dtype).name; }
+
+size_t st_dtype_size(StDtype dtype) { return dtype_entry(dtype).size; }
+
+std::optional<StDtype> parse_st_dtype(std::string_view name) {
+  for (const DtypeEntry& e : kDtypes)
+    if (name == e.name) return e.dtype;
+  return std::nullopt;
+}
+
+int64_t TensorInfo::numel() const {
+  const std::optional<uint64_t> n = checked_byte_count(shape, 1);
+  MOEFQ_ASSERT(n.has_value() && *n <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
+               "tensor ", quote(name), ": element count of shape ", shape_str(shape),
+               " does not fit in int64");
+  return static_cast<int64_t>(*n);
+}
+
+SafetensorsHeader parse_safetensors(std::span<const uint8_t> file_bytes, std::string_view what_view) {
+  const std::string what(what_view);
+  MOEFQ_CHECK(file_bytes.size() >= 8, what, ": file is ", file_bytes.size(),
+              " bytes, shorter than the 8-byte header length; truncated or not a safetensors file");
+  const uint64_t header_len = load_u64_le(file_bytes.data());
+  const uint64_t after_prefix = file_bytes.size() - 8;
+  MOEFQ_CHECK(header_len <= kMaxSafetensorsHeaderBytes, what, ": header length ", header_len,
+              " exceeds the limit of ", kMaxSafetensorsHeaderBytes,
+              " bytes; corrupt or not a safetensors file");
+  MOEFQ_CHECK(header_len <= after_prefix, what, ": header length ", header_len,
+              " is larger than the ", after_prefix,
+              " bytes after the length prefix; truncated or not a safetensors file");
+
+  const std::string_view text(reinterpret_cast<const char*>(file_bytes.data()) + 8, header_len);
+  const Json root = parse_header_json(text, what);
+  MOEFQ_CHECK(root.is_object(), what, ": header is a JSON ", root.type_name(),
+              ", expected an object mapping tensor names to {dtype, shape, data_offsets}");
+
+  SafetensorsHeader header;
+  header.data_start = 8 + header_len;
+  const uint64_t data_size = after_prefix - header_len;
+  header.tensors.reserve(root.size());
+  for (const auto& [key, value] : root.items()) {
+    if (key == "__metadata__") {
+      parse_metadata(value, header.metadata, what);
+    } else {
+      header.tensors.push_back(parse_tensor_entry(key, value, data_size, what));
+    }
+  }
+  std::sort(header.tensors.begin(), header.tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
+    return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
+  });
+  check_coverage(header.tensors, data_size, what);
+  return header;
+}
+
+// ---------------------------------------------------------------------------------------------
+// SafetensorsFile
+
+SafetensorsFile SafetensorsFile::open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  MOEFQ_CHECK(fd >= 0, path, ": cannot open: ", std::strerror(errno));
+  struct stat st {};
+  const int stat_rc = ::fstat(fd, &st);
+  const int stat_errno = errno;
+  if (stat_rc != 0 || !S_ISREG(st.st_mode)) ::close(fd);
+  MOEFQ_CHECK(stat_rc == 0, path, ": cannot stat: ", std::strerror(stat_errno));
+  MOEFQ_CHECK(S_ISREG(st.st_mode), path, ": not a regular file");
+
+  SafetensorsFile file;
+  file.path_ = path;
+  file.map_size_ = static_cast<size_t>(st.st_size);
+  if (file.map_size_ > 0) {  // mmap rejects a zero length; an empty file fails in the parser
+    void* map = ::mmap(nullptr, file.map_size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int map_errno = errno;
+    ::close(fd);
+    MOEFQ_CHECK(map != MAP_FAILED, path, ": cannot mmap ", file.map_size_, " bytes: ",
+                std::strerror(map_errno));
+    file.map_ = static_cast<const uint8_t*>(map);
+  } else {
+    ::close(fd);
+  }
+  // From here `file` owns the mapping, so a parse error unmaps it.
+  file.header_ = parse_safetensors({file.map_, file.map_size_}, path);
+  for (size_t i = 0; i < file.header_.tensors.size(); ++i)
+    file.index_.emplace(file.header_.tensors[i].name, i);
+  return file;
+}
+
+SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
+    : path_(std::move(other.path_)),
+      map_(std::exchange(other.map_, nullptr)),
+      map_size_(std::exchange(other.map_size_, 0)),
+      header_(std::move(other.header_)),
+      index_(std::move(other.index_)) {}
+
+SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
+  if (this != &other) {
+    release();
+    path_ = std::move(other.path_);
+    map_ = std::exchange(other.map_, nullptr);
+    map_size_ = std::exchange(other.map_size_, 0);
+    header_ = std::move(other.header_);
+    index_ = std::move(other.index_);
+  }
+  return *this;
+}
+
+SafetensorsFile::~SafetensorsFile() { release(); }
+
+void SafetensorsFile::release() {
+  if (map_) ::munmap(const_cast<uint8_t*>(map_), map_size_);
+  map_ = nullptr;
+  map_size_ = 0;
+}
+
+const TensorInfo* SafetensorsFile::find(std::string_view name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &header_.tensors[it->second];
+}
+
+std::span<const uint8_t> SafetensorsFile::bytes(const TensorInfo& info) const {
+  MOEFQ_ASSERT(info.begin <= info.end && header_.data_start + info.end <= map_size_, path_,
+               ": tensor ", quote(info.name), " is not from this file");
+  return {map_ + header_.data_start + info.begin, static_cast<size_t>(info.end - info.begin)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// SafetensorsWriter
+
+void SafetensorsWriter::add(std::string name, StDtype dtype, std::vector<int64_t> shape,
+                            std::span<const uint8_t> bytes) {
+  MOEFQ_CHECK(name != "__metadata__", "safetensors: \"__metadata__\" is reserved, not a tensor name");
+  MOEFQ_CHECK(is_valid_utf8_json_string(name), "safetensors: tensor name ", quote(name),
+              " is not valid UTF-8");
+  MOEFQ_CHECK(!names_.contains(name), "safetensors: tensor ", quote(name), " added twice");
+  for (int64_t d : shape)
+    MOEFQ_CHECK(d >= 0, "safetensors: tensor ", quote(name), ": shape ", shape_str(shape),
+                " has a negative dimension");
+  const std::optional<uint64_t> num_bytes = checked_byte_count(shape, st_dtype_size(dtype));
+  MOEFQ_CHECK(num_bytes.has_value(), "safetensors: tensor ", quote(name), ": shape ",
+              shape_str(shape), " overflows: its byte count does not fit in 64 bits");
+  MOEFQ_CHECK(*num_bytes == bytes.size(), "safetensors: tensor ", quote(name), ": shape ",
+              shape_str(shape), " of ", st_dtype_name(dtype), " needs ", *num_bytes,
+              " bytes but ", bytes.size(), " were given");
+  names_.insert(name);
+  tensors_.push_back({std::move(name), dtype, std::move(shape), {bytes.begin(), bytes.end()}});
+}
+
+void SafetensorsWriter::set_metadata(std::string key, std::string value) {
+  MOEFQ_CHECK(is_valid_utf8_json_string(key) && is_valid_utf8_json_string(value),
+              "safetensors: metadata ", quote(key), " is not valid UTF-8");
+  metadata_[std::move(key)] = std::move(value);
+}
+
+void SafetensorsWriter::write(const std::string& path) const {
+  Json header = Json::object();
+  uint64_t offset = 0;
+  for (const Pending& t : tensors_) {
+    const uint64_t end = offset + t.bytes.size();
+    header[t.name] = {{"dtype", st_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, end}}};
+    offset = end;
+  }
+  if (!metadata_.empty()) header["__metadata__"] = metadata_;
+  std::string text = header.dump();
+  // Readers may reinterpret the data in place; start it on an 8-byte boundary.
+  text.append((8 - (8 + text.size()) % 8) % 8, ' ');
+  MOEFQ_CHECK(text.size() <= kMaxSafetensorsHeaderBytes, path, ": header of ", text.size(),
+              " bytes exceeds the ", kMaxSafetensorsHeaderBytes, "-byte limit readers accept");
+
+  // Same directory as the output so the final rename stays within one file system.
+  TempFile tmp;
+  std::string tmp_template = path + ".tmp.XXXXXX";
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  tmp.fd = ::mkstemp(tmp_template.data());
+  MOEFQ_CHECK(tmp.fd >= 0, path, ": cannot create a temporary file in ",
+              dir.empty() ? std::string(".") : dir.string(), ": ", std::strerror(errno));
+  tmp.path = tmp_template;
+
+  uint8_t prefix[8];
+  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+  write_all(tmp.fd, prefix, sizeof(prefix), tmp.path);
+  write_all(tmp.fd, reinterpret_cast<const uint8_t*>(text.data()), text.size(), tmp.path);
+  for (const Pending& t : tensors_) write_all(tmp.fd, t.bytes.data(), t.bytes.size(), tmp.path);
+
+  // mkstemp creates 0600; give the output ordinary permissions.
+  MOEFQ_CHECK(::fchmod(tmp.fd, 0644) == 0, tmp.path, ": chmod failed: ", std::strerror(errno));
+  MOEFQ_CHECK(::fsync(tmp.fd) == 0, tmp.path, ": fsync failed: ", std::strerror(errno));
+  const int close_rc = ::close(tmp.fd);
+  tmp.fd = -1;
+  MOEFQ_CHECK(close_rc == 0, tmp.path, ": close failed: ", std::strerror(errno));
+  MOEFQ_CHECK(::rename(tmp.path.c_str(), path.c_str()) == 0, path, ": cannot rename ", tmp.path,
+              " into place: ", std::strerror(errno));
+  tmp.committed = true;
+}
+
+}  // namespace moefq

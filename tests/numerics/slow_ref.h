@@ -1,0 +1,579 @@
+// A second implementation of every conversion and QDQ rule of numerics.md, written the slow way so
+// that it shares nothing with include/moefq/numerics.h: integer arithmetic only on every path that
+// decides a result. A non-negative finite value is an exact dyadic rational m * 2^e (m an unsigned
+// integer); binary32 multiply and divide form the exact product, or a long quotient whose
+// remainder is the sticky bit, in unsigned __int128 and round it to nearest even into binary32
+// (subnormals and overflow to inf included); conversions to the small formats round by searching
+// the ascending table of the format's values (built from integers), ties to the even code, never
+// bit tricks. No long double or float arithmetic decides any result, so the reference computes
+// the same bits under any compiler and optimisation level (floats are only compared, negated,
+// and reinterpreted; IEEE comparisons are exact).
+// It also follows the project's choices on points the spec leaves open: every NaN result is
+// canonical (f32 0x7FFFFFFF, bf16 0x7FFF, e4m3/e5m2 0x7F, sign dropped), int8 QDQ of -0 gives +0,
+// mx blocks keep the sign of zero, the dynamic amax is max |x| over non-NaN elements (+inf counts),
+// and NaN propagates through every step (numerics.md taken literally with IEEE arithmetic: a NaN
+// scale gives NaN elements, e4m3_sat(NaN) and e2m1 of NaN are NaN).
+// Header only: every .cpp under tests/numerics is its own test program.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace moefq::slow {
+
+using u128 = unsigned __int128;
+
+inline constexpr uint32_t kNanF32 = 0x7FFFFFFFu;
+inline constexpr uint16_t kNanBf16 = 0x7FFF;
+inline constexpr uint8_t kNanE4m3 = 0x7F;
+inline constexpr uint8_t kNanE5m2 = 0x7F;
+inline constexpr uint32_t kInfBits = 0x7F800000u;
+inline constexpr uint32_t kSignBit = 0x80000000u;
+inline constexpr float kFltMax = std::numeric_limits<float>::max();
+
+inline float f32_from_bits(uint32_t u) { return std::bit_cast<float>(u); }
+inline uint32_t f32_to_bits(float f) { return std::bit_cast<uint32_t>(f); }
+inline float quiet_nan() { return f32_from_bits(kNanF32); }
+inline float infinity() { return f32_from_bits(kInfBits); }
+inline float with_sign(float magnitude, bool negative) {
+  return f32_from_bits((f32_to_bits(magnitude) & ~kSignBit) | (negative ? kSignBit : 0u));
+}
+
+// Classification on the bits (no floating-point operation involved).
+inline bool nan_bits(uint32_t u) { return (u & ~kSignBit) > kInfBits; }
+inline bool inf_bits(uint32_t u) { return (u & ~kSignBit) == kInfBits; }
+inline bool zero_bits(uint32_t u) { return (u & ~kSignBit) == 0; }
+inline bool neg_bits(uint32_t u) { return (u & kSignBit) != 0; }
+
+// ---------------------------------------------------------------------------------------------
+// Exact non-negative dyadic rationals and binary32 rounding, in integers
+
+struct Dyadic {
+  uint64_t m = 0;  // value m * 2^e
+  int e = 0;
+};
+
+inline int bit_length(u128 v) {
+  const uint64_t hi = uint64_t(v >> 64);
+  return hi != 0 ? 64 + int(std::bit_width(hi)) : int(std::bit_width(uint64_t(v)));
+}
+
+// sign(a - b), exactly.
+inline int compare(Dyadic a, Dyadic b) {
+  if (a.m == 0 || b.m == 0) return int(a.m != 0) - int(b.m != 0);
+  const int top_a = a.e + bit_length(a.m);  // 2^(top-1) <= value < 2^top
+  const int top_b = b.e + bit_length(b.m);
+  if (top_a != top_b) return top_a < top_b ? -1 : 1;
+  // Same top bit, so |a.e - b.e| = |len(a.m) - len(b.m)| < 64: the aligned values fit in 128 bits.
+  const int k = std::min(a.e, b.e);
+  const u128 x = u128(a.m) << (a.e - k);
+  const u128 y = u128(b.m) << (b.e - k);
+  return x < y ? -1 : (x > y ? 1 : 0);
+}
+
+// (a + b) / 2, exactly (the operands used here are neighbours in a table: close exponents).
+inline Dyadic midpoint(Dyadic a, Dyadic b) {
+  if (a.m == 0) return {b.m, b.e - 1};
+  if (b.m == 0) return {a.m, a.e - 1};
+  const int k = std::min(a.e, b.e);
+  if (std::max(a.e, b.e) - k > 60) std::abort();
+  u128 sum = (u128(a.m) << (a.e - k)) + (u128(b.m) << (b.e - k));
+  int e = k - 1;
+  while (sum % 2 == 0) {
+    sum /= 2;
+    ++e;
+  }
+  if (sum >> 64 != 0) std::abort();
+  return {uint64_t(sum), e};
+}
+
+// |x| of a finite binary32 as m * 2^e: m = the significand with its hidden bit (24 bits at most).
+inline Dyadic magnitude_bits(uint32_t u) {
+  const uint32_t biased = (u >> 23) & 0xFFu;
+  const uint32_t frac = u & 0x7FFFFFu;
+  if (biased == 0) return {frac, -149};
+  return {uint64_t(frac) | (uint64_t(1) << 23), int(biased) - 150};
+}
+inline Dyadic magnitude(float x) { return magnitude_bits(f32_to_bits(x)); }
+
+// RN binary32 bits of (-1)^neg * (mant + f) * 2^exp, where 0 <= f < 1 and f > 0 exactly when
+// `sticky`. A binary32 is n * 2^q with n < 2^24 and q >= -149 (n >= 2^23 unless q = -149); the
+// result's quantum q follows from the top bit of the value; below it, the remainder is compared
+// with half a quantum (the sticky bit decides a remainder equal to the half), ties go to even n.
+inline uint32_t round_to_f32_bits(bool neg, u128 mant, int exp, bool sticky) {
+  const uint32_t sign = neg ? kSignBit : 0u;
+  if (mant == 0) {
+    if (sticky) std::abort();  // callers keep enough quotient bits for this never to happen
+    return sign;
+  }
+  const int len = bit_length(mant);
+  int q = std::max(exp + len - 24, -149);
+  u128 n = 0;
+  if (q <= exp) {
+    if (sticky) std::abort();
+    n = mant << (exp - q);  // exact: fewer than 24 significant bits
+  } else {
+    const int shift = q - exp;
+    if (shift >= 128) {
+      n = 0;  // value < 2^len * 2^exp <= half a quantum (len <= 127)
+    } else {
+      n = mant >> shift;
+      const u128 rem = mant & ((u128(1) << shift) - 1);
+      const u128 half = u128(1) << (shift - 1);
+      if (rem > half || (rem == half && (sticky || n % 2 == 1))) n += 1;
+    }
+  }
+  if (n == (u128(1) << 24)) {  // rounded up into the next binade
+    n >>= 1;
+    ++q;
+  }
+  if (q > 104) return sign | kInfBits;      // past FLT_MAX = (2^24 - 1) * 2^104
+  if (n < (u128(1) << 23)) return sign | uint32_t(n);  // subnormal (q = -149) or zero
+  return sign | (uint32_t(q + 150) << 23) | (uint32_t(n) - (uint32_t(1) << 23));
+}
+
+// The binary32 with value d; d must be representable (table values, powers of two).
+inline float to_f32(Dyadic d) {
+  const uint32_t u = round_to_f32_bits(false, d.m, d.e, false);
+  if (compare(magnitude_bits(u), d) != 0 || inf_bits(u)) std::abort();
+  return f32_from_bits(u);
+}
+inline float pow2_f32(int e) { return to_f32({1, e}); }
+
+// ---------------------------------------------------------------------------------------------
+// Value tables
+
+// Magnitude of code `code` of a binary format with man_bits and bias, IEEE layout: an exponent
+// field of 0 is subnormal. Specials are not applied here, so a code past the largest finite one
+// gives the value the format would have with its exponent range extended.
+inline Dyadic minifloat_magnitude(uint32_t code, int man_bits, int bias) {
+  const uint32_t man_codes = uint32_t(1) << man_bits;
+  const uint32_t exp_field = code / man_codes;
+  const uint32_t man_field = code % man_codes;
+  if (exp_field == 0) return {man_field, 1 - bias - man_bits};
+  return {man_codes + man_field, int(exp_field) - bias - man_bits};
+}
+
+// The non-negative finite values of a format, ascending; index = magnitude code. `beyond` is the
+// value of the next code with the exponent range extended: the value rounding overflows to.
+struct ValueTable {
+  std::vector<Dyadic> values;
+  Dyadic beyond;
+  // Value i as a binary32 (every finite value of these formats is one).
+  float value(size_t i) const { return to_f32(values[i]); }
+  size_t size() const { return values.size(); }
+  // The value after i: values[i + 1], or `beyond` after the last.
+  Dyadic next(size_t i) const { return i + 1 < values.size() ? values[i + 1] : beyond; }
+};
+
+inline ValueTable make_table(uint32_t num_finite_codes, int man_bits, int bias) {
+  ValueTable t;
+  for (uint32_t c = 0; c < num_finite_codes; ++c) t.values.push_back(minifloat_magnitude(c, man_bits, bias));
+  t.beyond = minifloat_magnitude(num_finite_codes, man_bits, bias);
+  return t;
+}
+
+inline const ValueTable& bf16_table() {  // 1-8-7, codes 0x0000..0x7F7F finite, 0x7F80 = inf
+  static const ValueTable t = make_table(0x7F80, 7, 127);
+  return t;
+}
+inline const ValueTable& e4m3_table() {  // 1-4-3 bias 7, codes 0x00..0x7E finite (448), 0x7F NaN
+  static const ValueTable t = make_table(0x7F, 3, 7);
+  return t;
+}
+inline const ValueTable& e5m2_table() {  // 1-5-2 bias 15, codes 0x00..0x7B finite, 0x7C inf
+  static const ValueTable t = make_table(0x7C, 2, 15);
+  return t;
+}
+inline const ValueTable& e2m1_table() {  // 1-2-1 bias 1, codes 0..7: {0, .5, 1, 1.5, 2, 3, 4, 6}
+  static const ValueTable t = make_table(8, 1, 1);
+  return t;
+}
+
+// Index of the table value nearest to a (exact), ties to the even index; size() stands for
+// `beyond` (overflow). Every comparison, with the midpoint of two neighbours included, is exact.
+inline size_t round_to_table(Dyadic a, const ValueTable& t) {
+  const std::vector<Dyadic>& v = t.values;
+  const size_t idx =
+      size_t(std::upper_bound(v.begin(), v.end(), a, [](Dyadic x, Dyadic y) { return compare(x, y) < 0; }) -
+             v.begin()) - 1;
+  if (compare(a, v[idx]) == 0) return idx;
+  const int c = compare(a, midpoint(v[idx], t.next(idx)));
+  if (c < 0) return idx;
+  if (c > 0) return idx + 1;
+  return idx % 2 == 0 ? idx : idx + 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conversions from binary32 and decoders
+
+inline uint16_t bf16_round(float x) {
+  const uint32_t u = f32_to_bits(x);
+  if (nan_bits(u)) return kNanBf16;
+  // inf is code 0x7F80, the index of `beyond`; so is overflow.
+  const size_t mag = inf_bits(u) ? 0x7F80 : round_to_table(magnitude_bits(u), bf16_table());
+  return uint16_t((neg_bits(u) ? 0x8000u : 0u) | uint32_t(mag));
+}
+
+inline float bf16_value(uint16_t b) {
+  const bool neg = b >= 0x8000;
+  const uint32_t mag = b % 0x8000u;
+  if (mag > 0x7F80) return quiet_nan();
+  if (mag == 0x7F80) return with_sign(infinity(), neg);
+  return with_sign(bf16_table().value(mag), neg);
+}
+
+inline uint8_t e4m3_encode_sat(float x) {
+  const uint32_t u = f32_to_bits(x);
+  if (nan_bits(u)) return kNanE4m3;
+  size_t mag = inf_bits(u) ? 0x7E : round_to_table(magnitude_bits(u), e4m3_table());
+  if (mag > 0x7E) mag = 0x7E;  // rounded past 448 (or inf): saturate
+  return uint8_t((neg_bits(u) ? 0x80u : 0u) | uint32_t(mag));
+}
+
+inline float e4m3_decode(uint8_t c) {
+  const uint32_t mag = c % 0x80u;
+  if (mag == 0x7F) return quiet_nan();
+  return with_sign(e4m3_table().value(mag), c >= 0x80);
+}
+
+inline uint8_t e5m2_encode(float x, bool saturate) {
+  const uint32_t u = f32_to_bits(x);
+  if (nan_bits(u)) return kNanE5m2;
+  size_t mag = inf_bits(u) ? 0x7C : round_to_table(magnitude_bits(u), e5m2_table());
+  if (mag >= 0x7C) mag = saturate ? 0x7B : 0x7C;  // overflow and inf: inf, or 57344 when saturating
+  return uint8_t((neg_bits(u) ? 0x80u : 0u) | uint32_t(mag));
+}
+
+inline float e5m2_decode(uint8_t c) {
+  const uint32_t mag = c % 0x80u;
+  if (mag > 0x7C) return quiet_nan();
+  if (mag == 0x7C) return with_sign(infinity(), c >= 0x80);
+  return with_sign(e5m2_table().value(mag), c >= 0x80);
+}
+
+// 4-bit code, sign in bit 3. e2m1 has no NaN code: a NaN takes the largest code here (the
+// conversion tests do not compare NaN inputs); the QDQ rules handle NaN before encoding
+// (e2m1_sat_value below).
+inline uint8_t e2m1_encode_sat(float x) {
+  const uint32_t u = f32_to_bits(x);
+  if (nan_bits(u)) return uint8_t((neg_bits(u) ? 8u : 0u) | 7u);
+  size_t mag = inf_bits(u) ? 7 : round_to_table(magnitude_bits(u), e2m1_table());
+  if (mag > 7) mag = 7;
+  return uint8_t((neg_bits(u) ? 8u : 0u) | uint32_t(mag));
+}
+
+inline float e2m1_decode(uint8_t c) { return with_sign(e2m1_table().value(c % 8u), (c % 16u) >= 8); }
+
+inline float ue8m0_decode(uint8_t c) {
+  if (c == 0xFF) return quiet_nan();
+  return pow2_f32(int(c) - 127);
+}
+
+// Round to the nearest integer, ties to even, then clamp to [-127, 127]. NaN gives 0.
+inline int8_t int8_encode_sat(float v) {
+  const uint32_t u = f32_to_bits(v);
+  if (nan_bits(u)) return 0;
+  const int sign = neg_bits(u) ? -1 : 1;
+  if (inf_bits(u)) return int8_t(sign * 127);
+  const Dyadic d = magnitude_bits(u);
+  if (compare(d, {127, 0}) >= 0) return int8_t(sign * 127);
+  uint64_t n = 0;
+  if (d.e >= 0) {
+    n = d.m << d.e;  // an integer below 127
+  } else if (-d.e < 63) {
+    const int shift = -d.e;
+    n = d.m >> shift;
+    const uint64_t rem = d.m & ((uint64_t(1) << shift) - 1);
+    const uint64_t half = uint64_t(1) << (shift - 1);
+    if (rem > half || (rem == half && n % 2 == 1)) n += 1;
+  }  // else |v| < 2^24 * 2^-63: rounds to 0
+  return int8_t(sign * int(n));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Binary32 arithmetic, RN ties-to-even, exact in integers
+
+inline float mul_rn(float a, float b) {
+  const uint32_t ua = f32_to_bits(a), ub = f32_to_bits(b);
+  if (nan_bits(ua) || nan_bits(ub)) return quiet_nan();
+  const bool neg = neg_bits(ua) != neg_bits(ub);
+  if (inf_bits(ua) || inf_bits(ub)) {
+    if (zero_bits(ua) || zero_bits(ub)) return quiet_nan();
+    return with_sign(infinity(), neg);
+  }
+  const Dyadic x = magnitude_bits(ua), y = magnitude_bits(ub);
+  // The exact product: at most 48 bits.
+  return f32_from_bits(round_to_f32_bits(neg, u128(x.m) * u128(y.m), x.e + y.e, false));
+}
+
+inline float div_rn(float a, float b) {
+  const uint32_t ua = f32_to_bits(a), ub = f32_to_bits(b);
+  if (nan_bits(ua) || nan_bits(ub)) return quiet_nan();
+  const bool neg = neg_bits(ua) != neg_bits(ub);
+  if (inf_bits(ua)) return inf_bits(ub) ? quiet_nan() : with_sign(infinity(), neg);
+  if (inf_bits(ub)) return with_sign(0.0f, neg);
+  if (zero_bits(ub)) return zero_bits(ua) ? quiet_nan() : with_sign(infinity(), neg);
+  if (zero_bits(ua)) return with_sign(0.0f, neg);
+  const Dyadic x = magnitude_bits(ua), y = magnitude_bits(ub);
+  // x.m * 2^64 / y.m: a quotient of at least 41 bits (x.m >= 1, y.m < 2^24), so the rounding
+  // position lies at least 17 bits below its top, and the remainder is the sticky bit.
+  const u128 num = u128(x.m) << 64;
+  const u128 quot = num / y.m;
+  const u128 rem = num % y.m;
+  return f32_from_bits(round_to_f32_bits(neg, quot, x.e - y.e - 64, rem != 0));
+}
+
+// Smallest e with 2^e >= r, for finite r > 0, by search.
+inline int ceil_log2(float r) {
+  const Dyadic d = magnitude(r);
+  int e = -149;
+  while (compare({1, e}, d) < 0) ++e;
+  return e;
+}
+
+// ---------------------------------------------------------------------------------------------
+inline bool is_nan(float x) { return nan_bits(f32_to_bits(x)); }
+inline bool is_inf(float x) { return inf_bits(f32_to_bits(x)); }
+inline bool is_finite(float x) { return !nan_bits(f32_to_bits(x)) && !inf_bits(f32_to_bits(x)); }
+inline bool sign_bit(float x) { return neg_bits(f32_to_bits(x)); }
+inline float abs_f32(float x) { return f32_from_bits(f32_to_bits(x) & ~kSignBit); }
+
+// QDQ element rules (numerics.md). Each returns the dequantized binary32 value before the output
+// rounding to the tensor's dtype.
+
+inline float e4m3_sat_value(float x) { return e4m3_decode(e4m3_encode_sat(x)); }  // NaN: NaN
+// e2m1 of NaN is NaN (only reachable through a NaN scale: nvfp4 with amax = inf).
+inline float e2m1_sat_value(float x) { return is_nan(x) ? quiet_nan() : e2m1_decode(e2m1_encode_sat(x)); }
+
+struct Fp8Scales {
+  float s;
+  float si;
+};
+
+// amax = inf: s = 0 and si = inf, so every element is e4m3(x * 0) * inf = NaN.
+inline Fp8Scales fp8_scales(float amax) {
+  float a = amax;
+  if (a <= 0x1p-24f) a = 1.0f;
+  const float s = div_rn(448.0f, a);
+  return {s, div_rn(1.0f, s)};  // si = 1/s, not a/448
+}
+
+inline float fp8_qdq(float x, Fp8Scales p) {
+  if (is_nan(x)) return quiet_nan();
+  return mul_rn(e4m3_sat_value(mul_rn(x, p.s)), p.si);
+}
+
+// Global scale gs = amax * fp32(1/2688); `by_division` gives amax / 2688 instead (the rule the
+// spec rejects; tests use it to show the two differ).
+inline float nvfp4_global_scale(float amax, bool by_division = false) {
+  float gs = by_division ? div_rn(amax, 2688.0f) : mul_rn(amax, div_rn(1.0f, 2688.0f));
+  if (gs <= 0.0f) gs = 1e-12f;
+  return gs;
+}
+
+// With gs = inf (amax = inf) the scale is NaN: t = bmax / inf = 0 gives 0 * inf, and a block
+// holding inf gives t = inf / inf = NaN, which min(t, 448) keeps (and e4m3_sat(NaN) is NaN).
+inline float nvfp4_block_scale(float bmax, float gs) {
+  float t = div_rn(bmax, mul_rn(6.0f, gs));
+  if (t > 448.0f) t = 448.0f;  // min(t, 448); NaN stays NaN
+  float scale = mul_rn(e4m3_sat_value(t), gs);
+  if (scale < 1e-5f) scale = 1.0f;
+  return scale;
+}
+
+inline float nvfp4_qdq(float x, float scale) {
+  if (is_nan(x)) return quiet_nan();
+  const float q = e2m1_sat_value(div_rn(abs_f32(x), scale));
+  if (q == 0) return 0.0f;  // +0 whatever the sign of x
+  return with_sign(mul_rn(q, scale), sign_bit(x));
+}
+
+// Block exponent of mxfp8 (elem_max 448) and mxfp4 (6). A quotient r that underflows to 0 (a
+// block of tiny fp32 subnormals) is ceil(log2(0)) = -inf, clamped to -127.
+inline int mx_block_exponent(float bmax, float elem_max) {
+  if (bmax == 0 || !is_finite(bmax)) return 0;
+  const float r = div_rn(bmax, elem_max);
+  const int e = r == 0 ? -127 : ceil_log2(r);
+  return std::clamp(e, -127, 127);
+}
+
+inline float mx_qdq(float x, int e, bool fp4) {
+  if (is_nan(x)) return quiet_nan();
+  const float scaled = mul_rn(abs_f32(x), pow2_f32(-e));  // 2^-e is a binary32 for |e| <= 127
+  const float q = fp4 ? e2m1_sat_value(scaled) : e4m3_sat_value(scaled);
+  return with_sign(mul_rn(q, pow2_f32(e)), sign_bit(x));
+}
+
+// The amax < 2^-24 rule is for tiny amax only: amax = inf gives s = 0, q = rint(x * 0) (0, or 0
+// for the NaN of inf * 0) and y = 0 / 0 = NaN.
+inline float int8_qdq(float x, float amax) {
+  if (is_nan(x)) return quiet_nan();
+  if (amax < 0x1p-24f) return 0.0f;
+  const float s = div_rn(127.0f, amax);
+  const int q = int8_encode_sat(mul_rn(x, s));
+  return div_rn(float(q), s);  // q == 0 gives +0
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensors: row-major [rows, cols], blocks along cols, a short final block uses what it has.
+
+enum class Fmt { kFp8, kNvfp4, kMxfp8, kMxfp4, kInt8 };
+
+inline float amax_of(const std::vector<float>& x) {
+  float m = 0;
+  for (float v : x)
+    if (!is_nan(v) && abs_f32(v) > m) m = abs_f32(v);
+  return m;
+}
+
+// max |x| over x[begin, end), NaN ignored; inf_as_max counts +-inf as the largest finite float.
+inline float block_max(const std::vector<float>& x, int64_t begin, int64_t end, bool inf_as_max) {
+  float m = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    if (is_nan(x[i])) continue;
+    const float a = (inf_as_max && is_inf(x[i])) ? kFltMax : abs_f32(x[i]);
+    if (a > m) m = a;
+  }
+  return m;
+}
+
+// nvfp4 with a given global scale (so a test can feed either global-scale rule).
+inline std::vector<float> nvfp4_values(const std::vector<float>& x, int64_t rows, int64_t cols, float gs) {
+  std::vector<float> y(x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < cols; b += 16) {
+      const int64_t begin = r * cols + b;
+      const int64_t end = r * cols + std::min<int64_t>(b + 16, cols);
+      const float scale = nvfp4_block_scale(block_max(x, begin, end, false), gs);
+      for (int64_t i = begin; i < end; ++i) y[i] = nvfp4_qdq(x[i], scale);
+    }
+  return y;
+}
+
+// y = QDQ_f(x) in binary32, before rounding to the output dtype. amax is ignored by mx formats.
+inline std::vector<float> qdq_values(Fmt f, const std::vector<float>& x, int64_t rows, int64_t cols,
+                                     float amax) {
+  std::vector<float> y(x.size());
+  switch (f) {
+    case Fmt::kFp8: {
+      const Fp8Scales p = fp8_scales(amax);
+      for (size_t i = 0; i < x.size(); ++i) y[i] = fp8_qdq(x[i], p);
+      return y;
+    }
+    case Fmt::kNvfp4:
+      return nvfp4_values(x, rows, cols, nvfp4_global_scale(amax));
+    case Fmt::kMxfp8:
+    case Fmt::kMxfp4: {
+      const bool fp4 = f == Fmt::kMxfp4;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < cols; b += 32) {
+          const int64_t begin = r * cols + b;
+          const int64_t end = r * cols + std::min<int64_t>(b + 32, cols);
+          const int e = mx_block_exponent(block_max(x, begin, end, true), fp4 ? 6.0f : 448.0f);
+          for (int64_t i = begin; i < end; ++i) y[i] = mx_qdq(x[i], e, fp4);
+        }
+      return y;
+    }
+    case Fmt::kInt8:
+      for (size_t i = 0; i < x.size(); ++i) y[i] = int8_qdq(x[i], amax);
+      return y;
+  }
+  return y;
+}
+
+// Output storage: bf16 rounds, fp32 keeps the value; NaN becomes canonical either way.
+inline uint16_t store_bf16(float v) { return bf16_round(v); }
+inline uint32_t store_f32(float v) { return is_nan(v) ? kNanF32 : f32_to_bits(v); }
+
+inline std::vector<float> bf16_values(const std::vector<uint16_t>& x) {
+  std::vector<float> v(x.size());
+  for (size_t i = 0; i < x.size(); ++i) v[i] = bf16_value(x[i]);
+  return v;
+}
+
+inline std::vector<float> f32_values(const std::vector<uint32_t>& x) {
+  std::vector<float> v(x.size());
+  for (size_t i = 0; i < x.size(); ++i) v[i] = f32_from_bits(x[i]);
+  return v;
+}
+
+inline std::vector<uint16_t> qdq_bf16(Fmt f, const std::vector<uint16_t>& x, int64_t rows, int64_t cols,
+                                      float amax) {
+  const std::vector<float> y = qdq_values(f, bf16_values(x), rows, cols, amax);
+  std::vector<uint16_t> out(y.size());
+  for (size_t i = 0; i < y.size(); ++i) out[i] = store_bf16(y[i]);
+  return out;
+}
+
+inline std::vector<uint32_t> qdq_f32(Fmt f, const std::vector<uint32_t>& x, int64_t rows, int64_t cols,
+                                     float amax) {
+  const std::vector<float> y = qdq_values(f, f32_values(x), rows, cols, amax);
+  std::vector<uint32_t> out(y.size());
+  for (size_t i = 0; i < y.size(); ++i) out[i] = store_f32(y[i]);
+  return out;
+}
+
+// e4m3 staging, 1 x 128 blocks: x [rows, cols] bf16 -> x8 [rows, cols] e4m3 codes and
+// scales [rows, ceil(cols / 128)] fp32 (sf, the dequantization scale).
+struct Staged {
+  std::vector<uint8_t> x8;
+  std::vector<float> scales;
+};
+
+inline Staged stage_e4m3(const std::vector<uint16_t>& x_bits, int64_t rows, int64_t cols) {
+  const std::vector<float> x = bf16_values(x_bits);
+  const int64_t num_blocks = (cols + 127) / 128;
+  Staged s{std::vector<uint8_t>(x.size()), std::vector<float>(size_t(rows * num_blocks))};
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t begin = r * cols + b * 128;
+      const int64_t end = r * cols + std::min<int64_t>((b + 1) * 128, cols);
+      const float bmax = block_max(x, begin, end, false);
+      const float amax = bmax > 1e-4f ? bmax : 1e-4f;
+      const float sf = div_rn(amax, 448.0f);
+      const float inv = div_rn(1.0f, sf);
+      for (int64_t i = begin; i < end; ++i) s.x8[i] = e4m3_encode_sat(mul_rn(x[i], inv));
+      s.scales[r * num_blocks + b] = sf;
+    }
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reporting: counts bit-pattern mismatches and describes the first one.
+
+class Mismatches {
+ public:
+  explicit Mismatches(std::string what) : what_(std::move(what)) {}
+
+  // in_digits / out_digits: hex digits to print for the input and output patterns.
+  void add(uint64_t input, uint64_t expected, uint64_t actual, int in_digits, int out_digits,
+           const std::string& where = "") {
+    if (expected == actual) return;
+    if (count_++ > 0) return;
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), "input 0x%0*llx, expected 0x%0*llx, actual 0x%0*llx", in_digits,
+                  (unsigned long long)input, out_digits, (unsigned long long)expected, out_digits,
+                  (unsigned long long)actual);
+    first_ = (where.empty() ? std::string() : where + ": ") + buf;
+  }
+  int64_t count() const { return count_; }
+  std::string report() const {
+    if (count_ == 0) return what_ + ": no mismatch";
+    return what_ + ": " + std::to_string(count_) + " mismatches; first at " + first_;
+  }
+
+ private:
+  std::string what_;
+  int64_t count_ = 0;
+  std::string first_;
+};
+
+}  // namespace moefq::slow

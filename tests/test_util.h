@@ -1,0 +1,73 @@
+// Test helpers shared by the CPU and GPU suites: data that exercises every special case, and a
+// byte comparison that reports the first mismatch and the number of mismatches.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include "moefq/numerics.h"
+#include "moefq/synthetic.h"
+
+namespace moefq::test {
+
+// [rows, cols] synthetic activations (heavy-tailed, outlier channels), plus (if specials) NaN,
+// +-inf, +-0, fp32 and bf16 subnormals, a whole zero block and a whole NaN block in some rows.
+inline std::vector<float> activations(int64_t rows, int64_t cols, uint64_t seed, bool specials = true) {
+  std::vector<float> x = synthetic_activations(rows, cols, seed);
+  std::mt19937_64 rng(seed + 1);
+  if (!specials || x.empty()) return x;
+  const float kSpecials[] = {std::nanf(""), -std::nanf(""), INFINITY, -INFINITY, 0.0f, -0.0f,
+                             1e-40f, -3e-45f, 9.2e-41f /* bf16 subnormal */, 1e-39f, 448.0f, 1e30f};
+  for (int64_t i = 0; i < rows * cols / 50 + 1; ++i)
+    x[size_t(rng() % uint64_t(rows * cols))] = kSpecials[rng() % (sizeof(kSpecials) / 4)];
+  for (int64_t r = 0; r < rows; r += 3) {
+    const int64_t c0 = std::min<int64_t>(cols - 1, int64_t(rng() % uint64_t(cols)) / 32 * 32);
+    const bool nan_block = (r / 3) % 2;
+    for (int64_t c = c0; c < std::min(cols, c0 + 32); ++c)
+      x[size_t(r * cols + c)] = nan_block ? std::nanf("") : 0.0f;
+  }
+  return x;
+}
+
+inline std::vector<bf16> to_bf16(const std::vector<float>& x) {
+  std::vector<bf16> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i].bits = bf16_round(x[i]);
+  return y;
+}
+
+// Byte-for-byte equality of two arrays of elements of `elem` bytes.
+inline ::testing::AssertionResult bytes_equal(const void* expected, const void* actual, size_t count,
+                                              size_t elem) {
+  const auto* e = static_cast<const uint8_t*>(expected);
+  const auto* a = static_cast<const uint8_t*>(actual);
+  size_t mismatches = 0, first = 0;
+  for (size_t i = 0; i < count; ++i)
+    if (std::memcmp(e + i * elem, a + i * elem, elem) != 0 && mismatches++ == 0) first = i;
+  if (mismatches == 0) return ::testing::AssertionSuccess();
+  auto hex = [elem](const uint8_t* p) {
+    uint64_t v = 0;
+    std::memcpy(&v, p, elem);
+    std::ostringstream os;
+    os << "0x" << std::hex << v;
+    return os.str();
+  };
+  return ::testing::AssertionFailure() << mismatches << " of " << count
+                                       << " elements differ; first at index " << first
+                                       << ": expected " << hex(e + first * elem) << ", actual "
+                                       << hex(a + first * elem);
+}
+
+template <typename T>
+::testing::AssertionResult bytes_equal(const std::vector<T>& expected, const std::vector<T>& actual) {
+  if (expected.size() != actual.size())
+    return ::testing::AssertionFailure() << "sizes differ: " << expected.size() << " vs " << actual.size();
+  return bytes_equal(expected.data(), actual.data(), expected.size(), sizeof(T));
+}
+
+}  // namespace moefq::test

@@ -281,7 +281,7 @@ MOEFQ_HD float e2m1_decode(uint8_t c) {
 MOEFQ_HD float e2m1_round_sat(float v) {
   const float c = v < 2.0f ? 6291456.0f : (v < 4.0f ? 12582912.0f : 25165824.0f);
   const float q = add_rn(add_rn(v, c), -c);
-  return q > kE2m1Max ? kE2m1Max : q;
+  return q > kE2m1Max ? kE2m1Max : q;  // NaN stays NaN
 }
 
 // ue8m0 (MX block scale): value 2^(c - 127); 0xFF is NaN.
@@ -339,6 +339,18 @@ MOEFQ_HD uint8_t nvfp4_block_code(float bmax, float gs) {
   const float t = div_rn(bmax, mul_rn(6.0f, gs));
   return e4m3_encode_sat(t > kE4m3Max ? kE4m3Max : t);  // NaN (amax = +inf) stays NaN: code 0x7F
 }
+// The same code with the division done as div_rn_recip, rcp6 = RN(1 / (6 * gs)) computed once per
+// tensor. Exact while quotient and residual are normal; for bmax below 2^-100 the residual may not
+// be, so that (rare) case divides. tests/numerics/test_division.cpp checks it on every bf16 bmax.
+MOEFQ_HD uint8_t nvfp4_block_code_recip(float bmax, float gs, float rcp6) {
+  if (bmax < 7.888609052210118e-31f) return nvfp4_block_code(bmax, gs);
+  // As in nvfp4_qdq_recip, q0 is clamped (any t >= 448 saturates) so the correction stays finite.
+  const float b6 = mul_rn(6.0f, gs);
+  float q0 = mul_rn(bmax, rcp6);
+  q0 = q0 < 512.0f ? q0 : 512.0f;
+  const float t = fma_rn(fma_rn(-b6, q0, bmax), rcp6, q0);
+  return e4m3_encode_sat(t > kE4m3Max ? kE4m3Max : t);
+}
 // The block's dequantization scale from its code (NaN for the NaN code).
 MOEFQ_HD float nvfp4_scale_from_code(uint8_t sf, float gs) {
   const float scale = mul_rn(e4m3_decode(sf), gs);
@@ -357,25 +369,24 @@ MOEFQ_HD float nvfp4_qdq(float x, float scale) {
 // once per block). scale >= 1e-5, so a quotient that could round to an e2m1 boundary (>= 0.25)
 // has a normal dividend; quotients >= 8 saturate to 6 either way. NaN x or scale gives NaN.
 MOEFQ_HD float nvfp4_qdq_recip(float x, float scale, float rcp) {
-  if (is_nan(x)) return canonical_nan_f32();
   const float a = abs_f32(x);
   // Clamping q0 to 8 keeps the correction finite for huge |x| (the result still saturates); a
-  // NaN x is clamped to 8 too, but the first fma then makes v NaN again.
+  // NaN x is clamped to 8 too, but the first fma then makes v NaN again, and NaN propagates to
+  // the result (store_out makes it canonical).
   float q0 = mul_rn(a, rcp);
   q0 = q0 < 8.0f ? q0 : 8.0f;
   const float q = e2m1_round_sat(fma_rn(fma_rn(-scale, q0, a), rcp, q0));
-  if (q == 0.0f) return 0.0f;
-  return copysign_f32(mul_rn(q, scale), x);
+  // Adding +0 turns -0 into +0 and changes nothing else: the "zero is +0" rule without a branch.
+  return add_rn(copysign_f32(mul_rn(q, scale), x), 0.0f);
 }
 
-// mxfp8 / mxfp4: blocks of 32, ue8m0 scales. Block max: +-inf counts as the largest finite float.
-MOEFQ_HD float mx_block_max_update(float m, float x) {
-  const float a = abs_f32(x);
-  return max_ignore_nan(m, a > kFltMax ? kFltMax : a);
-}
-// Block exponent e (the scale is 2^e, ue8m0 code e + 127) for element maximum kElemMax (448 or 6).
+// mxfp8 / mxfp4: blocks of 32, ue8m0 scales. bmax is the block's max |x| over non-NaN elements;
+// +-inf counts as the largest finite float (clamping the maximum is the same as clamping each |x|).
+// Returns the block exponent e (the scale is 2^e, ue8m0 code e + 127) for element maximum
+// elem_max (448 or 6).
 MOEFQ_HD int mx_block_exponent(float bmax, float elem_max) {
-  if (!(bmax > 0.0f) || !is_finite(bmax)) return 0;
+  bmax = bmax > kFltMax ? kFltMax : bmax;
+  if (!(bmax > 0.0f)) return 0;
   const int e = ceil_log2(div_rn(bmax, elem_max));
   return e < -127 ? -127 : (e > 127 ? 127 : e);
 }
@@ -391,7 +402,7 @@ MOEFQ_HD float mxfp8_qdq(float x, MxScale s) {
   return mul_rn(e4m3_decode_finite(e4m3_encode_sat(mul_rn(x, s.to_elem))), s.from_elem);
 }
 MOEFQ_HD float mxfp4_qdq(float x, MxScale s) {
-  if (is_nan(x)) return canonical_nan_f32();
+  // NaN x propagates through e2m1_round_sat; store_out makes it canonical.
   return copysign_f32(mul_rn(e2m1_round_sat(abs_f32(mul_rn(x, s.to_elem))), s.from_elem), x);
 }
 

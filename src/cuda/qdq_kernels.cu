@@ -66,9 +66,10 @@ struct Rule<Format::kNvfp4> {
   struct Shared {
     float scale[128], rcp[128];
   };
-  float gs;
+  float gs, rcp6;
   const Shared& table;
-  __device__ Rule(const float* amax, Shared& sh) : gs(nvfp4_global_scale(*amax)), table(sh) {
+  __device__ Rule(const float* amax, Shared& sh)
+      : gs(nvfp4_global_scale(*amax)), rcp6(div_rn(1.0f, mul_rn(6.0f, gs))), table(sh) {
     if (threadIdx.x < 128) {
       const float scale = nvfp4_scale_from_code(uint8_t(threadIdx.x), gs);
       sh.scale[threadIdx.x] = scale;
@@ -77,7 +78,7 @@ struct Rule<Format::kNvfp4> {
   }
   __device__ float reduce(float m, float x) const { return max_ignore_nan(m, abs_f32(x)); }
   __device__ Nvfp4Block block_param(float bmax) const {
-    const uint8_t sf = nvfp4_block_code(bmax, gs);  // 0..0x7F (bmax >= 0)
+    const uint8_t sf = nvfp4_block_code_recip(bmax, gs, rcp6);  // 0..0x7F (bmax >= 0)
     return {table.scale[sf], table.rcp[sf]};
   }
   __device__ float apply(float x, Nvfp4Block b) const { return nvfp4_qdq_recip(x, b.scale, b.rcp); }
@@ -88,7 +89,7 @@ struct Rule<Format::kMxfp8> {
   static constexpr int kBlock = kMxBlock;
   using Shared = NoShared;
   __device__ Rule(const float*, Shared&) {}
-  __device__ float reduce(float m, float x) const { return mx_block_max_update(m, x); }
+  __device__ float reduce(float m, float x) const { return max_ignore_nan(m, abs_f32(x)); }
   __device__ MxScale block_param(float bmax) const {
     return mx_scale(mx_block_exponent(bmax, kE4m3Max));
   }
@@ -100,7 +101,7 @@ struct Rule<Format::kMxfp4> {
   static constexpr int kBlock = kMxBlock;
   using Shared = NoShared;
   __device__ Rule(const float*, Shared&) {}
-  __device__ float reduce(float m, float x) const { return mx_block_max_update(m, x); }
+  __device__ float reduce(float m, float x) const { return max_ignore_nan(m, abs_f32(x)); }
   __device__ MxScale block_param(float bmax) const {
     return mx_scale(mx_block_exponent(bmax, kE2m1Max));
   }

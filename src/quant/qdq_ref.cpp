@@ -98,7 +98,7 @@ void qdq_impl(Format f, const T* x, T* y, int64_t rows, int64_t cols, float amax
           x, y, rows, cols, kMxBlock,
           [fp8](const T* b, int64_t len) {
             float bmax = 0.0f;
-            for (int64_t i = 0; i < len; ++i) bmax = mx_block_max_update(bmax, to_f32(b[i]));
+            for (int64_t i = 0; i < len; ++i) bmax = max_ignore_nan(bmax, abs_f32(to_f32(b[i])));
             return mx_scale(mx_block_exponent(bmax, fp8 ? kE4m3Max : kE2m1Max));
           },
           [fp8](float v, MxScale s) { return fp8 ? mxfp8_qdq(v, s) : mxfp4_qdq(v, s); });

@@ -32,7 +32,9 @@ TEST(Division, Nvfp4ReciprocalPathEqualsDivisionOnEveryBf16AndScale) {
       const float rcp = div_rn(1.0f, scale);
       for (uint32_t b = 0; b < 65536; ++b) {
         const float x = bf16_to_f32(uint16_t(b));
-        const float want = nvfp4_qdq(x, scale), got = nvfp4_qdq_recip(x, scale, rcp);
+        float want, got;  // as stored (NaN canonical)
+        store_out(&want, nvfp4_qdq(x, scale));
+        store_out(&got, nvfp4_qdq_recip(x, scale, rcp));
         ++checked;
         if (f32_bits(want) != f32_bits(got) && mismatches++ < 5)
           ADD_FAILURE() << "x=0x" << std::hex << f32_bits(x) << " scale=0x" << f32_bits(scale)
@@ -56,8 +58,29 @@ TEST(Division, Nvfp4ReciprocalPathEqualsDivisionOnRandomFp32) {
       float x = i % 2 ? f32_from_bits(bits(rng))
                       : f32_from_bits(f32_bits(mul_rn(boundary[bits(rng) % 8], scale)) + (bits(rng) % 9) - 4);
       const float rcp = div_rn(1.0f, scale);
-      if (f32_bits(nvfp4_qdq(x, scale)) != f32_bits(nvfp4_qdq_recip(x, scale, rcp))) ++mismatches;
+      float want, got;
+      store_out(&want, nvfp4_qdq(x, scale));
+      store_out(&got, nvfp4_qdq_recip(x, scale, rcp));
+      if (f32_bits(want) != f32_bits(got)) ++mismatches;
     }
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
+TEST(Division, Nvfp4BlockCodeReciprocalPathEqualsDivision) {
+  std::vector<float> gss = global_scales();
+  for (float amax : {1e-30f, 1e-38f, 3e-45f, 5e-39f, 1e38f}) gss.push_back(nvfp4_global_scale(amax));
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<uint32_t> bits(0, 0x7F800000u);
+  int64_t mismatches = 0;
+  for (float gs : gss) {
+    const float rcp6 = div_rn(1.0f, mul_rn(6.0f, gs));
+    auto check = [&](float bmax) {
+      if (nvfp4_block_code(bmax, gs) != nvfp4_block_code_recip(bmax, gs, rcp6) && mismatches++ < 5)
+        ADD_FAILURE() << "gs=" << gs << " bmax=" << bmax;
+    };
+    for (uint32_t b = 0; b <= 0x7F80; ++b) check(bf16_to_f32(uint16_t(b)));  // every non-negative bf16
+    for (int i = 0; i < 200000; ++i) check(f32_from_bits(bits(rng)));
   }
   EXPECT_EQ(mismatches, 0);
 }

@@ -443,6 +443,24 @@ TEST(QdqExactValues, Nvfp4KeepsBlockScaledElementValues) {
   expect_identity_f32(Format::kNvfp4, x, s, unit_amax, "e2m1 values * e4m3 block scale");
 }
 
+// fp8's inverse scale is si = RN(1 / RN(448 / a)), not RN(a / 448): for amax 10000 they differ, and
+// -0.171875 (an e4m3 value) * si is 0xc0758926, where a/448 would give 0xc0758924. (A slow
+// reference that once computed the latter under one compiler is why slow_ref.h's arithmetic is
+// integer-only.)
+TEST(QdqExactValues, Fp8InverseScaleIsReciprocalOfScale) {
+  const float amax = 10000.0f;
+  const slow::Fp8Scales p = slow::fp8_scales(amax);
+  EXPECT_EQ(f32_to_bits(p.s), 0x3d378034u);  // RN(448 / 10000) = 0.0448000009...
+  EXPECT_NE(f32_to_bits(p.si), f32_to_bits(slow::div_rn(amax, 448.0f)));
+  const float x = f32_from_bits(0xc06de22fu);
+  EXPECT_EQ(slow::e4m3_sat_value(slow::mul_rn(x, p.s)), -0.171875f);
+  EXPECT_EQ(f32_to_bits(slow::fp8_qdq(x, p)), 0xc0758926u);
+  EXPECT_EQ(f32_to_bits(slow::mul_rn(-0.171875f, slow::div_rn(amax, 448.0f))), 0xc0758924u);
+  float y = 0;
+  qdq_ref(Format::kFp8, &x, &y, 1, 1, amax);
+  EXPECT_EQ(f32_to_bits(y), 0xc0758926u);
+}
+
 // nvfp4 zeros: every q == 0 element becomes +0, NaN stays NaN, +-inf becomes +-6 * scale.
 TEST(QdqExactValues, Nvfp4ZerosAreUnsignedAndInfSaturates) {
   const std::vector<float> x = {-0.0f, 0.0f, -1e-3f, 1.0f, -INFINITY, INFINITY, std::nanf(""), -2.0f};

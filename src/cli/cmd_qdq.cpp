@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -136,7 +137,24 @@ std::span<const uint8_t> as_bytes(const std::vector<T>& v) {
   return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T)};
 }
 
+// Output paths are checked before any work, so a bad one fails with nothing written.
+void check_outputs(const QdqOptions& o) {
+  namespace fs = std::filesystem;
+  auto same = [](const std::string& a, const std::string& b) {
+    std::error_code ec;
+    return !a.empty() && !b.empty() && fs::weakly_canonical(a, ec) == fs::weakly_canonical(b, ec);
+  };
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--out", o.out}, {"--report", o.report}}) {
+    if (path.empty()) continue;
+    const fs::path p(path), dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+    MOEFQ_CHECK(fs::is_directory(dir), flag, ": directory '", dir.string(), "' does not exist");
+    MOEFQ_CHECK(!fs::is_directory(p), flag, ": '", path, "' is a directory; give a file name");
+  }
+  MOEFQ_CHECK(!same(o.report, o.in) && !same(o.report, o.out), "--report must differ from --in and --out");
+}
+
 int run_qdq(const QdqOptions& o) {
+  check_outputs(o);
   std::vector<Format> formats;
   if (!o.format.empty()) {
     const auto f = parse_format(o.format);

@@ -194,3 +194,86 @@ TEST(CudaQdq, StagingEqualsReference) {
 
 }  // namespace
 }  // namespace moefq
+
+namespace moefq {
+namespace {
+
+// nvfp4 as the reference framework's GPU kernel computes it: the element division |x| / scale with
+// the approximate instruction (div.approx.f32), everything else as numerics.md.
+__global__ void nvfp4_approx_div_kernel(const bf16* x, bf16* y, int64_t n, float amax) {
+  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b * kNvfp4Block >= n) return;
+  const float gs = nvfp4_global_scale(amax);
+  float bmax = 0.0f;
+  for (int i = 0; i < kNvfp4Block; ++i) bmax = max_ignore_nan(bmax, abs_f32(to_f32(x[b * kNvfp4Block + i])));
+  const float scale = nvfp4_block_scale(bmax, gs);
+  for (int i = 0; i < kNvfp4Block; ++i) {
+    const float v = to_f32(x[b * kNvfp4Block + i]);
+    const float q = e2m1_round_sat(__fdividef(abs_f32(v), scale));
+    store_out(&y[b * kNvfp4Block + i], q == 0.0f ? 0.0f : copysign_f32(mul_rn(q, scale), v));
+  }
+}
+
+// numerics.md: the reference framework divides approximately, we divide exactly; elements on an
+// e2m1 rounding boundary may differ by one e2m1 step. Measures that fraction on random data and on
+// vectors whose quotients sit exactly on, and one ulp beside, every boundary.
+TEST(CudaQdq, Nvfp4ApproximateDivisionDiffersOnlyOnBoundaries) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    const char* name;
+    std::vector<bf16> x;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"random activations", test::to_bf16(test::activations(1024, 7168, 5, false))});
+  {
+    // Each block: its max 6 * m (with amax 2688 the global scale is 1 and the block scale exactly
+    // m, an e4m3 value that is not a power of two), then values on the e2m1 boundaries times m and
+    // their bf16 neighbours.
+    std::vector<float> v;
+    const float kBoundaries[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    const float kScales[] = {1.125f, 1.375f, 1.625f, 1.875f, 0.5625f, 2.25f, 2.75f, 0.8125f};
+    for (int rep = 0; rep < 256; ++rep)
+      for (float t : kBoundaries) {
+        const float m = kScales[rep % 8];
+        const uint16_t b = bf16_round(t * m);
+        const float on = bf16_to_f32(b), up = bf16_to_f32(uint16_t(b + 1)), down = bf16_to_f32(uint16_t(b - 1));
+        const float block[kNvfp4Block] = {6.0f * m, on, up, down, -on, -up, -down, on, 0.0f, m, 2.0f * m,
+                                          3.0f * m, 4.0f * m, 0.5f * m, 1.5f * m, -6.0f * m};
+        v.insert(v.end(), block, block + kNvfp4Block);
+      }
+    cases.push_back({"boundary vectors", test::to_bf16(v)});
+  }
+  for (const Case& c : cases) {
+    const int64_t n = int64_t(c.x.size());
+    const float amax = 2688.0f;
+    std::vector<bf16> exact(c.x.size());
+    qdq_ref(Format::kNvfp4, c.x.data(), exact.data(), n / kNvfp4Block, kNvfp4Block, amax);
+    DeviceBuffer<bf16> dx(c.x), dy(c.x.size());
+    nvfp4_approx_div_kernel<<<unsigned((n / kNvfp4Block + 255) / 256), 256>>>(dx.get(), dy.get(), n, amax);
+    MOEFQ_CUDA_CHECK_LAUNCH();
+    const auto approx = dy.download();
+    int64_t differ = 0, not_one_step = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (exact[size_t(i)].bits == approx[size_t(i)].bits) continue;
+      ++differ;
+      // One e2m1 step: the two values are neighbours in {0, 0.5, 1, 1.5, 2, 3, 4, 6} x scale.
+      const int64_t blk = i / kNvfp4Block;
+      float bmax = 0.0f;
+      for (int j = 0; j < kNvfp4Block; ++j) bmax = max_ignore_nan(bmax, abs_f32(to_f32(c.x[size_t(blk * kNvfp4Block + j)])));
+      const float scale = nvfp4_block_scale(bmax, nvfp4_global_scale(amax));
+      const int ce = e2m1_encode_sat(to_f32(exact[size_t(i)]) / scale) & 7;
+      const int ca = e2m1_encode_sat(to_f32(approx[size_t(i)]) / scale) & 7;
+      if (std::abs(ce - ca) != 1) ++not_one_step;
+    }
+    const double fraction = double(differ) / double(n);
+    std::printf("nvfp4 exact vs approximate division, %s: %lld of %lld elements differ (%.3g%%)\n", c.name,
+                (long long)differ, (long long)n, 100.0 * fraction);
+    RecordProperty(std::string("differing_fraction_") + (c.name[0] == 'r' ? "random" : "boundary"),
+                   std::to_string(fraction));
+    EXPECT_EQ(not_one_step, 0) << c.name;
+    EXPECT_LT(fraction, c.name[0] == 'r' ? 1e-3 : 0.5) << c.name;
+  }
+}
+
+}  // namespace
+}  // namespace moefq

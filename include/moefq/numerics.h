@@ -368,17 +368,21 @@ MOEFQ_HD float nvfp4_qdq(float x, float scale) {
 // The same result with the block's division done as div_rn_recip (rcp = RN(1 / scale), computed
 // once per block). scale >= 1e-5, so a quotient that could round to an e2m1 boundary (>= 0.25)
 // has a normal dividend; quotients >= 8 saturate to 6 either way. NaN x or scale gives NaN.
+template <bool kClamp = true>
 MOEFQ_HD float nvfp4_qdq_recip(float x, float scale, float rcp) {
   const float a = abs_f32(x);
-  // Clamping q0 to 8 keeps the correction finite for huge |x| (the result still saturates); a
-  // NaN x is clamped to 8 too, but the first fma then makes v NaN again, and NaN propagates to
-  // the result (store_out makes it canonical).
+  // Clamping q0 to 8 keeps the correction finite for huge |x| (the result still saturates). A
+  // block whose max |x| times rcp is below 16 cannot overflow, and kernels skip the clamp there
+  // (kClamp = false). A NaN x makes v NaN either way (through the first fma), and NaN propagates
+  // to the result (store_out makes it canonical).
   float q0 = mul_rn(a, rcp);
-  q0 = q0 < 8.0f ? q0 : 8.0f;
+  if (kClamp) q0 = q0 < 8.0f ? q0 : 8.0f;
   const float q = e2m1_round_sat(fma_rn(fma_rn(-scale, q0, a), rcp, q0));
   // Adding +0 turns -0 into +0 and changes nothing else: the "zero is +0" rule without a branch.
   return add_rn(copysign_f32(mul_rn(q, scale), x), 0.0f);
 }
+// Whether every element of a block with this max |x| may use nvfp4_qdq_recip<false>.
+MOEFQ_HD bool nvfp4_block_needs_clamp(float bmax, float rcp) { return !(mul_rn(bmax, rcp) < 16.0f); }
 
 // mxfp8 / mxfp4: blocks of 32, ue8m0 scales. bmax is the block's max |x| over non-NaN elements;
 // +-inf counts as the largest finite float (clamping the maximum is the same as clamping each |x|).

@@ -9,6 +9,7 @@ namespace moefq::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kUnroll = 4;  // 16-byte chunks per thread, all loaded before the first is used
 
 // 16 bytes of T: the unit every thread loads and stores.
 template <typename T>
@@ -56,11 +57,11 @@ struct Rule<Format::kInt8> {
 
 struct Nvfp4Block {
   float scale, rcp;
+  bool clamp;
 };
 template <>
 struct Rule<Format::kNvfp4> {
   static constexpr int kBlock = kNvfp4Block;
-  static constexpr bool kThreadOwnsBlock = true;  // a 16-element block is one thread's (see below)
   // Every block scale the tensor can have, and its RN reciprocal, by e4m3 code: two divisions
   // per CTA instead of one per block.
   struct Shared {
@@ -79,9 +80,25 @@ struct Rule<Format::kNvfp4> {
   __device__ float reduce(float m, float x) const { return max_ignore_nan(m, abs_f32(x)); }
   __device__ Nvfp4Block block_param(float bmax) const {
     const uint8_t sf = nvfp4_block_code_recip(bmax, gs, rcp6);  // 0..0x7F (bmax >= 0)
-    return {table.scale[sf], table.rcp[sf]};
+    const float rcp = table.rcp[sf];
+    return {table.scale[sf], rcp, nvfp4_block_needs_clamp(bmax, rcp)};
   }
-  __device__ float apply(float x, Nvfp4Block b) const { return nvfp4_qdq_recip(x, b.scale, b.rcp); }
+  // The clamp is needed only in blocks with |x| far beyond the scale (data above the calibrated
+  // amax, or inf): the branch is uniform per block and rarely taken.
+  __device__ float apply(float x, Nvfp4Block b) const {
+    return b.clamp ? nvfp4_qdq_recip<true>(x, b.scale, b.rcp) : nvfp4_qdq_recip<false>(x, b.scale, b.rcp);
+  }
+  // The same over a chunk, with the branch outside the element loop.
+  template <int kN>
+  __device__ void apply_chunk(float (&v)[kN], Nvfp4Block b) const {
+    if (b.clamp) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) v[i] = nvfp4_qdq_recip<true>(v[i], b.scale, b.rcp);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) v[i] = nvfp4_qdq_recip<false>(v[i], b.scale, b.rcp);
+    }
+  }
 };
 
 template <>
@@ -120,63 +137,45 @@ __device__ __forceinline__ int4 pack(const float (&v)[4]) {
   return out.raw;
 }
 
-template <typename R>
-concept OwnsBlock = R::kThreadOwnsBlock;
-
-// How a block of the format maps onto threads: kOwn consecutive chunks of one thread, times kLanes
-// consecutive lanes that exchange their partial maxima with shuffles. Formats whose per-block
-// work is heavy (nvfp4) give each thread a whole block; the others share it across lanes, so
-// every load is one coalesced 16-byte access per lane.
-template <typename T, Format F>
-struct Layout {
-  static constexpr int kChunksPerBlock = Rule<F>::kBlock ? Rule<F>::kBlock / Chunk<T>::kN : 1;
-  static constexpr int kOwn = OwnsBlock<Rule<F>> ? kChunksPerBlock : 1;
-  static constexpr int kLanes = kChunksPerBlock / kOwn;
-  static constexpr int kUnroll = kOwn >= 4 ? 1 : 4 / kOwn;  // groups per thread: 4 chunks in flight
-  static_assert(kLanes >= 1 && kLanes <= 32 && (32 % kLanes) == 0);
-};
-
-// Vectorised QDQ over num_groups groups of kOwn 16-byte chunks. Blocks are whole because cols is a
-// multiple of the block and warps start on group multiples of 32.
+// Vectorised QDQ over num_chunks 16-byte chunks. A block of the format spans kLanes consecutive
+// lanes (1 for per-tensor formats), which exchange their partial maxima with shuffles; blocks are
+// whole because cols is a multiple of the block and warps start on chunk multiples of 32.
 template <typename T, Format F>
 __global__ void __launch_bounds__(kThreads) qdq_vec_kernel(const T* __restrict__ x, T* y,
-                                                           int64_t num_groups, const float* amax) {
+                                                           int64_t num_chunks, const float* amax) {
   using C = Chunk<T>;
-  using L = Layout<T, F>;
+  constexpr int kLanes = Rule<F>::kBlock ? Rule<F>::kBlock / C::kN : 1;
+  static_assert(kLanes >= 1 && kLanes <= 32 && (32 % kLanes) == 0);
   __shared__ typename Rule<F>::Shared shared;
   const Rule<F> rule(amax, shared);
-  const int64_t first = int64_t(blockIdx.x) * L::kUnroll * kThreads + threadIdx.x;
-  C in[L::kUnroll][L::kOwn];
+  const int64_t first = int64_t(blockIdx.x) * kUnroll * kThreads + threadIdx.x;
+  C in[kUnroll];
 #pragma unroll
-  for (int u = 0; u < L::kUnroll; ++u) {
-    const int64_t g = first + int64_t(u) * kThreads;
-#pragma unroll
-    for (int j = 0; j < L::kOwn; ++j)
-      in[u][j].raw = g < num_groups ? __ldg(reinterpret_cast<const int4*>(x) + g * L::kOwn + j)
-                                    : make_int4(0, 0, 0, 0);
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t c = first + int64_t(u) * kThreads;
+    in[u].raw = c < num_chunks ? __ldg(reinterpret_cast<const int4*>(x) + c) : make_int4(0, 0, 0, 0);
   }
   __syncthreads();
 #pragma unroll
-  for (int u = 0; u < L::kUnroll; ++u) {
-    const int64_t g = first + int64_t(u) * kThreads;
-    float v[L::kOwn][C::kN];
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t c = first + int64_t(u) * kThreads;
+    float v[C::kN];
     float m = 0.0f;
 #pragma unroll
-    for (int j = 0; j < L::kOwn; ++j)
-#pragma unroll
-      for (int i = 0; i < C::kN; ++i) {
-        v[j][i] = to_f32(in[u][j].v[i]);
-        m = rule.reduce(m, v[j][i]);
-      }
-#pragma unroll
-    for (int o = 1; o < L::kLanes; o <<= 1) m = max_ignore_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    const auto param = rule.block_param(m);
-#pragma unroll
-    for (int j = 0; j < L::kOwn; ++j) {
-#pragma unroll
-      for (int i = 0; i < C::kN; ++i) v[j][i] = rule.apply(v[j][i], param);
-      if (g < num_groups) __stcs(reinterpret_cast<int4*>(y) + g * L::kOwn + j, pack(v[j]));
+    for (int i = 0; i < C::kN; ++i) {
+      v[i] = to_f32(in[u].v[i]);
+      m = rule.reduce(m, v[i]);
     }
+#pragma unroll
+    for (int o = 1; o < kLanes; o <<= 1) m = max_ignore_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    const auto param = rule.block_param(m);
+    if constexpr (requires { rule.apply_chunk(v, param); }) {
+      rule.apply_chunk(v, param);
+    } else {
+#pragma unroll
+      for (int i = 0; i < C::kN; ++i) v[i] = rule.apply(v[i], param);
+    }
+    if (c < num_chunks) __stcs(reinterpret_cast<int4*>(y) + c, pack(v));
   }
 }
 
@@ -221,11 +220,10 @@ void launch_format(const T* x, T* y, int64_t rows, int64_t cols, const float* am
     MOEFQ_CUDA_CHECK_LAUNCH();
     return;
   }
-  using L = Layout<T, F>;
-  const int64_t num_chunks = n / kN;  // a multiple of kOwn: cols is a multiple of the block
+  const int64_t num_chunks = n / kN;
   if (num_chunks > 0) {
-    qdq_vec_kernel<T, F><<<grid_for(num_chunks / L::kOwn, kThreads * L::kUnroll), kThreads, 0, stream>>>(
-        x, y, num_chunks / L::kOwn, amax);
+    qdq_vec_kernel<T, F><<<grid_for(num_chunks, kThreads * kUnroll), kThreads, 0, stream>>>(
+        x, y, num_chunks, amax);
     MOEFQ_CUDA_CHECK_LAUNCH();
   }
   const int64_t tail = n - num_chunks * kN;  // per-tensor formats only: the last < 16 bytes

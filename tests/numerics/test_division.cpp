@@ -32,9 +32,15 @@ TEST(Division, Nvfp4ReciprocalPathEqualsDivisionOnEveryBf16AndScale) {
       const float rcp = div_rn(1.0f, scale);
       for (uint32_t b = 0; b < 65536; ++b) {
         const float x = bf16_to_f32(uint16_t(b));
-        float want, got;  // as stored (NaN canonical)
+        float want, got, unclamped;  // as stored (NaN canonical)
         store_out(&want, nvfp4_qdq(x, scale));
         store_out(&got, nvfp4_qdq_recip(x, scale, rcp));
+        // Where a block with max |x| = |x| would skip the clamp, the unclamped path must agree.
+        if (!nvfp4_block_needs_clamp(abs_f32(x), rcp)) {
+          store_out(&unclamped, nvfp4_qdq_recip<false>(x, scale, rcp));
+          if (f32_bits(unclamped) != f32_bits(want) && mismatches++ < 5)
+            ADD_FAILURE() << "unclamped: x=0x" << std::hex << f32_bits(x) << " scale=0x" << f32_bits(scale);
+        }
         ++checked;
         if (f32_bits(want) != f32_bits(got) && mismatches++ < 5)
           ADD_FAILURE() << "x=0x" << std::hex << f32_bits(x) << " scale=0x" << f32_bits(scale)

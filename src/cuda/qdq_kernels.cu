@@ -84,14 +84,15 @@ struct Rule<Format::kNvfp4> {
     return {table.scale[sf], rcp, nvfp4_block_needs_clamp(bmax, rcp)};
   }
   // The clamp is needed only in blocks with |x| far beyond the scale (data above the calibrated
-  // amax, or inf): the branch is uniform per block and rarely taken.
+  // amax, or inf).
   __device__ float apply(float x, Nvfp4Block b) const {
     return b.clamp ? nvfp4_qdq_recip<true>(x, b.scale, b.rcp) : nvfp4_qdq_recip<false>(x, b.scale, b.rcp);
   }
-  // The same over a chunk, with the branch outside the element loop.
+  // The same over a chunk, with the branch outside the element loop and uniform across the warp
+  // (a warp with any saturating block takes the clamped path): no divergence.
   template <int kN>
   __device__ void apply_chunk(float (&v)[kN], Nvfp4Block b) const {
-    if (b.clamp) {
+    if (__any_sync(0xFFFFFFFFu, b.clamp)) {
 #pragma unroll
       for (int i = 0; i < kN; ++i) v[i] = nvfp4_qdq_recip<true>(v[i], b.scale, b.rcp);
     } else {

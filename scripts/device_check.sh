@@ -28,6 +28,8 @@ labels="gpu|cpu"
 ctest --test-dir build-dev -L "$labels" --output-on-failure -j8 > "$OUT/ctest.log" 2>&1
 test_rc=$?
 grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | tail -n 30
+# Figures some tests measure and print (ctest shows output only on failure).
+build-dev/tests/test_qdq_cuda --gtest_filter='CudaQdq.Nvfp4Approx*' 2>&1 | grep -E "differ|OK|FAILED" | tee "$OUT/measured.txt"
 
 if [ "$mode" != quick ]; then
   step "compute-sanitizer memcheck + racecheck (small cases)"

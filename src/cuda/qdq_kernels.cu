@@ -102,28 +102,26 @@ struct Rule<Format::kNvfp4> {
   }
 };
 
-template <>
-struct Rule<Format::kMxfp8> {
+// mxfp8 and mxfp4 differ only in the element format.
+template <Format F>
+struct MxRule {
   static constexpr int kBlock = kMxBlock;
+  static constexpr bool kFp8 = F == Format::kMxfp8;
   using Shared = NoShared;
-  __device__ Rule(const float*, Shared&) {}
+  __device__ MxRule(const float*, Shared&) {}
   __device__ float reduce(float m, float x) const { return max_ignore_nan(m, abs_f32(x)); }
   __device__ MxScale block_param(float bmax) const {
-    return mx_scale(mx_block_exponent(bmax, kE4m3Max));
+    return mx_scale(mx_block_exponent(bmax, kFp8 ? kE4m3Max : kE2m1Max));
   }
-  __device__ float apply(float x, MxScale s) const { return mxfp8_qdq(x, s); }
+  __device__ float apply(float x, MxScale s) const { return kFp8 ? mxfp8_qdq(x, s) : mxfp4_qdq(x, s); }
 };
-
 template <>
-struct Rule<Format::kMxfp4> {
-  static constexpr int kBlock = kMxBlock;
-  using Shared = NoShared;
-  __device__ Rule(const float*, Shared&) {}
-  __device__ float reduce(float m, float x) const { return max_ignore_nan(m, abs_f32(x)); }
-  __device__ MxScale block_param(float bmax) const {
-    return mx_scale(mx_block_exponent(bmax, kE2m1Max));
-  }
-  __device__ float apply(float x, MxScale s) const { return mxfp4_qdq(x, s); }
+struct Rule<Format::kMxfp8> : MxRule<Format::kMxfp8> {
+  using MxRule::MxRule;
+};
+template <>
+struct Rule<Format::kMxfp4> : MxRule<Format::kMxfp4> {
+  using MxRule::MxRule;
 };
 
 // 16 bytes of outputs: bf16 pairs with one packed conversion each, fp32 as is (NaN canonical).

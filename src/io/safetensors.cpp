@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "moefq/errors.h"
+#include "moefq/fileio.h"
 
 namespace moefq {
 namespace {
@@ -232,28 +233,6 @@ void check_coverage(const std::vector<TensorInfo>& tensors, uint64_t data_size, 
               " trailing bytes [", cursor, ", ", data_size, ") not covered by any tensor");
 }
 
-// Writes all of `bytes` to `fd`, retrying short writes and EINTR.
-void write_all(int fd, const uint8_t* data, size_t size, const std::string& tmp_path) {
-  while (size > 0) {
-    const ssize_t n = ::write(fd, data, size);
-    if (n < 0 && errno == EINTR) continue;
-    MOEFQ_CHECK(n > 0, tmp_path, ": write failed: ", n < 0 ? std::strerror(errno) : "wrote nothing");
-    data += n;
-    size -= static_cast<size_t>(n);
-  }
-}
-
-// Owns the temporary output until it is renamed: closes it and, unless committed, removes it.
-struct TempFile {
-  int fd = -1;
-  std::string path;
-  bool committed = false;
-  ~TempFile() {
-    if (fd >= 0) ::close(fd);
-    if (!committed && !path.empty()) ::unlink(path.c_str());
-  }
-};
-
 }  // namespace
 
 const char* st_dtype_name(StDtype dtype) { return dtype_entry(dtype).name; }
@@ -424,30 +403,13 @@ void SafetensorsWriter::write(const std::string& path) const {
   MOEFQ_CHECK(text.size() <= kMaxSafetensorsHeaderBytes, path, ": header of ", text.size(),
               " bytes exceeds the ", kMaxSafetensorsHeaderBytes, "-byte limit readers accept");
 
-  // Same directory as the output so the final rename stays within one file system.
-  TempFile tmp;
-  std::string tmp_template = path + ".tmp.XXXXXX";
-  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  tmp.fd = ::mkstemp(tmp_template.data());
-  MOEFQ_CHECK(tmp.fd >= 0, path, ": cannot create a temporary file in ",
-              dir.empty() ? std::string(".") : dir.string(), ": ", std::strerror(errno));
-  tmp.path = tmp_template;
-
+  AtomicFile out(path);
   uint8_t prefix[8];
   for (int i = 0; i < 8; ++i) prefix[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
-  write_all(tmp.fd, prefix, sizeof(prefix), tmp.path);
-  write_all(tmp.fd, reinterpret_cast<const uint8_t*>(text.data()), text.size(), tmp.path);
-  for (const Pending& t : tensors_) write_all(tmp.fd, t.bytes.data(), t.bytes.size(), tmp.path);
-
-  // mkstemp creates 0600; give the output ordinary permissions.
-  MOEFQ_CHECK(::fchmod(tmp.fd, 0644) == 0, tmp.path, ": chmod failed: ", std::strerror(errno));
-  MOEFQ_CHECK(::fsync(tmp.fd) == 0, tmp.path, ": fsync failed: ", std::strerror(errno));
-  const int close_rc = ::close(tmp.fd);
-  tmp.fd = -1;
-  MOEFQ_CHECK(close_rc == 0, tmp.path, ": close failed: ", std::strerror(errno));
-  MOEFQ_CHECK(::rename(tmp.path.c_str(), path.c_str()) == 0, path, ": cannot rename ", tmp.path,
-              " into place: ", std::strerror(errno));
-  tmp.committed = true;
+  out.write(prefix, sizeof(prefix));
+  out.write(text.data(), text.size());
+  for (const Pending& t : tensors_) out.write(t.bytes.data(), t.bytes.size());
+  out.commit();
 }
 
 }  // namespace moefq

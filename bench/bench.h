@@ -1,9 +1,12 @@
-// Benchmark programs run by `moefq bench ...` (CUDA builds only). No CUDA types here.
+// Benchmark programs run by `moefq bench ...`. No CUDA types here; run_bench_qdq exists in CUDA
+// builds only.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "moefq/weights.h"
 
 namespace moefq::bench {
 
@@ -20,5 +23,18 @@ struct QdqBenchOptions {
 // copy of the same bytes measured in the same run; one correctness check per case against the CPU
 // reference. Returns 0, or 1 when a check failed.
 int run_bench_qdq(const QdqBenchOptions& options);
+
+struct EngineCpuBenchOptions {
+  std::string preset = "tiny";
+  int64_t ranks = 4, tokens = 256;
+  WeightFormat format = WeightFormat::kE4m3;
+  int threads = 0;  // 0: all hardware threads
+  int reps = 5;
+  std::string json;
+};
+
+// One layer call of the CPU engine on synthetic weights and activations, routed by the router:
+// median wall time of `reps` calls after one warm-up call.
+int run_bench_engine_cpu(const EngineCpuBenchOptions& options);
 
 }  // namespace moefq::bench

@@ -433,6 +433,33 @@ MOEFQ_HD float int8_qdq_recip(float x, Int8Params p, float rcp) {
   return div_rn_recip(float(int8_encode_sat(mul_rn(x, p.s))), p.s, rcp);
 }
 
+// exp and SiLU for the engine's SwiGLU, written with the spec's binary32 operations only, so CPU
+// and GPU compute the same bits (library expf differs between them). Cody-Waite reduction
+// x = n ln2 + r, |r| <= ln2/2, then a degree-7 Taylor polynomial; a few ulp from exact.
+MOEFQ_HD float exp_f32(float x) {
+  if (is_nan(x)) return canonical_nan_f32();
+  if (x > 88.72283935546875f) return f32_from_bits(0x7F800000u);
+  if (x < -103.97207641601562f) return 0.0f;
+  const float n = rint_f32(mul_rn(x, 1.44269502162933349609f));
+  // ln2 = kLn2Hi + kLn2Lo; n * kLn2Hi is exact for |n| < 2^12 (kLn2Hi has 12 significant bits).
+  const float r = add_rn(add_rn(x, -mul_rn(n, 0.693145751953125f)), -mul_rn(n, 1.42860682030941723212e-6f));
+  float p = 1.98412698412698412526e-4f;  // 1/5040
+  p = add_rn(mul_rn(p, r), 1.38888888888888894189e-3f);
+  p = add_rn(mul_rn(p, r), 8.33333333333333321769e-3f);
+  p = add_rn(mul_rn(p, r), 4.16666666666666643537e-2f);
+  p = add_rn(mul_rn(p, r), 1.66666666666666657415e-1f);
+  p = add_rn(mul_rn(p, r), 0.5f);
+  p = add_rn(mul_rn(p, r), 1.0f);
+  p = add_rn(mul_rn(p, r), 1.0f);
+  const int ni = int(n);
+  // 2^n in two steps so that results in the subnormal range are reached without overflow.
+  if (ni < -126) return mul_rn(mul_rn(p, exp2i(ni + 64)), exp2i(-64));
+  if (ni > 127) return mul_rn(mul_rn(p, exp2i(ni - 1)), 2.0f);
+  return mul_rn(p, exp2i(ni));
+}
+// silu(g) = g / (1 + exp(-g)).
+MOEFQ_HD float silu_f32(float g) { return div_rn(g, add_rn(1.0f, exp_f32(-g))); }
+
 // e4m3 staging of expert inputs (1 x 128 blocks, fp32 scales): the real FP8 cast of the engine.
 // block_amax is the max |x| over the block's non-NaN elements.
 MOEFQ_HD float stage_scale(float block_amax) {

@@ -1,19 +1,26 @@
-// moefq bench: benchmark programs (CUDA builds only).
+// moefq bench: benchmark programs (the GPU ones in CUDA builds only).
 #include <CLI/CLI.hpp>
 
 #include <memory>
 
 #include "cli/commands.h"
-#include "moefq/errors.h"
-#ifdef MOEFQ_HAS_CUDA
 #include "bench/bench.h"
-#endif
+#include "moefq/errors.h"
 
 namespace moefq::cli {
 
 std::function<int()> add_bench_command(CLI::App& app) {
-  CLI::App* bench = app.add_subcommand("bench", "Benchmarks on the GPU, with the measured ceilings beside every figure.");
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks, with the measured ceilings beside every GPU figure.");
   bench->require_subcommand(1);
+  CLI::App* ecpu = bench->add_subcommand("engine-cpu", "One MoE layer call of the CPU engine (all simulated ranks), timed.");
+  auto eo = std::make_shared<bench::EngineCpuBenchOptions>();
+  ecpu->add_option("--preset", eo->preset, "model preset (default tiny)");
+  ecpu->add_option("--ranks", eo->ranks, "simulated ranks (default 4)")->check(CLI::Range(1, 64));
+  ecpu->add_option("--tokens", eo->tokens, "tokens per rank (default 256)")->check(CLI::Range(1, 1 << 20));
+  ecpu->add_option("--threads", eo->threads, "CPU threads (default: all)")->check(CLI::Range(0, 1024));
+  ecpu->add_option("--reps", eo->reps, "timed calls (default 5)")->check(CLI::Range(1, 1000));
+  ecpu->add_option("--json", eo->json, "also write the result as JSON to this file");
+  ecpu->footer("Example:\n  moefq bench engine-cpu --preset tiny --ranks 4 --tokens 256");
   CLI::App* qdq = bench->add_subcommand(
       "qdq", "QDQ kernels on [rows, cols] bf16: time, GB/s (read + write) and the ratio to a "
              "device-to-device copy of the same bytes, measured in the same run.");
@@ -26,10 +33,14 @@ std::function<int()> add_bench_command(CLI::App& app) {
   qdq->add_option("--launches", o->launches_per_graph, "launches captured per graph")->check(CLI::Range(1, 1000));
   qdq->add_option("--json", o->json, "also write the results as JSON to this file");
   qdq->footer("Example:\n  moefq bench qdq --rows 32768 --json bench_qdq.json");
-  return [bench, qdq, o] { return qdq->parsed() ? bench::run_bench_qdq(*o) : 0; };
+  return [qdq, o, ecpu, eo] {
+    if (ecpu->parsed()) return bench::run_bench_engine_cpu(*eo);
+    return qdq->parsed() ? bench::run_bench_qdq(*o) : 0;
+  };
 #else
-  return [bench, qdq]() -> int {
-    MOEFQ_CHECK(!qdq->parsed(), "moefq bench: this moefq was built without CUDA (no nvcc was found)");
+  return [qdq, ecpu, eo]() -> int {
+    if (ecpu->parsed()) return bench::run_bench_engine_cpu(*eo);
+    MOEFQ_CHECK(!qdq->parsed(), "moefq bench qdq: this moefq was built without CUDA (no nvcc was found)");
     return 0;
   };
 #endif

@@ -1,0 +1,65 @@
+// moefq bench engine-cpu: one layer call of the CPU engine (all simulated ranks), timed.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "bench/bench.h"
+#include "moefq/cpu_engine.h"
+#include "moefq/errors.h"
+#include "moefq/fileio.h"
+#include "moefq/router.h"
+#include "moefq/synthetic.h"
+
+namespace moefq::bench {
+
+int run_bench_engine_cpu(const EngineCpuBenchOptions& o) {
+  const MoeConfig cfg = preset(o.preset);
+  MOEFQ_CHECK(o.ranks >= 1 && cfg.num_experts % o.ranks == 0, "--ranks must divide the expert count (",
+              cfg.num_experts, ")");
+  MOEFQ_CHECK(o.tokens >= 1, "--tokens must be >= 1");
+  const int64_t R = o.ranks, T = o.tokens, H = cfg.hidden, K = cfg.top_k, el = cfg.num_experts / R;
+  std::fprintf(stderr, "moefq bench engine-cpu: %s, %lld ranks x %lld tokens, %s weights, generating...\n",
+               cfg.name.c_str(), (long long)R, (long long)T, weight_format_name(o.format));
+  std::vector<LayerWeights> w;
+  for (int64_t r = 0; r < R; ++r) w.push_back(synthetic_weights(cfg, o.format, 1, r * el, el));
+  CpuEngine eng(cfg, R, T, w, {true, o.threads});
+  std::vector<std::vector<bf16>> x(static_cast<size_t>(R)), y(static_cast<size_t>(R));
+  std::vector<Routing> routing;
+  std::vector<RankBatch> batches;
+  int64_t rows = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    for (float v : synthetic_activations(T, H, uint64_t(100 + r))) x[size_t(r)].push_back({bf16_round(v)});
+    y[size_t(r)].resize(size_t(T * H));
+    routing.push_back(route(cfg, x[size_t(r)].data(), T, w[0].gate, w[0].gate_bias));
+    for (int32_t e : routing.back().topk_idx) rows += e >= 0;
+  }
+  for (int64_t r = 0; r < R; ++r)
+    batches.push_back({x[size_t(r)].data(), T, routing[size_t(r)].topk_idx.data(), routing[size_t(r)].topk_weights.data(),
+                       y[size_t(r)].data()});
+  std::vector<double> ms;
+  for (int i = 0; i < o.reps + 1; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    eng.forward(batches);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (i > 0) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());  // first call warms up
+  }
+  std::sort(ms.begin(), ms.end());
+  const double med = ms[ms.size() / 2];
+  const int64_t Is = cfg.intermediate * cfg.num_shared;
+  const double flops = double(rows) * 6.0 * double(H) * double(cfg.intermediate) + double(R * T) * 6.0 * double(H) * double(Is);
+  std::printf("preset %s  ranks %lld  tokens/rank %lld  routed rows %lld  threads %d\n", cfg.name.c_str(),
+              (long long)R, (long long)T, (long long)rows, o.threads);
+  std::printf("layer call: median %.2f ms (min %.2f, max %.2f, %d calls)  %.2f GFLOP/s  %.0f tokens/s\n", med,
+              ms.front(), ms.back(), o.reps, flops / med * 1e-6, double(R * T) / med * 1e3);
+  if (!o.json.empty()) {
+    nlohmann::json j = {{"tool", "moefq bench engine-cpu"}, {"preset", cfg.name}, {"ranks", R}, {"tokens_per_rank", T},
+                        {"routed_rows", rows}, {"threads", o.threads}, {"median_ms", med}, {"min_ms", ms.front()},
+                        {"gflops", flops / med * 1e-6}};
+    write_file_atomic(o.json, j.dump(2) + "\n");
+  }
+  (void)K;
+  return 0;
+}
+
+}  // namespace moefq::bench

@@ -1,0 +1,64 @@
+// Expert weights of one MoE layer: e4m3 with fp32 128x128 block scales (the DeepSeek-V3
+// checkpoint format) or bf16; a seeded synthetic generator and a loader for one layer of a
+// DeepSeek-V3-format checkpoint that reads only the experts a rank holds.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moefq/moe_config.h"
+#include "moefq/numerics.h"
+
+namespace moefq {
+
+enum class WeightFormat { kE4m3, kBf16 };
+const char* weight_format_name(WeightFormat f);
+
+// One expert: gate_up [2I, H] (rows [0, I) gate, [I, 2I) up) and down [H, I], row-major.
+// e4m3: *_e4m3 bytes and *_scale fp32 per 128x128 block ([2I/128, H/128] and [H/128, I/128]);
+// dequantized weight = e4m3_decode(w) * scale. bf16: *_bf16.
+struct ExpertWeights {
+  int64_t hidden = 0, intermediate = 0;
+  WeightFormat format = WeightFormat::kE4m3;
+  std::vector<uint8_t> gate_up_e4m3, down_e4m3;
+  std::vector<float> gate_up_scale, down_scale;
+  std::vector<bf16> gate_up_bf16, down_bf16;
+
+  // The dequantized fp32 matrices ([2I, H] and [H, I]).
+  std::vector<float> gate_up_f32() const;
+  std::vector<float> down_f32() const;
+};
+
+struct LayerWeights {
+  int64_t first_expert = 0;             // global id of experts[0]
+  std::vector<ExpertWeights> experts;   // the rank's local routed experts
+  std::vector<ExpertWeights> shared;    // 0 or 1: the shared expert(s) as one expert of I * S
+  std::vector<float> gate;              // [E, H] router weight: the values of the bf16 weight
+                                        // (a checkpoint's F32 gate is kept as it is)
+  std::vector<float> gate_bias;         // [E] e_score_correction_bias when cfg.noaux_tc, else empty
+};
+
+// Seeded synthetic weights whose value distributions resemble real checkpoints (per 128x128 block a
+// scale in [2^-12, 2^-8], log-uniform, and e4m3 codes e4m3_sat(N(0, sigma)), sigma in 0.3..0.5 of
+// 448). Experts [first_expert, first_expert + num_local) and, when cfg.num_shared > 0, the shared
+// expert (intermediate I * S). Expert e depends only on (seed, e), never on the range asked for;
+// the router weight (bf16 values of N(0, 1/sqrt(H))) and bias (N(0, 0.01), only with noaux_tc)
+// are the same on every rank for a given seed. kBf16 gives the bf16 rounding of the same
+// dequantized e4m3 weights. Throws for an expert range outside [0, E).
+LayerWeights synthetic_weights(const MoeConfig& cfg, WeightFormat format, uint64_t seed,
+                               int64_t first_expert, int64_t num_local);
+
+// One MoE layer of a DeepSeek-V3-format checkpoint directory (model.safetensors.index.json and
+// shards): model.layers.{layer}.mlp.experts.{e}.{gate,up,down}_proj.weight (e4m3) and
+// .weight_scale_inv (fp32), mlp.shared_experts.*, mlp.gate.weight, mlp.gate.e_score_correction_bias.
+// Without an index, a single model.safetensors. Loads only experts [first_expert,
+// first_expert + num_local), opening each shard once. The format is the checkpoint's: kE4m3 when
+// the expert weights are F8_E4M3 (scale_inv required), kBf16 when they are BF16; gate.weight may be
+// BF16 or F32; the bias is required (and loaded) only with cfg.noaux_tc. Missing tensors or shard
+// files, wrong shapes or dtypes, a malformed index and an expert range outside [0, E) are
+// moefq::Error (bad input) naming the tensor and the file.
+LayerWeights load_deepseek_layer(const std::string& dir, int64_t layer, const MoeConfig& cfg,
+                                 int64_t first_expert, int64_t num_local);
+
+}  // namespace moefq

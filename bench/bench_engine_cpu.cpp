@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "bench/bench.h"
 #include "moefq/cpu_engine.h"
@@ -18,7 +19,7 @@ int run_bench_engine_cpu(const EngineCpuBenchOptions& o) {
   MOEFQ_CHECK(o.ranks >= 1 && cfg.num_experts % o.ranks == 0, "--ranks must divide the expert count (",
               cfg.num_experts, ")");
   MOEFQ_CHECK(o.tokens >= 1, "--tokens must be >= 1");
-  const int64_t R = o.ranks, T = o.tokens, H = cfg.hidden, K = cfg.top_k, el = cfg.num_experts / R;
+  const int64_t R = o.ranks, T = o.tokens, H = cfg.hidden, el = cfg.num_experts / R;
   std::fprintf(stderr, "moefq bench engine-cpu: %s, %lld ranks x %lld tokens, %s weights, generating...\n",
                cfg.name.c_str(), (long long)R, (long long)T, weight_format_name(o.format));
   std::vector<LayerWeights> w;
@@ -48,17 +49,17 @@ int run_bench_engine_cpu(const EngineCpuBenchOptions& o) {
   const double med = ms[ms.size() / 2];
   const int64_t Is = cfg.intermediate * cfg.num_shared;
   const double flops = double(rows) * 6.0 * double(H) * double(cfg.intermediate) + double(R * T) * 6.0 * double(H) * double(Is);
-  std::printf("preset %s  ranks %lld  tokens/rank %lld  routed rows %lld  threads %d\n", cfg.name.c_str(),
-              (long long)R, (long long)T, (long long)rows, o.threads);
+  const unsigned threads = o.threads > 0 ? unsigned(o.threads) : std::max(1u, std::thread::hardware_concurrency());
+  std::printf("preset %s  ranks %lld  tokens/rank %lld  routed rows %lld  threads %u\n", cfg.name.c_str(),
+              (long long)R, (long long)T, (long long)rows, threads);
   std::printf("layer call: median %.2f ms (min %.2f, max %.2f, %d calls)  %.2f GFLOP/s  %.0f tokens/s\n", med,
               ms.front(), ms.back(), o.reps, flops / med * 1e-6, double(R * T) / med * 1e3);
   if (!o.json.empty()) {
     nlohmann::json j = {{"tool", "moefq bench engine-cpu"}, {"preset", cfg.name}, {"ranks", R}, {"tokens_per_rank", T},
-                        {"routed_rows", rows}, {"threads", o.threads}, {"median_ms", med}, {"min_ms", ms.front()},
+                        {"routed_rows", rows}, {"threads", threads}, {"median_ms", med}, {"min_ms", ms.front()},
                         {"gflops", flops / med * 1e-6}};
     write_file_atomic(o.json, j.dump(2) + "\n");
   }
-  (void)K;
   return 0;
 }
 

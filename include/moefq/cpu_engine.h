@@ -54,8 +54,23 @@ class CpuEngine {
  private:
   struct PreparedExpert;
   struct Scratch;
-  void expert_row(const PreparedExpert& e, const uint8_t* a8, const float* a_scale, float weight,
-                  uint8_t* h8, float* h_scale, bf16* out, Scratch& s) const;
+  static constexpr int kRowsPerGroup = 4;  // rows of one expert computed together
+  // Where the rows of one group live: inputs, router weights, re-staged intermediates, outputs.
+  struct RowRefs {
+    const uint8_t* a8[kRowsPerGroup];
+    const float* a_scale[kRowsPerGroup];
+    float weight[kRowsPerGroup];
+    uint8_t* h8[kRowsPerGroup];
+    float* h_scale[kRowsPerGroup];
+    bf16* out[kRowsPerGroup];
+  };
+  struct Group {
+    const PreparedExpert* expert;
+    int n;
+    RowRefs rows;
+  };
+  void expert_rows(const PreparedExpert& e, int n, const RowRefs& rows, Scratch& s) const;
+  void run_groups(const std::vector<Group>& groups) const;
 
   MoeConfig cfg_;
   EngineOptions opt_;

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <thread>
 
+#include "engine/gemm_cpu.h"
 #include "engine/parallel.h"
 #include "moefq/errors.h"
 #include "moefq/qdq.h"
@@ -41,34 +42,6 @@ void prepare_matrix(const std::vector<uint8_t>& w8, const std::vector<float>& sc
     MOEFQ_ASSERT(int64_t(wbf.size()) == rows * cols, "expert weights: bad bf16 shape");
     for (size_t i = 0; i < out.size(); ++i) out[i] = to_f32(wbf[i]);
     out_scale.assign(size_t(sb), 1.0f);
-  }
-}
-
-// Sum of a[k] * w[k] over one 128-element block in a fixed order: 16 lanes over k mod 16, then
-// the lanes pairwise. The products of two e4m3 values (or e4m3 and bf16) are exact in fp32.
-__attribute__((always_inline)) inline float dot_block(const float* a, const float* w) {
-  float lane[16] = {};
-  for (int k = 0; k < kB; k += 16)
-    for (int j = 0; j < 16; ++j) lane[j] += a[k + j] * w[k + j];
-  for (int width = 8; width >= 1; width /= 2)
-    for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
-  return lane[0];
-}
-
-// out[n] = sum over k-blocks b ascending of dot_block(a, w[n], b) * (a_scale[b] * w_scale[n/128][b]),
-// accumulated in fp32 from +0: the GEMM of one staged row (DeepGEMM's promotion every 128 of K).
-// Built for AVX2 and AVX-512 too (chosen at run time); the lanes fix the order, so every build
-// computes the same bits.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void gemm_row(const float* a, const float* a_scale, const float* w, const float* w_scale, int64_t n_out,
-              int64_t k_dim, float* out) {
-  const int64_t kb = k_dim / kB;
-  for (int64_t n = 0; n < n_out; ++n) {
-    const float* wn = w + n * k_dim;
-    const float* sn = w_scale + (n / kB) * kb;
-    float acc = 0.0f;
-    for (int64_t b = 0; b < kb; ++b) acc += dot_block(a + b * kB, wn + b * kB) * (a_scale[b] * sn[b]);
-    out[n] = acc;
   }
 }
 
@@ -153,30 +126,43 @@ std::span<const uint8_t> CpuEngine::buffer(int64_t rank) const {
   return buffers_[size_t(rank)];
 }
 
-// One routed (or shared) row: gate/up GEMM on the staged input, bf16 rounding, clamp,
-// h = silu(g) * u * weight, re-staging, down GEMM, bf16 rounding (engine.md, steps 1-5).
-void CpuEngine::expert_row(const PreparedExpert& e, const uint8_t* a8, const float* a_scale, float weight,
-                           uint8_t* h8, float* h_scale, bf16* out, Scratch& s) const {
+// Up to kGemmRows rows through one expert: gate/up GEMM on the staged input, bf16 rounding,
+// clamp, h = silu(g) * u * weight, re-staging, down GEMM, bf16 rounding (engine.md, steps 1-5).
+// Row r reads a8[r] / a_scale[r], writes h8[r] / h_scale[r] and out[r].
+void CpuEngine::expert_rows(const PreparedExpert& e, int n, const RowRefs& rows, Scratch& s) const {
   const int64_t H = e.hidden, I = e.inter;
-  s.a.resize(size_t(std::max(H, I)));
-  s.gu.resize(size_t(std::max(2 * I, H)));
+  s.a.resize(size_t(kGemmRows * std::max(H, I)));
+  s.gu.resize(size_t(kGemmRows * std::max(2 * I, H)));
   s.h.resize(size_t(I));
-  for (int64_t i = 0; i < H; ++i) s.a[size_t(i)] = e4m3_decode(a8[i]);
-  gemm_row(s.a.data(), a_scale, e.gate_up.data(), e.gate_up_scale.data(), 2 * I, H, s.gu.data());
-  for (int64_t i = 0; i < I; ++i) {
-    float g = bf16_to_f32(bf16_round(s.gu[size_t(i)]));
-    float u = bf16_to_f32(bf16_round(s.gu[size_t(I + i)]));
-    if (cfg_.swiglu_clamp) {
-      const float c = *cfg_.swiglu_clamp;
-      g = g < c ? g : c;
-      u = u < -c ? -c : (u > c ? c : u);
-    }
-    s.h[size_t(i)] = mul_rn(mul_rn(silu_f32(g), u), weight);
+  const float* a[kGemmRows];
+  float* gu[kGemmRows];
+  for (int r = 0; r < n; ++r) {
+    float* ar = s.a.data() + r * std::max(H, I);
+    for (int64_t i = 0; i < H; ++i) ar[i] = e4m3_decode(rows.a8[r][i]);
+    a[r] = ar;
+    gu[r] = s.gu.data() + r * std::max(2 * I, H);
   }
-  stage_row(s.h.data(), I, h8, h_scale);
-  for (int64_t i = 0; i < I; ++i) s.a[size_t(i)] = e4m3_decode(h8[i]);
-  gemm_row(s.a.data(), h_scale, e.down.data(), e.down_scale.data(), H, I, s.gu.data());
-  for (int64_t i = 0; i < H; ++i) out[i].bits = bf16_round(s.gu[size_t(i)]);
+  gemm_rows(n, a, rows.a_scale, e.gate_up.data(), e.gate_up_scale.data(), 2 * I, H, gu);
+  for (int r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < I; ++i) {
+      float g = bf16_to_f32(bf16_round(gu[r][i]));
+      float u = bf16_to_f32(bf16_round(gu[r][I + i]));
+      if (cfg_.swiglu_clamp) {
+        const float c = *cfg_.swiglu_clamp;
+        g = g < c ? g : c;
+        u = u < -c ? -c : (u > c ? c : u);
+      }
+      s.h[size_t(i)] = mul_rn(mul_rn(silu_f32(g), u), rows.weight[r]);
+    }
+    stage_row(s.h.data(), I, rows.h8[r], rows.h_scale[r]);
+    float* ar = s.a.data() + r * std::max(H, I);
+    for (int64_t i = 0; i < I; ++i) ar[i] = e4m3_decode(rows.h8[r][i]);
+  }
+  const float* h_scale[kGemmRows];
+  for (int r = 0; r < n; ++r) h_scale[r] = rows.h_scale[r];
+  gemm_rows(n, a, h_scale, e.down.data(), e.down_scale.data(), H, I, gu);
+  for (int r = 0; r < n; ++r)
+    for (int64_t i = 0; i < H; ++i) rows.out[r][i].bits = bf16_round(gu[r][i]);
 }
 
 void CpuEngine::forward(std::span<const RankBatch> batches) {
@@ -227,55 +213,52 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
   }
 
   // Expert side: pull each listed row (e4m3 bytes and scales) from its token rank into the pool,
-  // then run the expert on it; the output row goes into the token rank's combine region.
-  struct Job {
-    int64_t rank, local_expert, pool_row, entry;
+  // then run the expert on it; the output row goes into the token rank's combine region. Rows of
+  // one expert are computed in groups; each writes only its own pool and combine rows.
+  const int64_t imax = std::max(sh.intermediate, sh.shared_intermediate), ib = imax / kB;
+  std::vector<Group> groups;
+  auto add_row = [&](const PreparedExpert* e, bool new_group, const uint8_t* a8, const float* as, float w,
+                     uint8_t* h8, float* hs, bf16* out) {
+    if (new_group || groups.empty() || groups.back().n == kRowsPerGroup) groups.push_back({e, 0, {}});
+    Group& g = groups.back();
+    g.rows.a8[g.n] = a8;
+    g.rows.a_scale[g.n] = as;
+    g.rows.weight[g.n] = w;
+    g.rows.h8[g.n] = h8;
+    g.rows.h_scale[g.n] = hs;
+    g.rows.out[g.n] = out;
+    ++g.n;
   };
-  std::vector<Job> jobs;
   for (int64_t d = 0; d < R; ++d) {
     auto& buf = buffers_[size_t(d)];
     int64_t row = 0;
     for (int64_t le = 0; le < el; ++le) {
       const int32_t n = at<int32_t>(buf, layout_.expert_counts)[le];
-      for (int32_t i = 0; i < n; ++i) {
+      for (int32_t i = 0; i < n; ++i, ++row) {
         const int32_t entry = at<int32_t>(buf, layout_.expert_lists)[le * R * T + i];
-        const int64_t src = entry / K / T, t = entry / K % T;
-        const auto& sbuf = buffers_[size_t(src)];
-        std::memcpy(at<uint8_t>(buf, layout_.pool_x) + row * H, at<uint8_t>(sbuf, layout_.staged_x) + t * H, size_t(H));
-        std::memcpy(at<float>(buf, layout_.pool_x_scales) + row * hb, at<float>(sbuf, layout_.staged_scales) + t * hb,
-                    size_t(hb) * 4);
-        jobs.push_back({d, le, row++, entry});
+        const int64_t src = entry / K / T, t = entry / K % T, k = entry % K;
+        auto& sbuf = buffers_[size_t(src)];
+        uint8_t* x8 = at<uint8_t>(buf, layout_.pool_x) + row * H;
+        float* xs = at<float>(buf, layout_.pool_x_scales) + row * hb;
+        std::memcpy(x8, at<uint8_t>(sbuf, layout_.staged_x) + t * H, size_t(H));
+        std::memcpy(xs, at<float>(sbuf, layout_.staged_scales) + t * hb, size_t(hb) * 4);
+        add_row(&experts_[size_t(d)][size_t(le)], i == 0, x8, xs, at<float>(sbuf, layout_.topk_weights)[t * K + k],
+                at<uint8_t>(buf, layout_.pool_h) + row * imax, at<float>(buf, layout_.pool_h_scales) + row * ib,
+                reinterpret_cast<bf16*>(sbuf.data() + layout_.combine_row_offset(k, t)));
       }
     }
   }
-  const int64_t imax = std::max(sh.intermediate, sh.shared_intermediate);
+  // The fused shared expert: weight 1, slot K of the token's own rank, intermediates after the pool.
   const int64_t P = sh.pool_rows();
-  // Each job writes only its own pool row and its own combine row, so jobs run in any order.
-  const int64_t shared_jobs = fused ? R * T : 0;
-  parallel_for(int64_t(jobs.size()) + shared_jobs, num_threads_, [&](int64_t j) {
-    thread_local Scratch s;
-    if (j < int64_t(jobs.size())) {
-      const Job& job = jobs[size_t(j)];
-      auto& buf = buffers_[size_t(job.rank)];
-      const int64_t src = job.entry / K / T, t = job.entry / K % T, k = job.entry % K;
-      auto& sbuf = buffers_[size_t(src)];
-      const float w = at<float>(sbuf, layout_.topk_weights)[t * K + k];
-      bf16* out = reinterpret_cast<bf16*>(sbuf.data() + layout_.combine_row_offset(k, t));
-      expert_row(experts_[size_t(job.rank)][size_t(job.local_expert)], at<uint8_t>(buf, layout_.pool_x) + job.pool_row * H,
-                 at<float>(buf, layout_.pool_x_scales) + job.pool_row * hb, w,
-                 at<uint8_t>(buf, layout_.pool_h) + job.pool_row * imax,
-                 at<float>(buf, layout_.pool_h_scales) + job.pool_row * (imax / kB), out, s);
-      return;
-    }
-    // The fused shared expert: weight 1, slot K of the token's own rank.
-    const int64_t r = (j - int64_t(jobs.size())) / T, t = (j - int64_t(jobs.size())) % T;
-    if (t >= batches[size_t(r)].num_tokens) return;
+  for (int64_t r = 0; fused && r < R; ++r) {
     auto& buf = buffers_[size_t(r)];
-    bf16* out = reinterpret_cast<bf16*>(buf.data() + layout_.combine_row_offset(K, t));
-    expert_row(*shared_[size_t(r)], at<uint8_t>(buf, layout_.staged_x) + t * H, at<float>(buf, layout_.staged_scales) + t * hb,
-               1.0f, at<uint8_t>(buf, layout_.pool_h) + (P + t) * imax,
-               at<float>(buf, layout_.pool_h_scales) + (P + t) * (imax / kB), out, s);
-  });
+    for (int64_t t = 0; t < batches[size_t(r)].num_tokens; ++t)
+      add_row(shared_[size_t(r)].get(), t == 0, at<uint8_t>(buf, layout_.staged_x) + t * H,
+              at<float>(buf, layout_.staged_scales) + t * hb, 1.0f, at<uint8_t>(buf, layout_.pool_h) + (P + t) * imax,
+              at<float>(buf, layout_.pool_h_scales) + (P + t) * ib,
+              reinterpret_cast<bf16*>(buf.data() + layout_.combine_row_offset(K, t)));
+  }
+  run_groups(groups);
 
   // Combine on each token rank: active slots ascending, fp32 from +0, the shared slot last, one
   // bf16 rounding.
@@ -301,6 +284,14 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
     for (auto& buf : buffers_) std::fill(buf.begin(), buf.end(), uint8_t(0));
 }
 
+void CpuEngine::run_groups(const std::vector<Group>& groups) const {
+  static_assert(kRowsPerGroup == kGemmRows);
+  parallel_for(int64_t(groups.size()), num_threads_, [&](int64_t i) {
+    thread_local Scratch s;
+    expert_rows(*groups[size_t(i)].expert, groups[size_t(i)].n, groups[size_t(i)].rows, s);
+  });
+}
+
 void CpuEngine::shared_expert(int64_t rank, const bf16* x, int64_t num_tokens, bf16* y) const {
   MOEFQ_CHECK(!shared_.empty(), "shared_expert: the config has no shared expert");
   MOEFQ_ASSERT(rank >= 0 && rank < num_ranks(), "shared_expert: rank out of range");
@@ -308,11 +299,19 @@ void CpuEngine::shared_expert(int64_t rank, const bf16* x, int64_t num_tokens, b
   std::vector<uint8_t> x8(size_t(num_tokens * H)), h8(size_t(num_tokens * I));
   std::vector<float> xs(size_t(num_tokens * hb)), hs(size_t(num_tokens * (I / kB)));
   stage_e4m3_ref(x, x8.data(), xs.data(), num_tokens, H);
-  parallel_for(num_tokens, num_threads_, [&](int64_t t) {
-    thread_local Scratch s;
-    expert_row(*shared_[size_t(rank)], x8.data() + t * H, xs.data() + t * hb, 1.0f, h8.data() + t * I,
-               hs.data() + t * (I / kB), y + t * H, s);
-  });
+  std::vector<Group> groups;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (t % kRowsPerGroup == 0) groups.push_back({shared_[size_t(rank)].get(), 0, {}});
+    Group& g = groups.back();
+    g.rows.a8[g.n] = x8.data() + t * H;
+    g.rows.a_scale[g.n] = xs.data() + t * hb;
+    g.rows.weight[g.n] = 1.0f;
+    g.rows.h8[g.n] = h8.data() + t * I;
+    g.rows.h_scale[g.n] = hs.data() + t * (I / kB);
+    g.rows.out[g.n] = y + t * H;
+    ++g.n;
+  }
+  run_groups(groups);
 }
 
 }  // namespace moefq

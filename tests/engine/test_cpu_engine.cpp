@@ -278,16 +278,18 @@ TEST(CpuEngine, KimiShapeK16With896Experts) {
   std::vector<int32_t> idx;
   std::vector<float> wt;
   random_routing(c, n, 13, idx, wt, 9);
-  std::vector<bf16> first;
+  std::vector<bf16> first[2];
   for (int64_t R : {1, 8}) {
-    for (bool fused : {true}) {
-      CpuEngine eng(c, R, n / R, weights_for(c, R), {fused, 2});
+    const auto w = weights_for(c, R);
+    for (bool fused : {true, false}) {
+      CpuEngine eng(c, R, n / R, w, {fused, 2});
       const auto y = run(eng, x, idx, wt, n);
-      if (first.empty()) first = y;
-      else EXPECT_TRUE(test::bytes_equal(first, y)) << "R=" << R;
+      if (first[fused].empty()) first[fused] = y;
+      else EXPECT_TRUE(test::bytes_equal(first[fused], y)) << "R=" << R << " fused=" << fused;
     }
   }
-  for (const bf16& v : first) ASSERT_TRUE(is_finite(to_f32(v)));
+  EXPECT_FALSE(test::bytes_equal(first[0], first[1]));  // the shared slot is there when fused
+  for (const bf16& v : first[1]) ASSERT_TRUE(is_finite(to_f32(v)));
 }
 
 TEST(CpuEngine, DebugSwitchZeroesTheBuffer) {

@@ -15,6 +15,8 @@
 
 namespace moefq {
 
+struct PreparedExpert;  // src/engine/expert_cpu.h
+
 struct EngineOptions {
   bool fuse_shared = true;  // the shared expert as combine slot K (else the caller runs it)
   int num_threads = 0;      // 0: all hardware threads
@@ -52,32 +54,12 @@ class CpuEngine {
   std::span<const uint8_t> buffer(int64_t rank) const;
 
  private:
-  struct PreparedExpert;
-  struct Scratch;
-  static constexpr int kRowsPerGroup = 4;  // rows of one expert computed together
-  // Where the rows of one group live: inputs, router weights, re-staged intermediates, outputs.
-  struct RowRefs {
-    const uint8_t* a8[kRowsPerGroup];
-    const float* a_scale[kRowsPerGroup];
-    float weight[kRowsPerGroup];
-    uint8_t* h8[kRowsPerGroup];
-    float* h_scale[kRowsPerGroup];
-    bf16* out[kRowsPerGroup];
-  };
-  struct Group {
-    const PreparedExpert* expert;
-    int n;
-    RowRefs rows;
-  };
-  void expert_rows(const PreparedExpert& e, int n, const RowRefs& rows, Scratch& s) const;
-  void run_groups(const std::vector<Group>& groups) const;
-
   MoeConfig cfg_;
   EngineOptions opt_;
   BufferLayout layout_;
   std::vector<std::vector<uint8_t>> buffers_;                 // [R][total_bytes]
-  std::vector<std::vector<PreparedExpert>> experts_;          // [R][E/R]
-  std::vector<std::unique_ptr<PreparedExpert>> shared_;       // [R] or empty
+  std::vector<std::vector<PreparedExpert>> experts_;  // [R][E/R]
+  std::vector<PreparedExpert> shared_;                // [R] or empty
   int num_threads_ = 1;
 };
 

@@ -1,0 +1,119 @@
+#include "engine/expert_cpu.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "engine/parallel.h"
+#include "moefq/errors.h"
+
+namespace moefq {
+namespace {
+
+constexpr int64_t kB = kStageBlock;  // 128: activation blocks and weight blocks
+
+void prepare_matrix(const std::vector<uint8_t>& w8, const std::vector<float>& scale, const std::vector<bf16>& wbf,
+                    WeightFormat f, int64_t rows, int64_t cols, std::vector<float>& out, std::vector<float>& out_scale) {
+  out.resize(size_t(rows * cols));
+  const int64_t sb = (rows / kB) * (cols / kB);
+  if (f == WeightFormat::kE4m3) {
+    MOEFQ_ASSERT(int64_t(w8.size()) == rows * cols && int64_t(scale.size()) == sb, "expert weights: bad e4m3 shape");
+    for (size_t i = 0; i < out.size(); ++i) out[i] = e4m3_decode(w8[i]);
+    out_scale = scale;
+  } else {
+    MOEFQ_ASSERT(int64_t(wbf.size()) == rows * cols, "expert weights: bad bf16 shape");
+    for (size_t i = 0; i < out.size(); ++i) out[i] = to_f32(wbf[i]);
+    out_scale.assign(size_t(sb), 1.0f);
+  }
+}
+
+// Stages one row [n] fp32 to e4m3 with 1 x 128 scales (numerics.md), as stage_e4m3_ref does for bf16.
+void stage_row(const float* h, int64_t n, uint8_t* h8, float* scale) {
+  for (int64_t b = 0; b < n / kB; ++b) {
+    float m = 0.0f;
+    for (int64_t i = b * kB; i < (b + 1) * kB; ++i) m = max_ignore_nan(m, abs_f32(h[i]));
+    const float sf = stage_scale(m), inv = div_rn(1.0f, sf);
+    for (int64_t i = b * kB; i < (b + 1) * kB; ++i) h8[i] = stage_encode(h[i], inv);
+    scale[b] = sf;
+  }
+}
+
+// Per-thread working rows.
+struct Scratch {
+  std::vector<float> a, gu, h;
+};
+
+// gate/up GEMM on the staged input, bf16 rounding, clamp, h = silu(g) * u * weight, re-staging,
+// down GEMM, bf16 rounding.
+void run_group(const ExpertGroup& g, std::optional<float> clamp, Scratch& s) {
+  const PreparedExpert& e = *g.expert;
+  const int64_t H = e.hidden, I = e.inter, astride = std::max(H, I), gstride = std::max(2 * I, H);
+  s.a.resize(size_t(kGemmRows * astride));
+  s.gu.resize(size_t(kGemmRows * gstride));
+  s.h.resize(size_t(I));
+  const float* a[kGemmRows];
+  float* gu[kGemmRows];
+  for (int r = 0; r < g.n; ++r) {
+    float* ar = s.a.data() + r * astride;
+    for (int64_t i = 0; i < H; ++i) ar[i] = e4m3_decode(g.a8[r][i]);
+    a[r] = ar;
+    gu[r] = s.gu.data() + r * gstride;
+  }
+  gemm_rows(g.n, a, g.a_scale, e.gate_up.data(), e.gate_up_scale.data(), 2 * I, H, gu);
+  const float* h_scale[kGemmRows];
+  for (int r = 0; r < g.n; ++r) {
+    for (int64_t i = 0; i < I; ++i) {
+      float gv = bf16_to_f32(bf16_round(gu[r][i]));
+      float uv = bf16_to_f32(bf16_round(gu[r][I + i]));
+      if (clamp) {
+        gv = gv < *clamp ? gv : *clamp;
+        uv = uv < -*clamp ? -*clamp : (uv > *clamp ? *clamp : uv);
+      }
+      s.h[size_t(i)] = mul_rn(mul_rn(silu_f32(gv), uv), g.weight[r]);
+    }
+    stage_row(s.h.data(), I, g.h8[r], g.h_scale[r]);
+    float* ar = s.a.data() + r * astride;
+    for (int64_t i = 0; i < I; ++i) ar[i] = e4m3_decode(g.h8[r][i]);
+    h_scale[r] = g.h_scale[r];
+  }
+  gemm_rows(g.n, a, h_scale, e.down.data(), e.down_scale.data(), H, I, gu);
+  for (int r = 0; r < g.n; ++r)
+    for (int64_t i = 0; i < H; ++i) g.out[r][i].bits = bf16_round(gu[r][i]);
+}
+
+}  // namespace
+
+PreparedExpert::PreparedExpert(const ExpertWeights& w, int64_t h, int64_t i) : hidden(h), inter(i) {
+  MOEFQ_CHECK(w.hidden == h && w.intermediate == i, "expert weights of shape H=", w.hidden, " I=", w.intermediate,
+              " do not match the config (H=", h, " I=", i, ")");
+  prepare_matrix(w.gate_up_e4m3, w.gate_up_scale, w.gate_up_bf16, w.format, 2 * i, h, gate_up, gate_up_scale);
+  prepare_matrix(w.down_e4m3, w.down_scale, w.down_bf16, w.format, h, i, down, down_scale);
+}
+
+void add_expert_row(std::vector<ExpertGroup>& groups, const PreparedExpert* e, bool new_group, const uint8_t* a8,
+                    const float* a_scale, float weight, uint8_t* h8, float* h_scale, bf16* out) {
+  if (new_group || groups.empty() || groups.back().n == kGemmRows) {
+    groups.emplace_back();
+    groups.back().expert = e;
+  }
+  ExpertGroup& g = groups.back();
+  g.a8[g.n] = a8;
+  g.a_scale[g.n] = a_scale;
+  g.weight[g.n] = weight;
+  g.h8[g.n] = h8;
+  g.h_scale[g.n] = h_scale;
+  g.out[g.n] = out;
+  ++g.n;
+}
+
+void run_expert_groups(const std::vector<ExpertGroup>& groups, std::optional<float> clamp, int num_threads) {
+  parallel_for(int64_t(groups.size()), num_threads, [&](int64_t i) {
+    thread_local Scratch s;
+    run_group(groups[size_t(i)], clamp, s);
+  });
+}
+
+int resolve_threads(int requested) {
+  return requested > 0 ? requested : int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+}  // namespace moefq

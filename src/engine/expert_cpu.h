@@ -1,0 +1,52 @@
+// The expert computation of the CPU backends (engine.md, steps 1-5 of a routed row), shared by the
+// fused engine and the modular layer so that both produce the same bits.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "engine/gemm_cpu.h"
+#include "moefq/numerics.h"
+#include "moefq/weights.h"
+
+namespace moefq {
+
+// An expert's weights as the GEMM reads them: element values as fp32 (e4m3 codes decoded,
+// unscaled, or bf16 values) and one fp32 scale per 128 x 128 block (all 1 for bf16 weights).
+struct PreparedExpert {
+  int64_t hidden = 0, inter = 0;
+  std::vector<float> gate_up, gate_up_scale;  // [2I, H], [2I/128, H/128]
+  std::vector<float> down, down_scale;        // [H, I], [H/128, I/128]
+
+  // Checks the shape against (hidden, inter); throws (bad input) naming both.
+  PreparedExpert(const ExpertWeights& w, int64_t hidden, int64_t inter);
+};
+
+// Up to kGemmRows rows through one expert. Row r reads its staged input a8[r] ([H] e4m3) and
+// a_scale[r] ([H/128]), is weighted by weight[r], leaves its re-staged SwiGLU output in h8[r] /
+// h_scale[r] ([I], [I/128]) and its output row in out[r] ([H] bf16).
+struct ExpertGroup {
+  const PreparedExpert* expert = nullptr;
+  int n = 0;
+  const uint8_t* a8[kGemmRows];
+  const float* a_scale[kGemmRows];
+  float weight[kGemmRows];
+  uint8_t* h8[kGemmRows];
+  float* h_scale[kGemmRows];
+  bf16* out[kGemmRows];
+};
+
+// Appends a row, starting a new group when asked (a new expert) or when the last one is full.
+void add_expert_row(std::vector<ExpertGroup>& groups, const PreparedExpert* e, bool new_group,
+                    const uint8_t* a8, const float* a_scale, float weight, uint8_t* h8, float* h_scale,
+                    bf16* out);
+
+// Runs every group (in any order, on num_threads threads: each writes only its own rows).
+void run_expert_groups(const std::vector<ExpertGroup>& groups, std::optional<float> swiglu_clamp,
+                       int num_threads);
+
+// Threads to use for `requested` (0: all hardware threads).
+int resolve_threads(int requested);
+
+}  // namespace moefq

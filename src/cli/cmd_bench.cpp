@@ -21,6 +21,17 @@ std::function<int()> add_bench_command(CLI::App& app) {
   ecpu->add_option("--reps", eo->reps, "timed calls (default 5)")->check(CLI::Range(1, 1000));
   ecpu->add_option("--json", eo->json, "also write the result as JSON to this file");
   ecpu->footer("Example:\n  moefq bench engine-cpu --preset tiny --ranks 4 --tokens 256");
+  CLI::App* fqb = bench->add_subcommand("fake-quant", "Accuracy cost of each dispatch/combine recipe on one MoE layer (CPU).");
+  auto fo = std::make_shared<bench::FakeQuantBenchOptions>();
+  fqb->add_option("--preset", fo->preset, "model preset (default tiny)");
+  fqb->add_option("--experts", fo->experts, "use this many routed experts instead of the preset's")->check(CLI::Range(1, 4096));
+  fqb->add_option("--ranks", fo->ranks, "simulated ranks (default 4)")->check(CLI::Range(1, 64));
+  fqb->add_option("--tokens", fo->tokens, "tokens per rank per batch (default 64)")->check(CLI::Range(1, 1 << 16));
+  fqb->add_option("--calib-batches", fo->calib_batches, "calibration batches (default 2)")->check(CLI::Range(1, 1000));
+  fqb->add_option("--eval-batches", fo->eval_batches, "held-out evaluation batches (default 2)")->check(CLI::Range(1, 1000));
+  fqb->add_option("--seed", fo->seed, "seed of weights and activations (default 1)");
+  fqb->add_option("--json", fo->json, "also write the table as JSON to this file");
+  fqb->footer("Example:\n  moefq bench fake-quant --preset deepseek-v3 --experts 16 --ranks 2 --tokens 16");
   CLI::App* qdq = bench->add_subcommand(
       "qdq", "QDQ kernels on [rows, cols] bf16: time, GB/s (read + write) and the ratio to a "
              "device-to-device copy of the same bytes, measured in the same run.");
@@ -33,13 +44,15 @@ std::function<int()> add_bench_command(CLI::App& app) {
   qdq->add_option("--launches", o->launches_per_graph, "launches captured per graph")->check(CLI::Range(1, 1000));
   qdq->add_option("--json", o->json, "also write the results as JSON to this file");
   qdq->footer("Example:\n  moefq bench qdq --rows 32768 --json bench_qdq.json");
-  return [qdq, o, ecpu, eo] {
+  return [qdq, o, ecpu, eo, fqb, fo] {
     if (ecpu->parsed()) return bench::run_bench_engine_cpu(*eo);
+    if (fqb->parsed()) return bench::run_bench_fake_quant(*fo);
     return qdq->parsed() ? bench::run_bench_qdq(*o) : 0;
   };
 #else
-  return [qdq, ecpu, eo]() -> int {
+  return [qdq, ecpu, eo, fqb, fo]() -> int {
     if (ecpu->parsed()) return bench::run_bench_engine_cpu(*eo);
+    if (fqb->parsed()) return bench::run_bench_fake_quant(*fo);
     MOEFQ_CHECK(!qdq->parsed(), "moefq bench qdq: this moefq was built without CUDA (no nvcc was found)");
     return 0;
   };

@@ -1,0 +1,63 @@
+// Fake quantization of MoE dispatch and combine (fake_quant.md) around an expert back-end:
+// dispatch_quantizer QDQs the experts' input tokens out of place; combine_quantizer reads the
+// combine rows the back-end summed (at its own combine offset), QDQs each active routed row and
+// sums again in the engine's order (shared slot last, unquantized), replacing the output. A layout
+// check proves, once per buffer, that those rows are the ones the engine summed.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "moefq/expert_backend.h"
+#include "moefq/quantizer.h"
+#include "moefq/recipe.h"
+
+namespace moefq {
+
+class FakeQuantMoe {
+ public:
+  // layer: the model layer index, used in the quantizer names.
+  FakeQuantMoe(std::unique_ptr<ExpertBackend> backend, int64_t layer);
+
+  static std::string dispatch_name(int64_t layer);  // "layers.{i}.mlp.experts.dispatch_quantizer"
+  static std::string combine_name(int64_t layer);   // "layers.{i}.mlp.experts.combine_quantizer"
+  std::vector<std::string> quantizer_names() const;
+
+  // Sets both quantizers from resolved recipe configs (apply_recipe's output; names of other
+  // layers are ignored). Raises the configuration errors of fake_quant.md before any forward:
+  // a dispatch quantizer with the shared expert fused, a dynamic global amax on the combine
+  // quantizer, a combine quantizer on a back-end that cannot expose its combine rows.
+  void configure(const std::map<std::string, QuantizerConfig>& configs);
+
+  // Max calibration over exactly what each quantizer sees; no QDQ meanwhile. finish reduces
+  // each amax with MAX over the ranks (every rank then holds the same value).
+  void start_calibration();
+  void finish_calibration();
+
+  // One call of every rank; batches[r].y receives rank r's output.
+  void forward(std::span<const RankBatch> batches);
+
+  ExpertBackend& backend() { return *backend_; }
+  const Quantizer& dispatch_quantizer(int64_t rank) const { return dispatch_[size_t(rank)]; }
+  const Quantizer& combine_quantizer(int64_t rank) const { return combine_[size_t(rank)]; }
+  // Rank 0's quantizers (identical on every rank after calibration) for save_calibration, and
+  // loading into every rank.
+  std::vector<const Quantizer*> calibration_state() const;
+  void load_calibration_file(const std::string& path);
+  bool layout_checked(int64_t rank) const { return checked_[size_t(rank)]; }
+
+ private:
+  const bf16* combine_row(int64_t rank, int64_t slot, int64_t token) const;
+  void check_layout(int64_t rank, const RankBatch& b) const;
+
+  std::unique_ptr<ExpertBackend> backend_;
+  int64_t layer_;
+  std::vector<Quantizer> dispatch_, combine_;  // one replica per rank
+  std::vector<bool> checked_;                  // per buffer: layout check done
+};
+
+}  // namespace moefq

@@ -1,0 +1,178 @@
+#include "moefq/fake_quant_moe.h"
+
+#include <cstring>
+
+#include "moefq/errors.h"
+
+namespace moefq {
+namespace {
+
+bool has_active_slot(const RankBatch& b, int64_t t, int64_t K) {
+  for (int64_t k = 0; k < K; ++k)
+    if (b.topk_idx[t * K + k] >= 0) return true;
+  return false;
+}
+
+std::string hex16(uint16_t v) {
+  char buf[8];
+  std::snprintf(buf, sizeof buf, "0x%04x", v);
+  return buf;
+}
+
+}  // namespace
+
+std::string FakeQuantMoe::dispatch_name(int64_t layer) {
+  return "layers." + std::to_string(layer) + ".mlp.experts.dispatch_quantizer";
+}
+std::string FakeQuantMoe::combine_name(int64_t layer) {
+  return "layers." + std::to_string(layer) + ".mlp.experts.combine_quantizer";
+}
+
+FakeQuantMoe::FakeQuantMoe(std::unique_ptr<ExpertBackend> backend, int64_t layer)
+    : backend_(std::move(backend)), layer_(layer) {
+  const size_t R = size_t(backend_->num_ranks());
+  dispatch_.assign(R, Quantizer(dispatch_name(layer), QuantSpec{}, false));
+  combine_.assign(R, Quantizer(combine_name(layer), QuantSpec{}, false));
+  checked_.assign(R, false);
+}
+
+std::vector<std::string> FakeQuantMoe::quantizer_names() const { return {dispatch_name(layer_), combine_name(layer_)}; }
+
+void FakeQuantMoe::configure(const std::map<std::string, QuantizerConfig>& configs) {
+  const auto find = [&](const std::string& name) {
+    const auto it = configs.find(name);
+    return it == configs.end() ? QuantizerConfig{} : it->second;
+  };
+  const QuantizerConfig d = find(dispatch_name(layer_)), c = find(combine_name(layer_));
+  if (d.enable) {
+    d.spec.validate(dispatch_name(layer_));
+    MOEFQ_CHECK(!backend_->fused_shared(), dispatch_name(layer_),
+                ": the shared expert is fused into the MoE kernel and reads the same staged tokens, so "
+                "dispatch quantization would also quantize the shared expert's input; run the shared expert "
+                "unfused (EngineOptions::fuse_shared = false) or disable the dispatch quantizer");
+  }
+  if (c.enable) {
+    c.spec.validate(combine_name(layer_));
+    MOEFQ_CHECK(!(format_has_global_amax(c.spec.format) && c.spec.amax_source == AmaxSource::kDynamic),
+                combine_name(layer_), ": a dynamic amax cannot be used for combine (each rank re-quantizes rows "
+                "that came from every expert rank, so a per-call scale computed at the destination simulates no "
+                "real sender); set constant_amax or calibrate (algorithm: max), or use mxfp8/mxfp4");
+    MOEFQ_CHECK(backend_->combine_offset().has_value(), combine_name(layer_), ": the '", backend_->kind(),
+                "' back-end cannot expose its combine rows, so no combine quantizer can be enabled on it");
+  }
+  for (size_t r = 0; r < dispatch_.size(); ++r) {
+    dispatch_[r] = Quantizer(dispatch_name(layer_), d.spec, d.enable);
+    combine_[r] = Quantizer(combine_name(layer_), c.spec, c.enable);
+  }
+}
+
+void FakeQuantMoe::start_calibration() {
+  for (auto* qs : {&dispatch_, &combine_})
+    for (Quantizer& q : *qs)
+      if (q.enabled()) q.start_calibration();
+}
+
+void FakeQuantMoe::finish_calibration() {
+  for (auto* qs : {&dispatch_, &combine_}) {
+    if (!(*qs)[0].enabled() || !(*qs)[0].calibrating()) continue;
+    std::vector<Quantizer*> replicas;
+    for (Quantizer& q : *qs) replicas.push_back(&q);
+    reduce_calibration_max(replicas);  // the NCCL all-reduce (MAX) on real ranks
+    for (Quantizer& q : *qs) q.finish_calibration();
+  }
+}
+
+std::vector<const Quantizer*> FakeQuantMoe::calibration_state() const { return {&dispatch_[0], &combine_[0]}; }
+
+void FakeQuantMoe::load_calibration_file(const std::string& path) {
+  for (size_t r = 0; r < dispatch_.size(); ++r) {
+    std::vector<Quantizer*> qs = {&dispatch_[r], &combine_[r]};
+    load_calibration(path, qs);
+  }
+}
+
+const bf16* FakeQuantMoe::combine_row(int64_t rank, int64_t slot, int64_t token) const {
+  const int64_t T = backend_->max_tokens(), H = backend_->config().hidden;
+  const size_t offset = *backend_->combine_offset() + size_t((slot * T + token) * H) * 2;
+  const auto bytes = backend_->combine_bytes(rank);
+  MOEFQ_ASSERT(offset + size_t(H) * 2 <= bytes.size(), "combine row outside the buffer");
+  return reinterpret_cast<const bf16*>(bytes.data() + offset);
+}
+
+// The unquantized re-sum of the rows must reproduce the engine's output bit for bit.
+void FakeQuantMoe::check_layout(int64_t rank, const RankBatch& b) const {
+  const int64_t K = backend_->config().top_k, H = backend_->config().hidden;
+  const bool fused = backend_->fused_shared();
+  for (int64_t t = 0; t < b.num_tokens; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k)
+        if (b.topk_idx[t * K + k] >= 0) acc = add_rn(acc, to_f32(combine_row(rank, k, t)[h]));
+      if (fused) acc = add_rn(acc, to_f32(combine_row(rank, K, t)[h]));
+      const uint16_t resum = bf16_round(acc), engine = b.y[t * H + h].bits;
+      if (resum != engine)
+        MOEFQ_FAIL(ErrorKind::kFailedCheck, combine_name(layer_), ": layout check failed on the buffer of rank ", rank,
+                   ": token ", t, ", element ", h, ": the engine's output is ", hex16(engine), " (", bf16_to_f32(engine),
+                   ") but the re-sum of the combine rows read at offset ", *backend_->combine_offset(), " is ",
+                   hex16(resum), " (", bf16_to_f32(resum), "); the combine rows are not where the engine's layout says "
+                   "(changed layout, or a debug mode that clears the buffer)");
+    }
+}
+
+void FakeQuantMoe::forward(std::span<const RankBatch> batches) {
+  const int64_t R = backend_->num_ranks(), K = backend_->config().top_k, H = backend_->config().hidden;
+  MOEFQ_CHECK(int64_t(batches.size()) == R, "forward: ", batches.size(), " batches for ", R, " ranks");
+  // Dispatch: QDQ of the tokens out of place (the caller's x is not modified); calibration sees
+  // only tokens with at least one active routed slot.
+  std::vector<std::vector<bf16>> xq(static_cast<size_t>(R));
+  std::vector<RankBatch> run(batches.begin(), batches.end());
+  for (int64_t r = 0; r < R; ++r) {
+    Quantizer& q = dispatch_[size_t(r)];
+    const RankBatch& b = batches[size_t(r)];
+    if (!q.enabled() || b.num_tokens == 0) continue;
+    if (q.calibrating()) {
+      for (int64_t t = 0; t < b.num_tokens; ++t)
+        if (has_active_slot(b, t, K)) q.collect(b.x + t * H, H);
+      continue;
+    }
+    xq[size_t(r)].resize(size_t(b.num_tokens * H));
+    q.qdq(b.x, xq[size_t(r)].data(), b.num_tokens, H);
+    run[size_t(r)].x = xq[size_t(r)].data();
+  }
+  backend_->forward(run);
+
+  // Combine: layout check (once per buffer, first call with routed rows), then calibration or
+  // QDQ of the active routed rows and the re-sum in the engine's order.
+  const bool fused = backend_->fused_shared();
+  std::vector<bf16> row(static_cast<size_t>(H));
+  for (int64_t r = 0; r < R; ++r) {
+    Quantizer& q = combine_[size_t(r)];
+    const RankBatch& b = batches[size_t(r)];
+    if (!q.enabled() || b.num_tokens == 0) continue;
+    bool any = false;
+    for (int64_t t = 0; t < b.num_tokens && !any; ++t) any = has_active_slot(b, t, K);
+    if (!any) continue;  // padding only: nothing to check or quantize
+    if (!checked_[size_t(r)]) {
+      check_layout(r, b);
+      checked_[size_t(r)] = true;
+    }
+    for (int64_t t = 0; t < b.num_tokens; ++t) {
+      if (q.calibrating()) {
+        for (int64_t k = 0; k < K; ++k)
+          if (b.topk_idx[t * K + k] >= 0) q.collect(combine_row(r, k, t), H);
+        continue;
+      }
+      std::vector<float> acc(static_cast<size_t>(H), 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        if (b.topk_idx[t * K + k] < 0) continue;
+        q.qdq(combine_row(r, k, t), row.data(), 1, H);  // read in place, QDQ into a scratch row
+        for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = add_rn(acc[size_t(h)], to_f32(row[size_t(h)]));
+      }
+      if (fused)
+        for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = add_rn(acc[size_t(h)], to_f32(combine_row(r, K, t)[h]));
+      for (int64_t h = 0; h < H; ++h) b.y[t * H + h].bits = bf16_round(acc[size_t(h)]);
+    }
+  }
+}
+
+}  // namespace moefq

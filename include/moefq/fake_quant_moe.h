@@ -38,7 +38,8 @@ class FakeQuantMoe {
   void start_calibration();
   void finish_calibration();
 
-  // One call of every rank; batches[r].y receives rank r's output.
+  // One call of every rank; batches[r].y receives rank r's output. A dynamic dispatch amax is the
+  // max |x| over the rank's tokens that have an active routed slot (the tokens that are sent).
   void forward(std::span<const RankBatch> batches);
 
   ExpertBackend& backend() { return *backend_; }

@@ -95,7 +95,10 @@ const bf16* FakeQuantMoe::combine_row(int64_t rank, int64_t slot, int64_t token)
   const int64_t T = backend_->max_tokens(), H = backend_->config().hidden;
   const size_t offset = *backend_->combine_offset() + size_t((slot * T + token) * H) * 2;
   const auto bytes = backend_->combine_bytes(rank);
-  MOEFQ_ASSERT(offset + size_t(H) * 2 <= bytes.size(), "combine row outside the buffer");
+  if (offset + size_t(H) * 2 > bytes.size())
+    MOEFQ_FAIL(ErrorKind::kFailedCheck, combine_name(layer_), ": combine row (slot ", slot, ", token ", token,
+               ") at byte ", offset, " lies outside the ", bytes.size(), "-byte buffer of rank ", rank,
+               "; the back-end's layout does not match engine.md's [K + shared][T][H]");
   return reinterpret_cast<const bf16*>(bytes.data() + offset);
 }
 
@@ -136,7 +139,15 @@ void FakeQuantMoe::forward(std::span<const RankBatch> batches) {
       continue;
     }
     xq[size_t(r)].resize(size_t(b.num_tokens * H));
-    q.qdq(b.x, xq[size_t(r)].data(), b.num_tokens, H);
+    if (q.spec().amax_source == AmaxSource::kDynamic && format_has_global_amax(q.spec().format)) {
+      // A dynamic amax is over the tokens that are sent: those with an active routed slot.
+      float amax = 0.0f;
+      for (int64_t t = 0; t < b.num_tokens; ++t)
+        if (has_active_slot(b, t, K)) amax = max_ignore_nan(amax, amax_ref(b.x + t * H, H));
+      qdq_ref(q.spec().format, b.x, xq[size_t(r)].data(), b.num_tokens, H, amax);
+    } else {
+      q.qdq(b.x, xq[size_t(r)].data(), b.num_tokens, H);
+    }
     run[size_t(r)].x = xq[size_t(r)].data();
   }
   backend_->forward(run);

@@ -509,3 +509,85 @@ TEST(Router, BadInputsAreNamed) {
 
 }  // namespace
 }  // namespace moefq
+
+namespace moefq {
+namespace {
+
+// A naive fp32 router, written per token with full sorts, using the same fp32 formulas (scores,
+// normalisation in slot order) and the documented logit order (gate_logit): ids AND weights must
+// be bit-identical to route().
+Routing naive_fp32_route(const MoeConfig& c, const Inputs& in, int64_t T) {
+  const int64_t E = c.num_experts, H = c.hidden, K = c.top_k, G = c.n_group, per = E / G;
+  Routing out;
+  out.num_tokens = T;
+  out.top_k = K;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<float> s(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) s[size_t(e)] = gate_logit(in.x.data() + t * H, in.gate.data() + e * H, H);
+    if (c.scoring == ScoringFunc::kSigmoid) {
+      for (float& v : s) v = 1.0f / (1.0f + std::exp(-v));
+    } else if (c.scoring == ScoringFunc::kSqrtSoftplus) {
+      for (float& v : s) v = std::sqrt(v > 20.0f ? v : std::log1p(std::exp(v)));
+    } else {
+      float mx = -INFINITY, sum = 0.0f;
+      for (float v : s) mx = std::max(mx, v);
+      for (float& v : s) sum = sum + (v = std::exp(v - mx));
+      for (float& v : s) v = v / sum;
+    }
+    std::vector<float> sel(s);
+    if (c.noaux_tc)
+      for (int64_t e = 0; e < E; ++e) sel[size_t(e)] = sel[size_t(e)] + in.bias[size_t(e)];
+    auto by_score = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+      return a.first != b.first ? a.first > b.first : a.second < b.second;
+    };
+    std::vector<bool> kept(static_cast<size_t>(G), true);
+    if (G > 1) {
+      std::vector<std::pair<float, int64_t>> gs;
+      for (int64_t g = 0; g < G; ++g) {
+        std::vector<float> v(sel.begin() + g * per, sel.begin() + (g + 1) * per);
+        std::sort(v.rbegin(), v.rend());
+        gs.push_back({c.noaux_tc ? (per > 1 ? v[0] + v[1] : v[0]) : v[0], g});
+      }
+      std::sort(gs.begin(), gs.end(), by_score);
+      kept.assign(size_t(G), false);
+      for (int64_t i = 0; i < c.topk_group; ++i) kept[size_t(gs[size_t(i)].second)] = true;
+    }
+    std::vector<std::pair<float, int64_t>> cand;
+    for (int64_t e = 0; e < E; ++e)
+      if (kept[size_t(e / per)]) cand.push_back({sel[size_t(e)], e});
+    std::sort(cand.begin(), cand.end(), by_score);
+    float sum = 0.0f;
+    std::vector<float> w;
+    for (int64_t k = 0; k < K; ++k) {
+      out.topk_idx.push_back(int32_t(cand[size_t(k)].second));
+      w.push_back(s[size_t(cand[size_t(k)].second)]);
+      sum = sum + w.back();
+    }
+    for (float v : w) out.topk_weights.push_back((c.norm_topk_prob ? v / (sum + 1e-20f) : v) * c.routed_scaling);
+  }
+  return out;
+}
+
+TEST(Router, NaiveFp32RouterGivesIdenticalIdsAndWeightBits) {
+  struct Case {
+    ScoringFunc s;
+    int64_t groups, topk_groups;
+    bool noaux, norm;
+  };
+  for (const Case& k : {Case{ScoringFunc::kSigmoid, 8, 4, true, true}, Case{ScoringFunc::kSigmoid, 1, 1, true, false},
+                        Case{ScoringFunc::kSoftmax, 4, 2, false, true}, Case{ScoringFunc::kSoftmax, 1, 1, false, false},
+                        Case{ScoringFunc::kSqrtSoftplus, 1, 1, true, true}}) {
+    const MoeConfig c = make_cfg(64, 256, 8, k.s, k.groups, k.topk_groups, k.noaux, k.norm, 2.5f);
+    const Inputs in = random_inputs(100, 64, 256, 77, 0.1f);
+    const Routing got = route(c, in.x.data(), 100, in.gate, in.bias);
+    const Routing want = naive_fp32_route(c, in, 100);
+    EXPECT_EQ(got.topk_idx, want.topk_idx) << scoring_name(k.s) << " groups " << k.groups;
+    ASSERT_EQ(got.topk_weights.size(), want.topk_weights.size());
+    for (size_t i = 0; i < got.topk_weights.size(); ++i)
+      ASSERT_EQ(f32_bits(got.topk_weights[i]), f32_bits(want.topk_weights[i]))
+          << scoring_name(k.s) << " groups " << k.groups << " slot " << i;
+  }
+}
+
+}  // namespace
+}  // namespace moefq

@@ -166,14 +166,11 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
     const auto& buf = buffers_[size_t(r)];
     const int32_t* idx = at<int32_t>(buf, layout_.topk_idx);
     parallel_for(b.num_tokens, num_threads_, [&](int64_t t) {
-      for (int64_t h = 0; h < H; ++h) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < K; ++k)
-          if (idx[t * K + k] >= 0)
-            acc = add_rn(acc, to_f32(reinterpret_cast<const bf16*>(buf.data() + layout_.combine_row_offset(k, t))[h]));
-        if (fused) acc = add_rn(acc, to_f32(reinterpret_cast<const bf16*>(buf.data() + layout_.combine_row_offset(K, t))[h]));
-        b.y[t * H + h].bits = bf16_round(acc);
-      }
+      const bf16* rows[kMaxCombineRows];
+      int n = 0;
+      for (int64_t k = 0; k < K + (fused ? 1 : 0); ++k)
+        if (k == K || idx[t * K + k] >= 0) rows[n++] = reinterpret_cast<const bf16*>(buf.data() + layout_.combine_row_offset(k, t));
+      combine_rows(rows, n, H, b.y + t * H);
     });
   }
 
@@ -186,15 +183,7 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
 void CpuEngine::shared_expert(int64_t rank, const bf16* x, int64_t num_tokens, bf16* y) const {
   MOEFQ_CHECK(!shared_.empty(), "shared_expert: the config has no shared expert");
   MOEFQ_ASSERT(rank >= 0 && rank < num_ranks(), "shared_expert: rank out of range");
-  const int64_t H = cfg_.hidden, hb = H / kB, I = cfg_.intermediate * cfg_.num_shared;
-  std::vector<uint8_t> x8(size_t(num_tokens * H)), h8(size_t(num_tokens * I));
-  std::vector<float> xs(size_t(num_tokens * hb)), hs(size_t(num_tokens * (I / kB)));
-  stage_e4m3_ref(x, x8.data(), xs.data(), num_tokens, H);
-  std::vector<ExpertGroup> groups;
-  for (int64_t t = 0; t < num_tokens; ++t)
-    add_expert_row(groups, &shared_[size_t(rank)], t == 0, x8.data() + t * H, xs.data() + t * hb, 1.0f,
-                   h8.data() + t * I, hs.data() + t * (I / kB), y + t * H);
-  run_expert_groups(groups, cfg_.swiglu_clamp, num_threads_);
+  run_expert_on_tokens(shared_[size_t(rank)], x, num_tokens, y, cfg_.swiglu_clamp, num_threads_);
 }
 
 }  // namespace moefq

@@ -5,6 +5,7 @@
 
 #include "engine/parallel.h"
 #include "moefq/errors.h"
+#include "moefq/qdq.h"
 
 namespace moefq {
 namespace {
@@ -110,6 +111,27 @@ void run_expert_groups(const std::vector<ExpertGroup>& groups, std::optional<flo
     thread_local Scratch s;
     run_group(groups[size_t(i)], clamp, s);
   });
+}
+
+void run_expert_on_tokens(const PreparedExpert& e, const bf16* x, int64_t n, bf16* y, std::optional<float> clamp,
+                          int num_threads) {
+  const int64_t H = e.hidden, hb = H / kB, I = e.inter, ib = I / kB;
+  std::vector<uint8_t> x8(size_t(n * H)), h8(size_t(n * I));
+  std::vector<float> xs(size_t(n * hb)), hs(size_t(n * ib));
+  stage_e4m3_ref(x, x8.data(), xs.data(), n, H);
+  std::vector<ExpertGroup> groups;
+  for (int64_t t = 0; t < n; ++t)
+    add_expert_row(groups, &e, t == 0, x8.data() + t * H, xs.data() + t * hb, 1.0f, h8.data() + t * I,
+                   hs.data() + t * ib, y + t * H);
+  run_expert_groups(groups, clamp, num_threads);
+}
+
+void combine_rows(const bf16* const* rows, int n, int64_t H, bf16* y) {
+  for (int64_t h = 0; h < H; ++h) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; ++i) acc = add_rn(acc, to_f32(rows[i][h]));
+    y[h].bits = bf16_round(acc);
+  }
 }
 
 int resolve_threads(int requested) {

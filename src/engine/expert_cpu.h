@@ -46,6 +46,19 @@ void add_expert_row(std::vector<ExpertGroup>& groups, const PreparedExpert* e, b
 void run_expert_groups(const std::vector<ExpertGroup>& groups, std::optional<float> swiglu_clamp,
                        int num_threads);
 
+// An expert on whole tokens, weight 1 (the shared expert run on its own): stages x ([n, H] bf16)
+// and writes y ([n, H] bf16).
+void run_expert_on_tokens(const PreparedExpert& e, const bf16* x, int64_t n, bf16* y,
+                          std::optional<float> swiglu_clamp, int num_threads);
+
+// The most rows a token's combine reads: K <= 32 routed slots and the fused shared slot.
+inline constexpr int kMaxCombineRows = 33;
+
+// engine.md's combine of one token: y[h] = bf16 of the fp32 sum from +0 of rows[0][h],
+// rows[1][h], ... in the given order (the active routed slots ascending, then the fused shared
+// slot). rows: n pointers to [H] bf16 rows; y: [H] bf16.
+void combine_rows(const bf16* const* rows, int n, int64_t H, bf16* y);
+
 // Threads to use for `requested` (0: all hardware threads).
 int resolve_threads(int requested);
 

@@ -118,28 +118,18 @@ class RoutedExpertsBackend final : public ExpertBackend {
     for (int64_t r = 0; r < R_; ++r) {
       const RankBatch& b = batches[size_t(r)];
       parallel_for(b.num_tokens, threads_, [&](int64_t t) {
-        for (int64_t h = 0; h < H; ++h) {
-          float acc = 0.0f;
-          for (int64_t k = 0; k < K; ++k)
-            if (b.topk_idx[t * K + k] >= 0) acc = add_rn(acc, to_f32(out_row(r, k, t)[h]));
-          if (fused_) acc = add_rn(acc, to_f32(out_row(r, K, t)[h]));
-          b.y[t * H + h].bits = bf16_round(acc);
-        }
+        const bf16* rows[kMaxCombineRows];
+        int n = 0;
+        for (int64_t k = 0; k < K + (fused_ ? 1 : 0); ++k)
+          if (k == K || b.topk_idx[t * K + k] >= 0) rows[n++] = out_row(r, k, t);
+        combine_rows(rows, n, H, b.y + t * H);
       });
     }
   }
 
   void shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y) const override {
     MOEFQ_CHECK(!shared_.empty(), "shared_expert: the config has no shared expert");
-    const int64_t H = cfg_.hidden, hb = H / kStageBlock, I = cfg_.intermediate * cfg_.num_shared;
-    std::vector<uint8_t> x8(size_t(n * H)), h8(size_t(n * I));
-    std::vector<float> xs(size_t(n * hb)), hs(size_t(n * (I / kStageBlock)));
-    stage_e4m3_ref(x, x8.data(), xs.data(), n, H);
-    std::vector<ExpertGroup> groups;
-    for (int64_t t = 0; t < n; ++t)
-      add_expert_row(groups, &shared_[size_t(rank)], t == 0, x8.data() + t * H, xs.data() + t * hb, 1.0f,
-                     h8.data() + t * I, hs.data() + t * (I / kStageBlock), y + t * H);
-    run_expert_groups(groups, cfg_.swiglu_clamp, threads_);
+    run_expert_on_tokens(shared_[size_t(rank)], x, n, y, cfg_.swiglu_clamp, threads_);
   }
 
  private:

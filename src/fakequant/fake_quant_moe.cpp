@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "engine/expert_cpu.h"
 #include "moefq/errors.h"
 
 namespace moefq {
@@ -106,20 +107,23 @@ const bf16* FakeQuantMoe::combine_row(int64_t rank, int64_t slot, int64_t token)
 void FakeQuantMoe::check_layout(int64_t rank, const RankBatch& b) const {
   const int64_t K = backend_->config().top_k, H = backend_->config().hidden;
   const bool fused = backend_->fused_shared();
-  for (int64_t t = 0; t < b.num_tokens; ++t)
+  std::vector<bf16> resum(static_cast<size_t>(H));
+  for (int64_t t = 0; t < b.num_tokens; ++t) {
+    const bf16* rows[kMaxCombineRows];
+    int n = 0;
+    for (int64_t k = 0; k < K + (fused ? 1 : 0); ++k)
+      if (k == K || b.topk_idx[t * K + k] >= 0) rows[n++] = combine_row(rank, k, t);
+    combine_rows(rows, n, H, resum.data());
     for (int64_t h = 0; h < H; ++h) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k)
-        if (b.topk_idx[t * K + k] >= 0) acc = add_rn(acc, to_f32(combine_row(rank, k, t)[h]));
-      if (fused) acc = add_rn(acc, to_f32(combine_row(rank, K, t)[h]));
-      const uint16_t resum = bf16_round(acc), engine = b.y[t * H + h].bits;
-      if (resum != engine)
+      const uint16_t mine = resum[size_t(h)].bits, engine = b.y[t * H + h].bits;
+      if (mine != engine)
         MOEFQ_FAIL(ErrorKind::kFailedCheck, combine_name(layer_), ": layout check failed on the buffer of rank ", rank,
                    ": token ", t, ", element ", h, ": the engine's output is ", hex16(engine), " (", bf16_to_f32(engine),
                    ") but the re-sum of the combine rows read at offset ", *backend_->combine_offset(), " is ",
-                   hex16(resum), " (", bf16_to_f32(resum), "); the combine rows are not where the engine's layout says "
+                   hex16(mine), " (", bf16_to_f32(mine), "); the combine rows are not where the engine's layout says "
                    "(changed layout, or a debug mode that clears the buffer)");
     }
+  }
 }
 
 void FakeQuantMoe::forward(std::span<const RankBatch> batches) {
@@ -155,7 +159,7 @@ void FakeQuantMoe::forward(std::span<const RankBatch> batches) {
   // Combine: layout check (once per buffer, first call with routed rows), then calibration or
   // QDQ of the active routed rows and the re-sum in the engine's order.
   const bool fused = backend_->fused_shared();
-  std::vector<bf16> row(static_cast<size_t>(H));
+  std::vector<bf16> qrows(static_cast<size_t>(K * H));
   for (int64_t r = 0; r < R; ++r) {
     Quantizer& q = combine_[size_t(r)];
     const RankBatch& b = batches[size_t(r)];
@@ -173,15 +177,18 @@ void FakeQuantMoe::forward(std::span<const RankBatch> batches) {
           if (b.topk_idx[t * K + k] >= 0) q.collect(combine_row(r, k, t), H);
         continue;
       }
-      std::vector<float> acc(static_cast<size_t>(H), 0.0f);
+      // QDQ each active routed row (read in place, into scratch rows), then the engine's re-sum
+      // with the shared slot last and unquantized.
+      const bf16* rows[kMaxCombineRows];
+      int n = 0;
       for (int64_t k = 0; k < K; ++k) {
         if (b.topk_idx[t * K + k] < 0) continue;
-        q.qdq(combine_row(r, k, t), row.data(), 1, H);  // read in place, QDQ into a scratch row
-        for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = add_rn(acc[size_t(h)], to_f32(row[size_t(h)]));
+        bf16* q_row = qrows.data() + n * H;
+        q.qdq(combine_row(r, k, t), q_row, 1, H);
+        rows[n++] = q_row;
       }
-      if (fused)
-        for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = add_rn(acc[size_t(h)], to_f32(combine_row(r, K, t)[h]));
-      for (int64_t h = 0; h < H; ++h) b.y[t * H + h].bits = bf16_round(acc[size_t(h)]);
+      if (fused) rows[n++] = combine_row(r, K, t);
+      combine_rows(rows, n, H, b.y + t * H);
     }
   }
 }

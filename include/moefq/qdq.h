@@ -40,5 +40,7 @@ void qdq_ref(Format f, const float* x, float* y, int64_t rows, int64_t cols, flo
 // The engine's e4m3 staging cast (numerics.md). x: [rows, cols] bf16; x8: [rows, cols] e4m3;
 // scales: [rows, ceil(cols / 128)] fp32 (the dequantization scale sf of each 1 x 128 block).
 void stage_e4m3_ref(const bf16* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols);
+// The same for fp32 input (the engine re-stages the SwiGLU output h this way).
+void stage_e4m3_ref(const float* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols);
 
 }  // namespace moefq

@@ -27,17 +27,6 @@ void prepare_matrix(const std::vector<uint8_t>& w8, const std::vector<float>& sc
   }
 }
 
-// Stages one row [n] fp32 to e4m3 with 1 x 128 scales (numerics.md), as stage_e4m3_ref does for bf16.
-void stage_row(const float* h, int64_t n, uint8_t* h8, float* scale) {
-  for (int64_t b = 0; b < n / kB; ++b) {
-    float m = 0.0f;
-    for (int64_t i = b * kB; i < (b + 1) * kB; ++i) m = max_ignore_nan(m, abs_f32(h[i]));
-    const float sf = stage_scale(m), inv = div_rn(1.0f, sf);
-    for (int64_t i = b * kB; i < (b + 1) * kB; ++i) h8[i] = stage_encode(h[i], inv);
-    scale[b] = sf;
-  }
-}
-
 // Per-thread working rows.
 struct Scratch {
   std::vector<float> a, gu, h;
@@ -71,7 +60,7 @@ void run_group(const ExpertGroup& g, std::optional<float> clamp, Scratch& s) {
       }
       s.h[size_t(i)] = mul_rn(mul_rn(silu_f32(gv), uv), g.weight[r]);
     }
-    stage_row(s.h.data(), I, g.h8[r], g.h_scale[r]);
+    stage_e4m3_ref(s.h.data(), g.h8[r], g.h_scale[r], 1, I);
     float* ar = s.a.data() + r * astride;
     for (int64_t i = 0; i < I; ++i) ar[i] = e4m3_decode(g.h8[r][i]);
     h_scale[r] = g.h_scale[r];

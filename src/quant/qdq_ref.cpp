@@ -119,7 +119,9 @@ void qdq_ref(Format f, const float* x, float* y, int64_t rows, int64_t cols, flo
   qdq_impl(f, x, y, rows, cols, amax);
 }
 
-void stage_e4m3_ref(const bf16* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols) {
+namespace {
+template <typename T>
+void stage_impl(const T* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols) {
   const int64_t nblocks = (cols + kStageBlock - 1) / kStageBlock;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < nblocks; ++b) {
@@ -132,6 +134,14 @@ void stage_e4m3_ref(const bf16* x, uint8_t* x8, float* scales, int64_t rows, int
       scales[r * nblocks + b] = sf;
     }
   }
+}
+}  // namespace
+
+void stage_e4m3_ref(const bf16* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols) {
+  stage_impl(x, x8, scales, rows, cols);
+}
+void stage_e4m3_ref(const float* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols) {
+  stage_impl(x, x8, scales, rows, cols);
 }
 
 }  // namespace moefq

@@ -178,6 +178,19 @@ __global__ void __launch_bounds__(kThreads) qdq_vec_kernel(const T* __restrict__
   }
 }
 
+// Block b of a [rows, cols] tensor cut into blocks of `block` along each row (a short final
+// block keeps the elements it has): its row and columns [c0, c1). valid is false past the end.
+struct RowBlock {
+  int64_t row, c0, c1;
+  bool valid;
+};
+__device__ __forceinline__ RowBlock locate_block(int64_t b, int64_t rows, int64_t cols, int64_t block) {
+  const int64_t per_row = (cols + block - 1) / block;
+  if (b >= rows * per_row) return {0, 0, 0, false};
+  const int64_t c0 = (b % per_row) * block;
+  return {b / per_row, c0, c0 + block < cols ? c0 + block : cols, true};
+}
+
 // Any shape and alignment: one thread per block of the format (per element for per-tensor
 // formats); a short final block uses the elements it has.
 template <typename T, Format F>
@@ -186,18 +199,14 @@ __global__ void qdq_generic_kernel(const T* x, T* y, int64_t rows, int64_t cols,
   __shared__ typename Rule<F>::Shared shared;
   const Rule<F> rule(amax, shared);
   __syncthreads();
-  const int64_t blocks_per_row = (cols + kBlock - 1) / kBlock;
-  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= rows * blocks_per_row) return;
-  const int64_t row = b / blocks_per_row;
-  const int64_t c0 = (b % blocks_per_row) * kBlock;
-  const int64_t c1 = c0 + kBlock < cols ? c0 + kBlock : cols;
-  const T* xr = x + row * cols;
-  T* yr = y + row * cols;
+  const RowBlock blk = locate_block(int64_t(blockIdx.x) * blockDim.x + threadIdx.x, rows, cols, kBlock);
+  if (!blk.valid) return;
+  const T* xr = x + blk.row * cols;
+  T* yr = y + blk.row * cols;
   float m = 0.0f;
-  for (int64_t c = c0; c < c1; ++c) m = rule.reduce(m, to_f32(xr[c]));
+  for (int64_t c = blk.c0; c < blk.c1; ++c) m = rule.reduce(m, to_f32(xr[c]));
   const auto param = rule.block_param(m);
-  for (int64_t c = c0; c < c1; ++c) store_out(&yr[c], rule.apply(to_f32(xr[c]), param));
+  for (int64_t c = blk.c0; c < blk.c1; ++c) store_out(&yr[c], rule.apply(to_f32(xr[c]), param));
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -320,17 +329,16 @@ __global__ void __launch_bounds__(kThreads) stage_vec_kernel(const bf16* __restr
 }
 
 __global__ void stage_generic_kernel(const bf16* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols) {
-  const int64_t blocks_per_row = (cols + kStageBlock - 1) / kStageBlock;
   const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= rows * blocks_per_row) return;
-  const int64_t row = b / blocks_per_row;
-  const int64_t c0 = (b % blocks_per_row) * kStageBlock;
-  const int64_t c1 = c0 + kStageBlock < cols ? c0 + kStageBlock : cols;
+  const RowBlock blk = locate_block(b, rows, cols, kStageBlock);
+  if (!blk.valid) return;
+  const bf16* xr = x + blk.row * cols;
+  uint8_t* x8r = x8 + blk.row * cols;
   float m = 0.0f;
-  for (int64_t c = c0; c < c1; ++c) m = max_ignore_nan(m, abs_f32(to_f32(x[row * cols + c])));
+  for (int64_t c = blk.c0; c < blk.c1; ++c) m = max_ignore_nan(m, abs_f32(to_f32(xr[c])));
   const float sf = stage_scale(m);
   const float inv = div_rn(1.0f, sf);
-  for (int64_t c = c0; c < c1; ++c) x8[row * cols + c] = stage_encode(to_f32(x[row * cols + c]), inv);
+  for (int64_t c = blk.c0; c < blk.c1; ++c) x8r[c] = stage_encode(to_f32(xr[c]), inv);
   scales[b] = sf;
 }
 

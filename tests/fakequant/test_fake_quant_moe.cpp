@@ -22,58 +22,18 @@
 #include "moefq/quantizer.h"
 #include "moefq/recipe.h"
 #include "moefq/weights.h"
+#include "moe_test_util.h"
 #include "test_util.h"
 
 namespace moefq {
 namespace {
 
+using test::random_routing;
+using test::small_config;
+using test::weights_for;
+
 // ---------------------------------------------------------------------------------------------
 // Configs, weights, routing and batches (small enough for a 2-core CPU in well under a second).
-
-MoeConfig small_config() {
-  MoeConfig c;
-  c.name = "test";
-  c.hidden = 256;
-  c.intermediate = 128;
-  c.num_experts = 16;
-  c.top_k = 4;
-  c.num_shared = 1;
-  c.routed_scaling = 2.5f;
-  return c;
-}
-
-std::vector<LayerWeights> weights_for(const MoeConfig& c, int64_t R) {
-  std::vector<LayerWeights> w;
-  for (int64_t r = 0; r < R; ++r)
-    w.push_back(synthetic_weights(c, WeightFormat::kE4m3, 42, r * (c.num_experts / R), c.num_experts / R));
-  return w;
-}
-
-// Random routing: distinct experts per token, skewed towards low ids, weights in (0, 1], some
-// inactive slots in active tokens; every `padding_every`-th token is all -1.
-void random_routing(const MoeConfig& c, int64_t n, uint64_t seed, std::vector<int32_t>& idx, std::vector<float>& w,
-                    int64_t padding_every = 0) {
-  std::mt19937_64 rng(seed);
-  const int64_t E = c.num_experts, K = c.top_k;
-  idx.assign(size_t(n * K), -1);
-  w.assign(size_t(n * K), 0.0f);
-  for (int64_t t = 0; t < n; ++t) {
-    if (padding_every && t % padding_every == padding_every - 1) continue;
-    for (int64_t k = 0; k < K; ++k) {
-      if (rng() % 11 == 0) continue;
-      int32_t e;
-      bool dup;
-      do {
-        const double u = double(rng() % 1000000) / 1e6;
-        e = int32_t(double(E) * u * u);
-        dup = false;
-        for (int64_t j = 0; j < k; ++j) dup |= idx[size_t(t * K + j)] == e;
-      } while (dup);
-      idx[size_t(t * K + k)] = e;
-      w[size_t(t * K + k)] = float(rng() % 1000 + 1) / 1000.0f;
-    }
-  }
-}
 
 bool token_active(const std::vector<int32_t>& idx, int64_t t, int64_t K) {
   for (int64_t k = 0; k < K; ++k)

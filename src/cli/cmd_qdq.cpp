@@ -2,7 +2,6 @@
 // the error metrics of each.
 #include <CLI/CLI.hpp>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>

@@ -81,22 +81,7 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
   const int64_t R = sh.num_ranks, T = sh.max_tokens, K = sh.top_k, H = sh.hidden, E = sh.num_experts;
   const int64_t el = sh.local_experts(), hb = H / kB;
   const bool fused = sh.fused_shared_slots() > 0;
-  MOEFQ_CHECK(int64_t(batches.size()) == R, "forward: ", batches.size(), " batches for ", R, " ranks");
-  for (int64_t r = 0; r < R; ++r) {
-    const RankBatch& b = batches[size_t(r)];
-    MOEFQ_CHECK(b.num_tokens >= 0 && b.num_tokens <= T, "forward: rank ", r, " has ", b.num_tokens,
-                " tokens; the buffer holds at most ", T);
-    if (b.num_tokens == 0) continue;
-    MOEFQ_CHECK(b.x && b.topk_idx && b.topk_weights && b.y, "forward: rank ", r, ": null tensor");
-    for (int64_t t = 0; t < b.num_tokens; ++t)
-      for (int64_t k = 0; k < K; ++k) {
-        const int32_t e = b.topk_idx[t * K + k];
-        MOEFQ_CHECK(e >= -1 && e < E, "forward: rank ", r, " token ", t, " slot ", k, ": expert id ", e,
-                    " outside [-1, ", E, ")");
-        for (int64_t j = 0; j < k && e >= 0; ++j)
-          MOEFQ_CHECK(b.topk_idx[t * K + j] != e, "forward: rank ", r, " token ", t, " picks expert ", e, " twice");
-      }
-  }
+  validate_batches(batches, R, T, E, K);
 
   // Token side: stage x, publish topk_idx / topk_weights in the rank's own buffer.
   for (int64_t r = 0; r < R; ++r) {

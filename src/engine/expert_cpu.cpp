@@ -123,6 +123,25 @@ void combine_rows(const bf16* const* rows, int n, int64_t H, bf16* y) {
   }
 }
 
+void validate_batches(std::span<const RankBatch> batches, int64_t R, int64_t T, int64_t E, int64_t K) {
+  MOEFQ_CHECK(int64_t(batches.size()) == R, "forward: ", batches.size(), " batches for ", R, " ranks");
+  for (int64_t r = 0; r < R; ++r) {
+    const RankBatch& b = batches[size_t(r)];
+    MOEFQ_CHECK(b.num_tokens >= 0 && b.num_tokens <= T, "forward: rank ", r, " has ", b.num_tokens,
+                " tokens; the buffer holds at most ", T);
+    if (b.num_tokens == 0) continue;
+    MOEFQ_CHECK(b.x && b.topk_idx && b.topk_weights && b.y, "forward: rank ", r, ": null tensor");
+    for (int64_t t = 0; t < b.num_tokens; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = b.topk_idx[t * K + k];
+        MOEFQ_CHECK(e >= -1 && e < E, "forward: rank ", r, " token ", t, " slot ", k, ": expert id ", e,
+                    " outside [-1, ", E, ")");
+        for (int64_t j = 0; j < k && e >= 0; ++j)
+          MOEFQ_CHECK(b.topk_idx[t * K + j] != e, "forward: rank ", r, " token ", t, " picks expert ", e, " twice");
+      }
+  }
+}
+
 int resolve_threads(int requested) {
   return requested > 0 ? requested : int(std::max(1u, std::thread::hardware_concurrency()));
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/gemm_cpu.h"
+#include "moefq/cpu_engine.h"
 #include "moefq/numerics.h"
 #include "moefq/weights.h"
 
@@ -58,6 +59,12 @@ inline constexpr int kMaxCombineRows = 33;
 // rows[1][h], ... in the given order (the active routed slots ascending, then the fused shared
 // slot). rows: n pointers to [H] bf16 rows; y: [H] bf16.
 void combine_rows(const bf16* const* rows, int n, int64_t H, bf16* y);
+
+// Checks one call's batches (one per rank) against the layer: the batch count, at most max_tokens
+// tokens per rank, no null tensors, expert ids in [-1, E) and no expert picked twice by a token.
+// Errors (bad input) name the rank, token and slot.
+void validate_batches(std::span<const RankBatch> batches, int64_t num_ranks, int64_t max_tokens, int64_t num_experts,
+                      int64_t top_k);
 
 // Threads to use for `requested` (0: all hardware threads).
 int resolve_threads(int requested);

@@ -69,17 +69,12 @@ class RoutedExpertsBackend final : public ExpertBackend {
   void forward(std::span<const RankBatch> batches) override {
     const int64_t H = cfg_.hidden, K = cfg_.top_k, hb = H / kStageBlock, E = cfg_.num_experts;
     const int64_t Is = cfg_.intermediate * cfg_.num_shared, imax = std::max(cfg_.intermediate, Is);
-    MOEFQ_CHECK(int64_t(batches.size()) == R_, "forward: ", batches.size(), " batches for ", R_, " ranks");
+    validate_batches(batches, R_, T_, E, K);
     // prepare: stage each rank's tokens to e4m3 with 1 x 128 scales
     std::vector<std::vector<uint8_t>> x8(static_cast<size_t>(R_));
     std::vector<std::vector<float>> xs(static_cast<size_t>(R_));
     for (int64_t r = 0; r < R_; ++r) {
       const RankBatch& b = batches[size_t(r)];
-      MOEFQ_CHECK(b.num_tokens >= 0 && b.num_tokens <= T_, "forward: rank ", r, " has ", b.num_tokens,
-                  " tokens; at most ", T_);
-      for (int64_t i = 0; i < b.num_tokens * K; ++i)
-        MOEFQ_CHECK(b.topk_idx[i] >= -1 && b.topk_idx[i] < E, "forward: rank ", r, " token ", i / K, " slot ", i % K,
-                    ": expert id ", b.topk_idx[i], " outside [-1, ", E, ")");
       x8[size_t(r)].resize(size_t(b.num_tokens * H));
       xs[size_t(r)].resize(size_t(b.num_tokens * hb));
       stage_e4m3_ref(b.x, x8[size_t(r)].data(), xs[size_t(r)].data(), b.num_tokens, H);

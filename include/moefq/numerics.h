@@ -460,6 +460,82 @@ MOEFQ_HD float exp_f32(float x) {
 // silu(g) = g / (1 + exp(-g)).
 MOEFQ_HD float silu_f32(float g) { return div_rn(g, add_rn(1.0f, exp_f32(-g))); }
 
+// The router's scoring functions (router.h), also written with the spec's binary32 operations
+// only: the CPU router and the CUDA router call these same functions, so they agree bit for bit
+// (library expf / log1pf / sqrtf may differ between host and device, or between libm versions).
+// Worst errors against exact (tests/numerics/test_router_math.cpp bounds them): exp_f32 1.2 ulp,
+// log1p_f32 0.82 ulp, sigmoid_f32 2.4 ulp, softplus_f32 1.7 ulp (where its result is normal).
+
+// IEEE square root, correctly rounded on both sides (sqrtss on the host, sqrt.rn.f32 in kernels,
+// which -prec-sqrt=true keeps exact). sqrt(-0) = -0; a negative or NaN x gives the canonical NaN.
+MOEFQ_HD float sqrt_rn(float x) {
+  if (!(x >= 0.0f)) return canonical_nan_f32();
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return __builtin_sqrtf(x);
+#endif
+}
+// log(1 + x): musl's log1pf (from FreeBSD / fdlibm) in the spec's operations, less than 1 ulp
+// from exact. 1 + x = 2^k (1 + f) with 1 + f in [sqrt(2)/2, sqrt(2)); c corrects the rounding of
+// 1 + x; log(1 + f) = f - f^2/2 + s (f^2/2 + R(s^2)) with s = f / (2 + f). x = -1 gives -inf,
+// x < -1 and NaN the canonical NaN, +inf gives +inf; |x| < 2^-24 gives x (sign of zero kept).
+MOEFQ_HD float log1p_f32(float x) {
+  constexpr float kLn2Hi = 6.9313812256e-01f;  // 0x3f317180
+  constexpr float kLn2Lo = 9.0580006145e-06f;  // 0x3717f7d1
+  constexpr float kLg1 = 0.66666662693f, kLg2 = 0.40000972152f, kLg3 = 0.28498786688f,
+                  kLg4 = 0.24279078841f;
+  if (is_nan(x)) return canonical_nan_f32();
+  const uint32_t ix = f32_bits(x);
+  int k = 1;
+  float c = 0.0f, f = 0.0f;
+  if (ix < 0x3ED413D0u || (ix >> 31) != 0u) {  // 1 + x < sqrt(2)+
+    if (ix >= 0xBF800000u)                     // x <= -1
+      return x == -1.0f ? f32_from_bits(0xFF800000u) : canonical_nan_f32();
+    if ((ix << 1) < (0x33800000u << 1)) return x;  // |x| < 2^-24
+    if (ix <= 0xBE95F619u) {                       // sqrt(2)/2- <= 1 + x < sqrt(2)+
+      k = 0;
+      f = x;
+    }
+  } else if (ix >= 0x7F800000u) {
+    return x;  // +inf
+  }
+  if (k != 0) {
+    const float u = add_rn(1.0f, x);
+    uint32_t iu = f32_bits(u) + (0x3F800000u - 0x3F3504F3u);
+    k = int(iu >> 23) - 0x7F;
+    // c = (1 + x) - u, exactly, divided by u: log(1 + x) = log(u) + c / u to first order.
+    if (k < 25) {
+      c = k >= 2 ? add_rn(1.0f, -add_rn(u, -x)) : add_rn(x, -add_rn(u, -1.0f));
+      c = div_rn(c, u);
+    }
+    iu = (iu & 0x007FFFFFu) + 0x3F3504F3u;  // u / 2^k, in [sqrt(2)/2, sqrt(2))
+    f = add_rn(f32_from_bits(iu), -1.0f);
+  }
+  const float s = div_rn(f, add_rn(2.0f, f));
+  const float z = mul_rn(s, s);
+  const float w = mul_rn(z, z);
+  const float t1 = mul_rn(w, add_rn(kLg2, mul_rn(w, kLg4)));
+  const float t2 = mul_rn(z, add_rn(kLg1, mul_rn(w, kLg3)));
+  const float r = add_rn(t2, t1);
+  const float hfsq = mul_rn(mul_rn(0.5f, f), f);
+  const float dk = float(k);
+  // ((((s (hfsq + R)) + (k ln2_lo + c)) - hfsq) + f) + k ln2_hi, in this order.
+  const float lo = add_rn(mul_rn(s, add_rn(hfsq, r)), add_rn(mul_rn(dk, kLn2Lo), c));
+  return add_rn(add_rn(add_rn(lo, -hfsq), f), mul_rn(dk, kLn2Hi));
+}
+// sigmoid(l) = 1 / (1 + exp(-l)) for l >= 0 and exp(l) / (1 + exp(l)) below, the same function
+// written so that exp never overflows: results keep their precision down to the subnormals.
+// NaN gives the canonical NaN; +-inf give 1 and 0.
+MOEFQ_HD float sigmoid_f32(float l) {
+  if (l >= 0.0f) return div_rn(1.0f, add_rn(1.0f, exp_f32(-l)));
+  const float e = exp_f32(l);  // NaN stays NaN (canonical)
+  return div_rn(e, add_rn(1.0f, e));
+}
+// softplus(l) = log(1 + exp(l)), and l itself above 20 (where the two round to the same binary32,
+// the threshold of torch.nn.functional.softplus). NaN gives the canonical NaN.
+MOEFQ_HD float softplus_f32(float l) { return l > 20.0f ? l : log1p_f32(exp_f32(l)); }
+
 // e4m3 staging of expert inputs (1 x 128 blocks, fp32 scales): the real FP8 cast of the engine.
 // block_amax is the max |x| over the block's non-NaN elements.
 MOEFQ_HD float stage_scale(float block_amax) {

@@ -21,12 +21,17 @@ struct Routing {
 // e_score_correction_bias, used only when cfg.noaux_tc; empty = zero bias). padding: [num_tokens]
 // or empty; a padding token gets all slots -1 and weights 0.
 // Rules (all fp32, no FMA): logit[t][e] = sum_h x[t][h] * gate[e][h] as 8 lane sums (lane h % 8,
-// h ascending) combined ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); score s = sigmoid | softmax over E |
-// sqrt(softplus); selection score = s + bias (noaux_tc) or s. Groups (n_group > 1): group score =
-// top-2 sum of selection scores (noaux_tc) or their max (otherwise); the topk_group best groups
-// are kept, then the K best experts of the kept groups. Every ordering is by descending value,
-// ties to the lower id, NaN below -inf. Slots come in that order; weight = s of the expert (no
-// bias), divided by (sum + 1e-20f) if norm_topk_prob, times routed_scaling.
+// h ascending, from +0) combined ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); score s = sigmoid | softmax
+// over E | sqrt(softplus), computed with numerics.h's portable functions (sigmoid_f32,
+// softplus_f32 with its threshold 20, sqrt_rn, exp_f32; softmax: max over the non-NaN logits,
+// exp_f32(l - max), summed in ascending e from +0, each divided by the sum); selection score =
+// s + bias (noaux_tc) or s. Groups (n_group > 1): group score = top-2 sum of selection scores
+// (noaux_tc) or their max (otherwise); the topk_group best groups are kept, then the K best
+// experts of the kept groups. Every ordering is by descending value, ties to the lower id, NaN
+// below -inf. Slots come in that order; weight = s of the expert (no bias), divided by
+// (sum + 1e-20f) if norm_topk_prob (sum: slot order, from +0), times routed_scaling; a NaN weight
+// is the canonical NaN. The per-token rules live in src/engine/router_rules.h, shared with the
+// CUDA router (src/cuda/router_kernels.cuh), which gives the same ids and weight bits.
 // Deterministic: a token's result depends only on its own row, whatever num_tokens, chunking or
 // threading. num_threads: 0 = automatic (threads from 256 tokens on), otherwise at most that many.
 Routing route(const MoeConfig& cfg, const bf16* x, int64_t num_tokens, const std::vector<float>& gate,

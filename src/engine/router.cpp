@@ -1,130 +1,51 @@
-// The MoE router (engine.md): fp32 gate logits in a fixed order, scoring, noaux_tc bias,
-// group-limited top-k, normalisation and routed scaling. One token's result depends only on its
-// own row, so chunking and threading cannot change a bit.
+// The MoE router (engine.md): fp32 gate logits in a fixed order, then the per-token rules of
+// router_rules.h (scoring, noaux_tc bias, group-limited top-k, normalisation, routed scaling),
+// which the CUDA router shares. One token's result depends only on its own row, so chunking and
+// threading cannot change a bit.
 #include "moefq/router.h"
 
 #include <algorithm>
-#include <cmath>
 #include <system_error>
 #include <thread>
 
+#include "engine/router_rules.h"
 #include "moefq/errors.h"
 
 namespace moefq {
 
 namespace {
 
-constexpr int kLanes = 8;
+using router_rules::kLogitLanes;
+
 constexpr int64_t kThreadedMinTokens = 256;
 constexpr int64_t kTokensPerThread = 64;
 
 // The fixed accumulation order: lane j sums the products of h = j mod 8 in ascending h; the lanes
-// are combined as a balanced tree. Plain float operations (the build has -ffp-contract=off), so a
-// vectorised loop computes the same bits as a scalar one.
+// are combined as a balanced tree. Explicit binary32 operations (and the build has
+// -ffp-contract=off), so a vectorised loop computes the same bits as a scalar one.
 float logit_f32(const float* x, const float* g, int64_t hidden) {
-  float lane[kLanes] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  float lane[kLogitLanes] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   int64_t h = 0;
-  for (; h + kLanes <= hidden; h += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] = lane[j] + x[h + j] * g[h + j];
-  for (int j = 0; h < hidden; ++h, ++j) lane[j] = lane[j] + x[h] * g[h];
-  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  for (; h + kLogitLanes <= hidden; h += kLogitLanes)
+    for (int j = 0; j < kLogitLanes; ++j) lane[j] = add_rn(lane[j], mul_rn(x[h + j], g[h + j]));
+  for (int j = 0; h < hidden; ++h, ++j) lane[j] = add_rn(lane[j], mul_rn(x[h], g[h]));
+  return router_rules::combine_lanes(lane);
 }
 
-// Ordering key: NaN sorts below every number (-inf included; equal keys fall back to the id).
-float order_key(float v) { return std::isnan(v) ? -INFINITY : v; }
-
-// a before b: larger key first, ties to the lower id. A strict total order over distinct ids.
-struct Before {
-  const float* key;
-  bool operator()(int32_t a, int32_t b) const {
-    return key[a] != key[b] ? key[a] > key[b] : a < b;
-  }
-};
-
-float sigmoid(float l) { return 1.0f / (1.0f + std::exp(-l)); }
-float sqrt_softplus(float l) { return std::sqrt(l > 20.0f ? l : std::log1p(std::exp(l))); }
-
 struct Scratch {
-  std::vector<float> xrow;     // [H]
-  std::vector<float> score;    // [E] s
-  std::vector<float> select;   // [E] ordering keys of the selection scores
-  std::vector<float> gscore;   // [n_group]
-  std::vector<int32_t> order;  // candidates (experts or groups)
-  std::vector<int32_t> cand;   // experts of the kept groups
+  std::vector<float> xrow;    // [H]
+  std::vector<float> score;   // [E] logits, then scores
+  std::vector<float> gscore;  // [n_group]
 };
 
-void route_token(const MoeConfig& cfg, const bf16* x, const float* gate, const float* bias,
-                 Scratch& s, int32_t* idx_out, float* w_out) {
-  const int64_t H = cfg.hidden, E = cfg.num_experts, K = cfg.top_k;
+// One token: logits, then the shared rules of router_rules.h (the CUDA router runs the same).
+void route_token(const router_rules::Rules& rules, int64_t hidden, const bf16* x, const float* gate,
+                 const float* bias, Scratch& s, int32_t* idx_out, float* w_out) {
+  const int64_t H = hidden, E = rules.num_experts;
   for (int64_t h = 0; h < H; ++h) s.xrow[size_t(h)] = to_f32(x[h]);
-  for (int64_t e = 0; e < E; ++e) s.score[size_t(e)] = logit_f32(s.xrow.data(), gate + e * H, H);
-
-  switch (cfg.scoring) {
-    case ScoringFunc::kSigmoid:
-      for (int64_t e = 0; e < E; ++e) s.score[size_t(e)] = sigmoid(s.score[size_t(e)]);
-      break;
-    case ScoringFunc::kSqrtSoftplus:
-      for (int64_t e = 0; e < E; ++e) s.score[size_t(e)] = sqrt_softplus(s.score[size_t(e)]);
-      break;
-    case ScoringFunc::kSoftmax: {
-      float mx = -INFINITY;
-      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, s.score[size_t(e)]);
-      float sum = 0.0f;  // ascending e
-      for (int64_t e = 0; e < E; ++e) {
-        s.score[size_t(e)] = std::exp(s.score[size_t(e)] - mx);
-        sum = sum + s.score[size_t(e)];
-      }
-      for (int64_t e = 0; e < E; ++e) s.score[size_t(e)] = s.score[size_t(e)] / sum;
-      break;
-    }
-  }
   for (int64_t e = 0; e < E; ++e)
-    s.select[size_t(e)] = order_key(bias ? s.score[size_t(e)] + bias[e] : s.score[size_t(e)]);
-
-  // Candidates: every expert, or those of the kept groups (in ascending id either way).
-  s.cand.clear();
-  if (cfg.n_group > 1) {
-    const int64_t G = cfg.n_group, per = E / G;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* v = s.select.data() + g * per;
-      float first = -INFINITY, second = -INFINITY;  // the two largest keys of the group
-      for (int64_t i = 0; i < per; ++i) {
-        if (v[i] > first) {
-          second = first;
-          first = v[i];
-        } else if (v[i] > second) {
-          second = v[i];
-        }
-      }
-      // noaux_tc (DeepSeek-V3): sum of the top 2 (the top 1 alone in a group of one);
-      // otherwise (DeepSeek-V2 group_limited_greedy): the group's max.
-      const float gs = cfg.noaux_tc ? (per >= 2 ? first + second : first) : first;
-      s.gscore[size_t(g)] = order_key(gs);
-    }
-    s.order.resize(size_t(G));
-    for (int64_t g = 0; g < G; ++g) s.order[size_t(g)] = int32_t(g);
-    std::partial_sort(s.order.begin(), s.order.begin() + cfg.topk_group, s.order.end(),
-                      Before{s.gscore.data()});
-    std::sort(s.order.begin(), s.order.begin() + cfg.topk_group);
-    for (int64_t i = 0; i < cfg.topk_group; ++i)
-      for (int64_t e = s.order[size_t(i)] * per; e < (s.order[size_t(i)] + 1) * per; ++e)
-        s.cand.push_back(int32_t(e));
-  } else {
-    for (int64_t e = 0; e < E; ++e) s.cand.push_back(int32_t(e));
-  }
-  std::partial_sort(s.cand.begin(), s.cand.begin() + K, s.cand.end(), Before{s.select.data()});
-
-  float sum = 0.0f;  // slot order
-  for (int64_t k = 0; k < K; ++k) {
-    idx_out[k] = s.cand[size_t(k)];
-    w_out[k] = s.score[size_t(s.cand[size_t(k)])];
-    sum = sum + w_out[k];
-  }
-  if (cfg.norm_topk_prob) {
-    const float denom = sum + 1e-20f;
-    for (int64_t k = 0; k < K; ++k) w_out[k] = w_out[k] / denom;
-  }
-  for (int64_t k = 0; k < K; ++k) w_out[k] = w_out[k] * cfg.routed_scaling;
+    s.score[size_t(e)] = router_rules::score_elementwise(rules.scoring, logit_f32(s.xrow.data(), gate + e * H, H));
+  router_rules::route_scores(rules, s.score.data(), 1, bias, s.gscore.data(), 1, idx_out, w_out);
 }
 
 }  // namespace
@@ -155,21 +76,20 @@ Routing route(const MoeConfig& cfg, const bf16* x, int64_t num_tokens, const std
   r.topk_idx.assign(size_t(num_tokens * K), -1);
   r.topk_weights.assign(size_t(num_tokens * K), 0.0f);
   const float* b = cfg.noaux_tc && !bias.empty() ? bias.data() : nullptr;
+  const router_rules::Rules rules = router_rules::make_rules(cfg);
 
   auto make_scratch = [&] {
     Scratch s;
     s.xrow.resize(size_t(H));
     s.score.resize(size_t(E));
-    s.select.resize(size_t(E));
     s.gscore.resize(size_t(cfg.n_group));
-    s.cand.reserve(size_t(E));
     return s;
   };
   // Nothing in here throws: all allocation happens before the threads start.
   auto run = [&](Scratch* s, int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       if (!padding.empty() && padding[size_t(t)]) continue;
-      route_token(cfg, x + t * H, gate.data(), b, *s, r.topk_idx.data() + t * K, r.topk_weights.data() + t * K);
+      route_token(rules, H, x + t * H, gate.data(), b, *s, r.topk_idx.data() + t * K, r.topk_weights.data() + t * K);
     }
   };
 

@@ -19,35 +19,20 @@
 #include <random>
 #include <sstream>
 
+#include "engine/router_rules.h"
 #include "moefq/errors.h"
 #include "moefq/router.h"
+#include "router_test_util.h"
 #include "test_util.h"
 
 namespace moefq {
 namespace {
 
+using test::router_config;
+
 constexpr double kWeightRelTol = 1e-6;
 constexpr double kWeightRelTolRandom = 2e-6;
 constexpr double kNearTie = 1e-6;
-
-MoeConfig make_cfg(int64_t E, int64_t H, int64_t K, ScoringFunc scoring, int64_t n_group, int64_t topk_group,
-                   bool noaux_tc, bool norm, float scaling) {
-  MoeConfig c;
-  c.name = "test";
-  c.hidden = H;
-  c.intermediate = 128;
-  c.num_experts = E;
-  c.top_k = K;
-  c.num_shared = 1;
-  c.n_group = n_group;
-  c.topk_group = topk_group;
-  c.scoring = scoring;
-  c.noaux_tc = noaux_tc;
-  c.norm_topk_prob = norm;
-  c.routed_scaling = scaling;
-  c.validate();
-  return c;
-}
 
 // Inputs whose fp32 logits are exact: x = k/8 (|k| <= 8, exact in bf16), gate = m/256 (|m| <= 32);
 // every product is a multiple of 2^-11 of magnitude <= 1/8, and any sum of H <= 4096 of them fits
@@ -211,7 +196,7 @@ class RouterOracle : public ::testing::TestWithParam<OracleCase> {};
 
 TEST_P(RouterOracle, ExactLogits) {
   const OracleCase p = GetParam();
-  const MoeConfig c = make_cfg(64, 256, 6, p.scoring, p.n_group, p.topk_group, p.noaux_tc, p.norm, 2.5f);
+  const MoeConfig c = router_config(64, 256, 6, p.scoring, p.n_group, p.topk_group, p.noaux_tc, p.norm, 2.5f);
   // Bias comparable to the score spread, so it changes selections (softmax scores are ~1/E).
   const float bias_range = p.scoring == ScoringFunc::kSoftmax ? 0.02f : 0.2f;
   const OracleStats st = check_against_ref(c, exact_inputs(300, 64, 256, 11 + uint64_t(p.n_group), bias_range), 300);
@@ -223,7 +208,7 @@ TEST_P(RouterOracle, ExactLogits) {
 
 TEST_P(RouterOracle, RandomData) {
   const OracleCase p = GetParam();
-  const MoeConfig c = make_cfg(64, 384, 8, p.scoring, p.n_group, p.topk_group, p.noaux_tc, p.norm, 1.5f);
+  const MoeConfig c = router_config(64, 384, 8, p.scoring, p.n_group, p.topk_group, p.noaux_tc, p.norm, 1.5f);
   const float bias_range = p.scoring == ScoringFunc::kSoftmax ? 0.02f : 0.2f;
   const OracleStats st = check_against_ref(c, random_inputs(200, 64, 384, 97, bias_range), 200,
                                            kWeightRelTolRandom);
@@ -237,7 +222,7 @@ INSTANTIATE_TEST_SUITE_P(AllRules, RouterOracle, ::testing::ValuesIn(all_oracle_
 
 // The bias decides the selection, but the weights are the scores without it.
 TEST(Router, BiasSelectsButDoesNotWeigh) {
-  MoeConfig c = make_cfg(16, 128, 4, ScoringFunc::kSigmoid, 1, 1, true, true, 2.0f);
+  MoeConfig c = router_config(16, 128, 4, ScoringFunc::kSigmoid, 1, 1, true, true, 2.0f);
   std::vector<float> gate(16 * 128, 0.0f), bias(16);
   for (int e = 0; e < 16; ++e) bias[size_t(e)] = 0.01f * float(e);
   std::vector<bf16> x(128, bf16{bf16_round(1.0f)});
@@ -272,7 +257,7 @@ TEST(Router, TiesGoToTheLowerId) {
   // Experts 5 and 3 share the best logit, 1 and 6 the second: slots 3, 5, 1, 6.
   const Handmade m = handmade({0.0f, 1.0f, 0.0f, 2.0f, 0.0f, 2.0f, 1.0f, 0.0f}, 128);
   for (ScoringFunc s : {ScoringFunc::kSigmoid, ScoringFunc::kSoftmax, ScoringFunc::kSqrtSoftplus}) {
-    const MoeConfig c = make_cfg(8, 128, 4, s, 1, 1, false, true, 1.0f);
+    const MoeConfig c = router_config(8, 128, 4, s, 1, 1, false, true, 1.0f);
     const Routing r = route(c, m.x.data(), 1, m.gate, {});
     EXPECT_EQ(r.topk_idx, (std::vector<int32_t>{3, 5, 1, 6})) << scoring_name(s);
     EXPECT_EQ(r.topk_weights[0], r.topk_weights[1]);
@@ -280,7 +265,7 @@ TEST(Router, TiesGoToTheLowerId) {
   }
   // All equal: ids 0..K-1, and with groups the lower groups.
   const Handmade flat = handmade(std::vector<float>(16, 0.5f), 128);
-  const MoeConfig g = make_cfg(16, 128, 6, ScoringFunc::kSigmoid, 4, 2, true, true, 1.0f);
+  const MoeConfig g = router_config(16, 128, 6, ScoringFunc::kSigmoid, 4, 2, true, true, 1.0f);
   const Routing r = route(g, flat.x.data(), 1, flat.gate, std::vector<float>(16, 0.0f));
   EXPECT_EQ(r.topk_idx, (std::vector<int32_t>{0, 1, 2, 3, 4, 5}));
   // Groups 1 and 3 tie for best, group 2 is worse, group 0 worst: topk_group = 2 keeps 1 and 3.
@@ -293,7 +278,7 @@ TEST(Router, TiesGoToTheLowerId) {
   const Routing r2 = route(g, gm.x.data(), 1, gm.gate, std::vector<float>(16, 0.0f));
   EXPECT_EQ(r2.topk_idx, (std::vector<int32_t>{4, 5, 6, 7, 12, 13}));
   // topk_group = 1: only group 1 (the lower of the tied pair); K = 4 fills it.
-  const MoeConfig g1 = make_cfg(16, 128, 4, ScoringFunc::kSigmoid, 4, 1, true, true, 1.0f);
+  const MoeConfig g1 = router_config(16, 128, 4, ScoringFunc::kSigmoid, 4, 1, true, true, 1.0f);
   const Routing r3 = route(g1, gm.x.data(), 1, gm.gate, std::vector<float>(16, 0.0f));
   EXPECT_EQ(r3.topk_idx, (std::vector<int32_t>{4, 5, 6, 7}));
 }
@@ -302,16 +287,16 @@ TEST(Router, GroupScoreRules) {
   // Group 0: one strong expert; group 1: two good ones. Top-2 sum (noaux_tc) prefers group 1:
   // s(3) + s(-3) = 1 < 2 s(2) = 1.76; the max rule (group_limited_greedy) prefers group 0.
   const Handmade m = handmade({3.0f, -3.0f, -3.0f, -3.0f, 2.0f, 2.0f, -3.0f, -3.0f}, 128);
-  const MoeConfig top2 = make_cfg(8, 128, 2, ScoringFunc::kSigmoid, 2, 1, true, false, 1.0f);
+  const MoeConfig top2 = router_config(8, 128, 2, ScoringFunc::kSigmoid, 2, 1, true, false, 1.0f);
   EXPECT_EQ(route(top2, m.x.data(), 1, m.gate, std::vector<float>(8, 0.0f)).topk_idx,
             (std::vector<int32_t>{4, 5}));
-  const MoeConfig mx = make_cfg(8, 128, 2, ScoringFunc::kSoftmax, 2, 1, false, false, 1.0f);
+  const MoeConfig mx = router_config(8, 128, 2, ScoringFunc::kSoftmax, 2, 1, false, false, 1.0f);
   EXPECT_EQ(route(mx, m.x.data(), 1, m.gate, {}).topk_idx, (std::vector<int32_t>{0, 1}));
   // Without groups both strong experts of the whole set win.
-  const MoeConfig flat = make_cfg(8, 128, 2, ScoringFunc::kSigmoid, 1, 1, true, false, 1.0f);
+  const MoeConfig flat = router_config(8, 128, 2, ScoringFunc::kSigmoid, 1, 1, true, false, 1.0f);
   EXPECT_EQ(route(flat, m.x.data(), 1, m.gate, {}).topk_idx, (std::vector<int32_t>{0, 4}));
   // Experts outside the kept groups are never chosen even when every kept score is negative.
-  const MoeConfig neg = make_cfg(8, 128, 4, ScoringFunc::kSigmoid, 2, 1, true, false, 1.0f);
+  const MoeConfig neg = router_config(8, 128, 4, ScoringFunc::kSigmoid, 2, 1, true, false, 1.0f);
   std::vector<float> bias(8, 0.0f);
   for (int e = 0; e < 4; ++e) bias[size_t(e)] = -5.0f;
   const Routing r = route(neg, m.x.data(), 1, m.gate, bias);
@@ -321,21 +306,52 @@ TEST(Router, GroupScoreRules) {
 TEST(Router, WeightsFollowTheFormula) {
   // sigmoid, norm: w = s / (sum s + 1e-20f) * scaling, in slot order, all in fp32.
   const Handmade m = handmade({0.25f, -1.0f, 1.5f, 0.5f}, 128);
-  const MoeConfig c = make_cfg(4, 128, 3, ScoringFunc::kSigmoid, 1, 1, false, true, 2.5f);
+  const MoeConfig c = router_config(4, 128, 3, ScoringFunc::kSigmoid, 1, 1, false, true, 2.5f);
   const Routing r = route(c, m.x.data(), 1, m.gate, {});
   ASSERT_EQ(r.topk_idx, (std::vector<int32_t>{2, 3, 0}));
-  const float s2 = 1.0f / (1.0f + std::exp(-1.5f)), s3 = 1.0f / (1.0f + std::exp(-0.5f)),
-              s0 = 1.0f / (1.0f + std::exp(-0.25f));
+  // The scores come from numerics.h's portable sigmoid: 1 / (1 + exp_f32(-l)) for l >= 0.
+  const float s2 = div_rn(1.0f, 1.0f + exp_f32(-1.5f)), s3 = div_rn(1.0f, 1.0f + exp_f32(-0.5f)),
+              s0 = div_rn(1.0f, 1.0f + exp_f32(-0.25f));
   const float denom = ((s2 + s3) + s0) + 1e-20f;
   EXPECT_EQ(r.topk_weights[0], (s2 / denom) * 2.5f);
   EXPECT_EQ(r.topk_weights[1], (s3 / denom) * 2.5f);
   EXPECT_EQ(r.topk_weights[2], (s0 / denom) * 2.5f);
-  // sqrtsoftplus above the threshold is sqrt(l), below it sqrt(log1p(exp(l))).
+  // sqrtsoftplus above the threshold is sqrt(l), below it sqrt(log1p(exp(l))) (portable functions).
   const Handmade big = handmade({25.0f, 4.0f}, 128);
-  const MoeConfig sp = make_cfg(2, 128, 2, ScoringFunc::kSqrtSoftplus, 1, 1, false, false, 1.0f);
+  const MoeConfig sp = router_config(2, 128, 2, ScoringFunc::kSqrtSoftplus, 1, 1, false, false, 1.0f);
   const Routing rs = route(sp, big.x.data(), 1, big.gate, {});
   EXPECT_EQ(rs.topk_weights[0], std::sqrt(25.0f));
-  EXPECT_EQ(rs.topk_weights[1], std::sqrt(std::log1p(std::exp(4.0f))));
+  EXPECT_EQ(rs.topk_weights[1], std::sqrt(log1p_f32(exp_f32(4.0f))));
+  EXPECT_NEAR(rs.topk_weights[1], std::sqrt(std::log1p(std::exp(4.0))), 4e-7);
+}
+
+// The CUDA router's layout: the shared rules of router_rules.h run on token-minor scores
+// ([E][T_pad], stride T_pad) and group scores, one token at a time, as router_select_kernel does.
+// Same ids and weight bits as route() (which runs them with stride 1).
+TEST(Router, SharedRulesOnTokenMinorScoresGiveTheSameBits) {
+  for (const char* name : {"deepseek-v3", "deepseek-v4-flash", "kimi-k3", "tiny"}) {
+    for (ScoringFunc s : {ScoringFunc::kSigmoid, ScoringFunc::kSoftmax, ScoringFunc::kSqrtSoftplus}) {
+      MoeConfig c = preset(name);
+      c.hidden = 256;
+      c.scoring = s;
+      const int64_t T = 37, Tp = 64, E = c.num_experts, H = c.hidden, K = c.top_k, G = c.n_group;
+      const Inputs in = random_inputs(T, E, H, 123, s == ScoringFunc::kSoftmax ? 0.002f : 0.1f);
+      std::vector<float> scores(size_t(E * Tp), NAN), gscore(size_t(G * Tp), NAN);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t e = 0; e < E; ++e)
+          scores[size_t(e * Tp + t)] = router_rules::score_elementwise(
+              s, gate_logit(in.x.data() + t * H, in.gate.data() + e * H, H));
+      const router_rules::Rules rules = router_rules::make_rules(c);
+      std::vector<int32_t> idx(size_t(T * K), -7);
+      std::vector<float> w(size_t(T * K), -7.0f);
+      for (int64_t t = 0; t < T; ++t)
+        router_rules::route_scores(rules, scores.data() + t, Tp, c.noaux_tc ? in.bias.data() : nullptr,
+                                   gscore.data() + t, Tp, idx.data() + t * K, w.data() + t * K);
+      const Routing want = route(c, in.x.data(), T, in.gate, in.bias);
+      EXPECT_TRUE(test::bytes_equal(want.topk_idx, idx)) << name << " " << scoring_name(s);
+      EXPECT_TRUE(test::bytes_equal(want.topk_weights, w)) << name << " " << scoring_name(s);
+    }
+  }
 }
 
 TEST(Router, LogitOrderIsTheDocumentedOne) {
@@ -471,7 +487,7 @@ TEST(Router, ZeroTokens) {
 
 TEST(Router, NanLogitsRankLast) {
   // A NaN row: every key is NaN, ranked like -inf, so the lowest ids win; the weights are NaN.
-  const MoeConfig c = make_cfg(8, 128, 2, ScoringFunc::kSigmoid, 1, 1, false, false, 1.0f);
+  const MoeConfig c = router_config(8, 128, 2, ScoringFunc::kSigmoid, 1, 1, false, false, 1.0f);
   std::vector<bf16> x(128, bf16{bf16_round(1.0f)});
   x[3].bits = kCanonicalNanBf16;
   const Handmade m = handmade({0, 1, 2, 3, 4, 5, 6, 7}, 128);
@@ -481,7 +497,7 @@ TEST(Router, NanLogitsRankLast) {
   // One NaN expert among finite ones ranks below them all, -inf included.
   std::vector<float> gate = handmade({1, -INFINITY, 3, 2}, 128).gate;
   gate[0] = NAN;
-  const MoeConfig c4 = make_cfg(4, 128, 3, ScoringFunc::kSigmoid, 1, 1, false, false, 1.0f);
+  const MoeConfig c4 = router_config(4, 128, 3, ScoringFunc::kSigmoid, 1, 1, false, false, 1.0f);
   EXPECT_EQ(route(c4, m.x.data(), 1, gate, {}).topk_idx, (std::vector<int32_t>{2, 3, 1}));
 }
 
@@ -513,9 +529,9 @@ TEST(Router, BadInputsAreNamed) {
 namespace moefq {
 namespace {
 
-// A naive fp32 router, written per token with full sorts, using the same fp32 formulas (scores,
-// normalisation in slot order) and the documented logit order (gate_logit): ids AND weights must
-// be bit-identical to route().
+// A naive fp32 router, written per token with full sorts, using the same fp32 formulas (scores with
+// numerics.h's portable exp_f32 / log1p_f32 and IEEE sqrt, normalisation in slot order) and the
+// documented logit order (gate_logit): ids AND weights must be bit-identical to route().
 Routing naive_fp32_route(const MoeConfig& c, const Inputs& in, int64_t T) {
   const int64_t E = c.num_experts, H = c.hidden, K = c.top_k, G = c.n_group, per = E / G;
   Routing out;
@@ -525,13 +541,13 @@ Routing naive_fp32_route(const MoeConfig& c, const Inputs& in, int64_t T) {
     std::vector<float> s(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) s[size_t(e)] = gate_logit(in.x.data() + t * H, in.gate.data() + e * H, H);
     if (c.scoring == ScoringFunc::kSigmoid) {
-      for (float& v : s) v = 1.0f / (1.0f + std::exp(-v));
+      for (float& v : s) v = v >= 0.0f ? 1.0f / (1.0f + exp_f32(-v)) : exp_f32(v) / (1.0f + exp_f32(v));
     } else if (c.scoring == ScoringFunc::kSqrtSoftplus) {
-      for (float& v : s) v = std::sqrt(v > 20.0f ? v : std::log1p(std::exp(v)));
+      for (float& v : s) v = std::sqrt(v > 20.0f ? v : log1p_f32(exp_f32(v)));
     } else {
       float mx = -INFINITY, sum = 0.0f;
       for (float v : s) mx = std::max(mx, v);
-      for (float& v : s) sum = sum + (v = std::exp(v - mx));
+      for (float& v : s) sum = sum + (v = exp_f32(v - mx));
       for (float& v : s) v = v / sum;
     }
     std::vector<float> sel(s);
@@ -577,7 +593,7 @@ TEST(Router, NaiveFp32RouterGivesIdenticalIdsAndWeightBits) {
   for (const Case& k : {Case{ScoringFunc::kSigmoid, 8, 4, true, true}, Case{ScoringFunc::kSigmoid, 1, 1, true, false},
                         Case{ScoringFunc::kSoftmax, 4, 2, false, true}, Case{ScoringFunc::kSoftmax, 1, 1, false, false},
                         Case{ScoringFunc::kSqrtSoftplus, 1, 1, true, true}}) {
-    const MoeConfig c = make_cfg(64, 256, 8, k.s, k.groups, k.topk_groups, k.noaux, k.norm, 2.5f);
+    const MoeConfig c = router_config(64, 256, 8, k.s, k.groups, k.topk_groups, k.noaux, k.norm, 2.5f);
     const Inputs in = random_inputs(100, 64, 256, 77, 0.1f);
     const Routing got = route(c, in.x.data(), 100, in.gate, in.bias);
     const Routing want = naive_fp32_route(c, in, 100);

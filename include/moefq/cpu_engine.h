@@ -31,6 +31,12 @@ struct RankBatch {
   bf16* y = nullptr;                     // [num_tokens, H] output
 };
 
+// The buffer shape of a layer (every engine of the configuration sizes its buffer with this):
+// the shared expert fused as slot K when options.fuse_shared and the config has one; the weight
+// format of rank 0's first expert.
+BufferShape engine_buffer_shape(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
+                                const std::vector<LayerWeights>& rank_weights, const EngineOptions& options);
+
 class CpuEngine {
  public:
   // rank_weights[r] holds rank r's local experts (E/R of them, first_expert = r * E/R) and, when

@@ -13,8 +13,7 @@
 #include <vector>
 
 #include "moefq/expert_backend.h"
-#include "moefq/quantizer.h"
-#include "moefq/recipe.h"
+#include "moefq/moe_quantizers.h"
 
 namespace moefq {
 
@@ -23,9 +22,9 @@ class FakeQuantMoe {
   // layer: the model layer index, used in the quantizer names.
   FakeQuantMoe(std::unique_ptr<ExpertBackend> backend, int64_t layer);
 
-  static std::string dispatch_name(int64_t layer);  // "layers.{i}.mlp.experts.dispatch_quantizer"
-  static std::string combine_name(int64_t layer);   // "layers.{i}.mlp.experts.combine_quantizer"
-  std::vector<std::string> quantizer_names() const;
+  static std::string dispatch_name(int64_t layer) { return MoeQuantizers::dispatch_name(layer); }
+  static std::string combine_name(int64_t layer) { return MoeQuantizers::combine_name(layer); }
+  std::vector<std::string> quantizer_names() const { return q_.names(); }
 
   // Sets both quantizers from resolved recipe configs (apply_recipe's output; names of other
   // layers are ignored). Raises the configuration errors of fake_quant.md before any forward:
@@ -35,20 +34,21 @@ class FakeQuantMoe {
 
   // Max calibration over exactly what each quantizer sees; no QDQ meanwhile. finish reduces
   // each amax with MAX over the ranks (every rank then holds the same value).
-  void start_calibration();
-  void finish_calibration();
+  void start_calibration() { q_.start_calibration(); }
+  void finish_calibration() { q_.finish_calibration(); }
 
   // One call of every rank; batches[r].y receives rank r's output. A dynamic dispatch amax is the
   // max |x| over the rank's tokens that have an active routed slot (the tokens that are sent).
   void forward(std::span<const RankBatch> batches);
 
   ExpertBackend& backend() { return *backend_; }
-  const Quantizer& dispatch_quantizer(int64_t rank) const { return dispatch_[size_t(rank)]; }
-  const Quantizer& combine_quantizer(int64_t rank) const { return combine_[size_t(rank)]; }
+  const Quantizer& dispatch_quantizer(int64_t rank) const { return q_.dispatch(rank); }
+  const Quantizer& combine_quantizer(int64_t rank) const { return q_.combine(rank); }
   // Rank 0's quantizers (identical on every rank after calibration) for save_calibration, and
   // loading into every rank.
-  std::vector<const Quantizer*> calibration_state() const;
-  void load_calibration_file(const std::string& path);
+  std::vector<const Quantizer*> calibration_state() const { return q_.calibration_state(); }
+  void load_calibration_file(const std::string& path) { q_.load_calibration_file(path); }
+  void set_calibrated_amax(float dispatch_amax, float combine_amax) { q_.set_calibrated_amax(dispatch_amax, combine_amax); }
   bool layout_checked(int64_t rank) const { return checked_[size_t(rank)]; }
 
  private:
@@ -56,8 +56,7 @@ class FakeQuantMoe {
   void check_layout(int64_t rank, const RankBatch& b) const;
 
   std::unique_ptr<ExpertBackend> backend_;
-  int64_t layer_;
-  std::vector<Quantizer> dispatch_, combine_;  // one replica per rank
+  MoeQuantizers q_;
   std::vector<bool> checked_;                  // per buffer: layout check done
 };
 

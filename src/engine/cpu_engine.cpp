@@ -30,8 +30,10 @@ const T* at(const std::vector<uint8_t>& buf, const Region& r) {
   return reinterpret_cast<const T*>(buf.data() + r.offset);
 }
 
-BufferShape shape_for(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
-                      const std::vector<LayerWeights>& w, const EngineOptions& opt) {
+}  // namespace
+
+BufferShape engine_buffer_shape(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
+                                const std::vector<LayerWeights>& w, const EngineOptions& opt) {
   cfg.validate();
   BufferShape s;
   s.num_ranks = num_ranks;
@@ -45,11 +47,9 @@ BufferShape shape_for(const MoeConfig& cfg, int64_t num_ranks, int64_t max_token
   return s;
 }
 
-}  // namespace
-
 CpuEngine::CpuEngine(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
                      const std::vector<LayerWeights>& rank_weights, EngineOptions options)
-    : cfg_(cfg), opt_(options), layout_(shape_for(cfg, num_ranks, max_tokens, rank_weights, options)) {
+    : cfg_(cfg), opt_(options), layout_(engine_buffer_shape(cfg, num_ranks, max_tokens, rank_weights, options)) {
   const int64_t el = layout_.shape().local_experts();
   MOEFQ_CHECK(int64_t(rank_weights.size()) == num_ranks, "engine: ", rank_weights.size(),
               " ranks of weights given for ", num_ranks, " ranks");

@@ -14,82 +14,15 @@ bool has_active_slot(const RankBatch& b, int64_t t, int64_t K) {
   return false;
 }
 
-std::string hex16(uint16_t v) {
-  char buf[8];
-  std::snprintf(buf, sizeof buf, "0x%04x", v);
-  return buf;
-}
-
 }  // namespace
 
-std::string FakeQuantMoe::dispatch_name(int64_t layer) {
-  return "layers." + std::to_string(layer) + ".mlp.experts.dispatch_quantizer";
-}
-std::string FakeQuantMoe::combine_name(int64_t layer) {
-  return "layers." + std::to_string(layer) + ".mlp.experts.combine_quantizer";
-}
-
 FakeQuantMoe::FakeQuantMoe(std::unique_ptr<ExpertBackend> backend, int64_t layer)
-    : backend_(std::move(backend)), layer_(layer) {
-  const size_t R = size_t(backend_->num_ranks());
-  dispatch_.assign(R, Quantizer(dispatch_name(layer), QuantSpec{}, false));
-  combine_.assign(R, Quantizer(combine_name(layer), QuantSpec{}, false));
-  checked_.assign(R, false);
+    : backend_(std::move(backend)), q_(layer, backend_->num_ranks()) {
+  checked_.assign(size_t(backend_->num_ranks()), false);
 }
-
-std::vector<std::string> FakeQuantMoe::quantizer_names() const { return {dispatch_name(layer_), combine_name(layer_)}; }
 
 void FakeQuantMoe::configure(const std::map<std::string, QuantizerConfig>& configs) {
-  const auto find = [&](const std::string& name) {
-    const auto it = configs.find(name);
-    return it == configs.end() ? QuantizerConfig{} : it->second;
-  };
-  const QuantizerConfig d = find(dispatch_name(layer_)), c = find(combine_name(layer_));
-  if (d.enable) {
-    d.spec.validate(dispatch_name(layer_));
-    MOEFQ_CHECK(!backend_->fused_shared(), dispatch_name(layer_),
-                ": the shared expert is fused into the MoE kernel and reads the same staged tokens, so "
-                "dispatch quantization would also quantize the shared expert's input; run the shared expert "
-                "unfused (EngineOptions::fuse_shared = false) or disable the dispatch quantizer");
-  }
-  if (c.enable) {
-    c.spec.validate(combine_name(layer_));
-    MOEFQ_CHECK(!(format_has_global_amax(c.spec.format) && c.spec.amax_source == AmaxSource::kDynamic),
-                combine_name(layer_), ": a dynamic amax cannot be used for combine (each rank re-quantizes rows "
-                "that came from every expert rank, so a per-call scale computed at the destination simulates no "
-                "real sender); set constant_amax or calibrate (algorithm: max), or use mxfp8/mxfp4");
-    MOEFQ_CHECK(backend_->combine_offset().has_value(), combine_name(layer_), ": the '", backend_->kind(),
-                "' back-end cannot expose its combine rows, so no combine quantizer can be enabled on it");
-  }
-  for (size_t r = 0; r < dispatch_.size(); ++r) {
-    dispatch_[r] = Quantizer(dispatch_name(layer_), d.spec, d.enable);
-    combine_[r] = Quantizer(combine_name(layer_), c.spec, c.enable);
-  }
-}
-
-void FakeQuantMoe::start_calibration() {
-  for (auto* qs : {&dispatch_, &combine_})
-    for (Quantizer& q : *qs)
-      if (q.enabled()) q.start_calibration();
-}
-
-void FakeQuantMoe::finish_calibration() {
-  for (auto* qs : {&dispatch_, &combine_}) {
-    if (!(*qs)[0].enabled() || !(*qs)[0].calibrating()) continue;
-    std::vector<Quantizer*> replicas;
-    for (Quantizer& q : *qs) replicas.push_back(&q);
-    reduce_calibration_max(replicas);  // the NCCL all-reduce (MAX) on real ranks
-    for (Quantizer& q : *qs) q.finish_calibration();
-  }
-}
-
-std::vector<const Quantizer*> FakeQuantMoe::calibration_state() const { return {&dispatch_[0], &combine_[0]}; }
-
-void FakeQuantMoe::load_calibration_file(const std::string& path) {
-  for (size_t r = 0; r < dispatch_.size(); ++r) {
-    std::vector<Quantizer*> qs = {&dispatch_[r], &combine_[r]};
-    load_calibration(path, qs);
-  }
+  q_.configure(configs, backend_->fused_shared(), backend_->combine_offset().has_value(), backend_->kind());
 }
 
 const bf16* FakeQuantMoe::combine_row(int64_t rank, int64_t slot, int64_t token) const {
@@ -97,7 +30,7 @@ const bf16* FakeQuantMoe::combine_row(int64_t rank, int64_t slot, int64_t token)
   const size_t offset = *backend_->combine_offset() + size_t((slot * T + token) * H) * 2;
   const auto bytes = backend_->combine_bytes(rank);
   if (offset + size_t(H) * 2 > bytes.size())
-    MOEFQ_FAIL(ErrorKind::kFailedCheck, combine_name(layer_), ": combine row (slot ", slot, ", token ", token,
+    MOEFQ_FAIL(ErrorKind::kFailedCheck, q_.combine(0).name(), ": combine row (slot ", slot, ", token ", token,
                ") at byte ", offset, " lies outside the ", bytes.size(), "-byte buffer of rank ", rank,
                "; the back-end's layout does not match engine.md's [K + shared][T][H]");
   return reinterpret_cast<const bf16*>(bytes.data() + offset);
@@ -116,12 +49,7 @@ void FakeQuantMoe::check_layout(int64_t rank, const RankBatch& b) const {
     combine_rows(rows, n, H, resum.data());
     for (int64_t h = 0; h < H; ++h) {
       const uint16_t mine = resum[size_t(h)].bits, engine = b.y[t * H + h].bits;
-      if (mine != engine)
-        MOEFQ_FAIL(ErrorKind::kFailedCheck, combine_name(layer_), ": layout check failed on the buffer of rank ", rank,
-                   ": token ", t, ", element ", h, ": the engine's output is ", hex16(engine), " (", bf16_to_f32(engine),
-                   ") but the re-sum of the combine rows read at offset ", *backend_->combine_offset(), " is ",
-                   hex16(mine), " (", bf16_to_f32(mine), "); the combine rows are not where the engine's layout says "
-                   "(changed layout, or a debug mode that clears the buffer)");
+      if (mine != engine) q_.fail_layout_check(rank, t, h, engine, mine, *backend_->combine_offset());
     }
   }
 }
@@ -134,7 +62,7 @@ void FakeQuantMoe::forward(std::span<const RankBatch> batches) {
   std::vector<std::vector<bf16>> xq(static_cast<size_t>(R));
   std::vector<RankBatch> run(batches.begin(), batches.end());
   for (int64_t r = 0; r < R; ++r) {
-    Quantizer& q = dispatch_[size_t(r)];
+    Quantizer& q = q_.dispatch(r);
     const RankBatch& b = batches[size_t(r)];
     if (!q.enabled() || b.num_tokens == 0) continue;
     if (q.calibrating()) {
@@ -161,7 +89,7 @@ void FakeQuantMoe::forward(std::span<const RankBatch> batches) {
   const bool fused = backend_->fused_shared();
   std::vector<bf16> qrows(static_cast<size_t>(K * H));
   for (int64_t r = 0; r < R; ++r) {
-    Quantizer& q = combine_[size_t(r)];
+    Quantizer& q = q_.combine(r);
     const RankBatch& b = batches[size_t(r)];
     if (!q.enabled() || b.num_tokens == 0) continue;
     bool any = false;

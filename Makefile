@@ -19,7 +19,7 @@ build: deps
 	cmake --build $(BUILD) -j$(JOBS)
 
 run: build
-	./$(BUILD)/moefq qdq
+	./$(BUILD)/moefq eval
 
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j$(JOBS)

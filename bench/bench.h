@@ -1,5 +1,5 @@
-// Benchmark programs run by `moefq bench ...`. No CUDA types here; run_bench_qdq exists in CUDA
-// builds only.
+// Benchmark programs run by `moefq bench ...`. No CUDA types here; without CUDA the GPU ones fail
+// with a message (bench/gpu_stubs.cpp).
 #pragma once
 
 #include <cstdint>
@@ -36,22 +36,5 @@ struct EngineCpuBenchOptions {
 // One layer call of the CPU engine on synthetic weights and activations, routed by the router:
 // median wall time of `reps` calls after one warm-up call.
 int run_bench_engine_cpu(const EngineCpuBenchOptions& options);
-
-}  // namespace moefq::bench
-
-namespace moefq::bench {
-
-struct FakeQuantBenchOptions {
-  std::string preset = "tiny";
-  int64_t experts = 0;  // override the preset's expert count (0: keep)
-  int64_t ranks = 4, tokens = 64;
-  int calib_batches = 2, eval_batches = 2;
-  uint64_t seed = 1;
-  std::string json;
-};
-
-// Error metrics of every dispatch/combine recipe (fp8, nvfp4, mxfp8, mxfp4 x dispatch, combine,
-// both) against the unquantized layer, after max calibration on separate batches.
-int run_bench_fake_quant(const FakeQuantBenchOptions& options);
 
 }  // namespace moefq::bench

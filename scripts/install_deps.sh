@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages moefq needs, only those missing (needs root or sudo).
 set -euo pipefail
-pkgs=(cmake g++ make libgtest-dev nlohmann-json3-dev libyaml-cpp-dev libcli11-dev clang libclang-rt-14-dev)
+# chromium: the headless browser the HTML report test loads report.html in.
+pkgs=(cmake g++ make libgtest-dev nlohmann-json3-dev libyaml-cpp-dev libcli11-dev clang libclang-rt-14-dev chromium)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

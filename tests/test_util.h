@@ -1,5 +1,6 @@
-// Test helpers shared by the CPU and GPU suites: data that exercises every special case, and a
-// byte comparison that reports the first mismatch and the number of mismatches.
+// Test helpers shared by the CPU and GPU suites: data that exercises every special case, a byte
+// comparison that reports the first mismatch and the number of mismatches, and the message of a
+// bad-input error.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -7,10 +8,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <random>
 #include <sstream>
+#include <string>
 #include <vector>
 
+#include "moefq/errors.h"
 #include "moefq/numerics.h"
 #include "moefq/synthetic.h"
 
@@ -68,6 +73,25 @@ template <typename T>
   if (expected.size() != actual.size())
     return ::testing::AssertionFailure() << "sizes differ: " << expected.size() << " vs " << actual.size();
   return bytes_equal(expected.data(), actual.data(), expected.size(), sizeof(T));
+}
+
+// The message of the moefq::Error that f throws, which must be a bad-input error; fails the test
+// when f throws something else (a library exception, e.g. yaml-cpp's, must never escape) or nothing.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kBadInput) << e.what();
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "a non-moefq exception escaped: " << e.what();
+    return "";
+  } catch (...) {
+    ADD_FAILURE() << "a non-std exception escaped";
+    return "";
+  }
+  ADD_FAILURE() << "no error was raised";
+  return "";
 }
 
 }  // namespace moefq::test

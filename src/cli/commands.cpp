@@ -37,7 +37,9 @@ int run(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("moefq ") + MOEFQ_VERSION);
   app.footer("Run 'moefq COMMAND --help' for a command's options and an example.");
-  std::vector<std::function<int()>> actions = {add_qdq_command(app), add_bench_command(app)};
+  // The main job first: `moefq --help` lists the subcommands in this order.
+  std::vector<std::function<int()>> actions = {add_eval_command(app), add_calibrate_command(app), add_qdq_command(app),
+                                               add_bench_command(app)};
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -15,6 +15,8 @@ namespace moefq::cli {
 int run(int argc, char** argv);
 
 // Each returns the action to run when its subcommand was chosen.
+std::function<int()> add_eval_command(CLI::App& app);
+std::function<int()> add_calibrate_command(CLI::App& app);
 std::function<int()> add_qdq_command(CLI::App& app);
 std::function<int()> add_bench_command(CLI::App& app);
 

@@ -2,26 +2,20 @@
 // directory per test, its output files are read back and compared byte for byte with qdq_ref, and
 // every kind of bad input must exit 2 with a message naming the problem and change nothing on disk.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "cli_test_util.h"
 #include "moefq/qdq.h"
 #include "moefq/safetensors.h"
 #include "test_util.h"
@@ -35,75 +29,16 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct RunResult {
-  int status = -1;  // exit status, or -1 when the process did not exit normally
-  std::string out, err;
-};
+using test::describe, test::quote, test::read_bytes, test::read_text, test::RunResult, test::span_of,
+    test::split_lines, test::split_words, test::write_bytes;
 
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-std::vector<uint8_t> read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_bytes(const fs::path& p, const std::vector<uint8_t>& bytes) {
-  std::ofstream out(p, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
-}
-
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-std::vector<std::string> split_lines(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  return lines;
-}
-
-std::vector<std::string> split_words(const std::string& line) {
-  std::vector<std::string> words;
-  std::istringstream in(line);
-  for (std::string w; in >> w;) words.push_back(w);
-  return words;
-}
-
-// Each test gets an empty working directory (the binary's cwd; relative paths resolve there) and a
-// separate directory for the captured stdout/stderr, so the working directory holds only what the
-// binary wrote.
-class CliTest : public ::testing::Test {
+// Each test gets an empty working directory (test::WorkDirTest).
+class CliTest : public test::WorkDirTest {
  protected:
-  void SetUp() override {
-    std::random_device rd;
-    root_ = fs::temp_directory_path() / ("moefq_cli_" + std::to_string(::getpid()) + "_" + std::to_string(rd()));
-    work_ = root_ / "work";
-    fs::create_directories(work_);
-    fs::create_directories(root_ / "log");
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(root_, ec);
-  }
+  CliTest() : WorkDirTest("moefq_cli_") {}
 
   // Runs `moefq ARGS` (ARGS already shell-quoted where needed) in work_.
-  RunResult moefq(const std::string& args) const {
-    const fs::path out = root_ / "log" / "stdout", err = root_ / "log" / "stderr";
-    const std::string cmd = "cd " + quote(work_.string()) + " && " + quote(MOEFQ_BINARY) + " " + args + " >" +
-                            quote(out.string()) + " 2>" + quote(err.string());
-    const int raw = std::system(cmd.c_str());
-    RunResult r;
-    r.status = (raw != -1 && WIFEXITED(raw)) ? WEXITSTATUS(raw) : -1;
-    r.out = read_text(out);
-    r.err = read_text(err);
-    return r;
-  }
+  RunResult moefq(const std::string& args) const { return run_in_work(quote(MOEFQ_BINARY) + " " + args); }
 
   // Names in the working directory, sorted.
   std::vector<std::string> listing() const {
@@ -112,15 +47,7 @@ class CliTest : public ::testing::Test {
     std::sort(names.begin(), names.end());
     return names;
   }
-
-  fs::path path(const std::string& name) const { return work_ / name; }
-
-  fs::path root_, work_;
 };
-
-std::string describe(const RunResult& r) {
-  return "exit " + std::to_string(r.status) + "\n--- stdout ---\n" + r.out + "--- stderr ---\n" + r.err;
-}
 
 // ------------------------------------------------------------------------------------------------
 // The input file of the round-trip tests: a bf16 tensor of synthetic activations (outlier
@@ -133,11 +60,6 @@ struct InputFile {
   std::vector<float> w;     // [3, 32] f32, with specials
   std::map<std::string, std::string> metadata = {{"format", "pt"}, {"source", "test_cli_qdq"}};
 };
-
-template <typename T>
-std::span<const uint8_t> span_of(const std::vector<T>& v) {
-  return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T)};
-}
 
 InputFile write_input(const fs::path& p) {
   InputFile in;

@@ -28,9 +28,8 @@
 namespace moefq {
 namespace {
 
-using test::random_routing;
-using test::small_config;
-using test::weights_for;
+using test::host_forward, test::make_problem, test::Problem, test::random_routing, test::small_config,
+    test::weights_for;
 
 // ---------------------------------------------------------------------------------------------
 // Configs, weights, routing and batches (small enough for a 2-core CPU in well under a second).
@@ -39,55 +38,6 @@ bool token_active(const std::vector<int32_t>& idx, int64_t t, int64_t K) {
   for (int64_t k = 0; k < K; ++k)
     if (idx[size_t(t * K + k)] >= 0) return true;
   return false;
-}
-
-// Per-rank inputs of one call of every rank.
-struct Problem {
-  int64_t R = 0, H = 0, K = 0;
-  std::vector<int64_t> n;                 // [R] tokens per rank
-  std::vector<std::vector<bf16>> x;       // [R][n, H]
-  std::vector<std::vector<int32_t>> idx;  // [R][n, K]
-  std::vector<std::vector<float>> wt;     // [R][n, K]
-};
-
-// Rank r gets n tokens from seed + r (so the ranks' data differ); `all_padding_rank` gets only
-// padding tokens.
-Problem make_problem(const MoeConfig& c, int64_t R, int64_t n, uint64_t seed, int64_t padding_every = 0,
-                     int64_t all_padding_rank = -1) {
-  Problem p;
-  p.R = R;
-  p.H = c.hidden;
-  p.K = c.top_k;
-  for (int64_t r = 0; r < R; ++r) {
-    p.n.push_back(n);
-    p.x.push_back(test::to_bf16(test::activations(n, c.hidden, seed + uint64_t(r) * 17, false)));
-    std::vector<int32_t> idx;
-    std::vector<float> wt;
-    random_routing(c, n, seed + uint64_t(r) * 31 + 1, idx, wt, padding_every);
-    if (r == all_padding_rank) {
-      std::fill(idx.begin(), idx.end(), -1);
-      std::fill(wt.begin(), wt.end(), 0.0f);
-    }
-    p.idx.push_back(idx);
-    p.wt.push_back(wt);
-  }
-  return p;
-}
-
-// Runs one call of every rank through `layer` (a FakeQuantMoe or an ExpertBackend); xs replaces
-// the problem's tokens when given. Returns y per rank.
-template <typename Layer>
-std::vector<std::vector<bf16>> forward_all(Layer& layer, const Problem& p,
-                                           const std::vector<std::vector<bf16>>* xs = nullptr) {
-  std::vector<std::vector<bf16>> y(static_cast<size_t>(p.R));
-  std::vector<RankBatch> b(static_cast<size_t>(p.R));
-  for (int64_t r = 0; r < p.R; ++r) {
-    const size_t i = size_t(r);
-    y[i].assign(size_t(p.n[i] * p.H), bf16{});
-    b[i] = {(xs ? (*xs)[i] : p.x[i]).data(), p.n[i], p.idx[i].data(), p.wt[i].data(), y[i].data()};
-  }
-  layer.forward(b);
-  return y;
 }
 
 std::unique_ptr<ExpertBackend> backend(const std::string& kind, const MoeConfig& c, int64_t R, int64_t T, bool fused) {
@@ -147,23 +97,10 @@ const bf16* row_at(const ExpertBackend& be, int64_t rank, int64_t slot, int64_t 
   return reinterpret_cast<const bf16*>(bytes.data() + off);
 }
 
-// The combine re-sum of fake_quant.md: fp32 from +0, active routed slots ascending, each row
-// QDQ'd (qdq_ref, blocks along H), the fused shared slot last and unquantized, one bf16 rounding.
+// The combine re-sum of fake_quant.md over the back-end's rows (test::qdq_resum).
 std::vector<bf16> expected_resum(const ExpertBackend& be, const Problem& p, int64_t r, Format f, float amax) {
-  const int64_t H = p.H, K = p.K, n = p.n[size_t(r)];
-  std::vector<bf16> y(size_t(n * H)), q(static_cast<size_t>(H));
-  for (int64_t t = 0; t < n; ++t) {
-    std::vector<float> acc(static_cast<size_t>(H), 0.0f);
-    for (int64_t k = 0; k < K; ++k) {
-      if (p.idx[size_t(r)][size_t(t * K + k)] < 0) continue;
-      qdq_ref(f, row_at(be, r, k, t), q.data(), 1, H, amax);
-      for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = acc[size_t(h)] + to_f32(q[size_t(h)]);
-    }
-    if (be.fused_shared())
-      for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = acc[size_t(h)] + to_f32(row_at(be, r, K, t)[h]);
-    for (int64_t h = 0; h < H; ++h) y[size_t(t * H + h)].bits = bf16_round(acc[size_t(h)]);
-  }
-  return y;
+  return test::qdq_resum(be.combine_bytes(r).data(), *be.combine_offset(), be.max_tokens(), be.fused_shared(), p, r, f,
+                         amax);
 }
 
 bool all_finite(const std::vector<std::vector<bf16>>& ys) {
@@ -275,7 +212,7 @@ TEST(FakeQuantMoe, DispatchQuantizationEqualsBackendOnQdqRefTokens) {
       auto fq = make_fq(kind, c, R, n, /*fused=*/false);
       configure(*fq, dynamic ? kDispatchFp8Dynamic : kDispatchFp8);
       const auto x_before = p.x;
-      const auto y = forward_all(*fq, p);
+      const auto y = host_forward(*fq, p);
       for (int64_t r = 0; r < R; ++r)
         EXPECT_TRUE(test::bytes_equal(x_before[size_t(r)], p.x[size_t(r)]))
             << kind << ": caller's x modified, rank " << r;
@@ -299,9 +236,9 @@ TEST(FakeQuantMoe, DispatchQuantizationEqualsBackendOnQdqRefTokens) {
         ASSERT_NE(amax_r[0], amax_r[1]) << "the ranks' data should give different per-rank amax";
       }
       auto ref = backend(kind, c, R, n, false);
-      const auto want = forward_all(*ref, p, &xq);
+      const auto want = host_forward(*ref, p, &xq);
       auto plain = backend(kind, c, R, n, false);
-      const auto unquantized = forward_all(*plain, p);
+      const auto unquantized = host_forward(*plain, p);
       for (int64_t r = 0; r < R; ++r)
         EXPECT_TRUE(test::bytes_equal(want[size_t(r)], y[size_t(r)]))
             << kind << " dynamic=" << dynamic << " rank " << r;
@@ -320,11 +257,11 @@ TEST(FakeQuantMoe, CombineQuantizationWithAndWithoutFusedSharedExpert) {
       auto fq = make_fq(kind, c, R, n, fused);
       ASSERT_EQ(fq->backend().fused_shared(), fused);
       configure(*fq, kCombineNvfp4);
-      const auto y = forward_all(*fq, p);
+      const auto y = host_forward(*fq, p);
       // The same back-end alone, same inputs and call history: its buffers are what the engine
       // wrote, so equal buffers prove the quantizer wrote nothing into them.
       auto ref = backend(kind, c, R, n, fused);
-      const auto unquantized = forward_all(*ref, p);
+      const auto unquantized = host_forward(*ref, p);
       for (int64_t r = 0; r < R; ++r) {
         const auto a = ref->combine_bytes(r), b = fq->backend().combine_bytes(r);
         ASSERT_EQ(a.size(), b.size());
@@ -355,7 +292,7 @@ TEST(FakeQuantMoe, DispatchQuantizerWithFusedSharedExpertIsAConfigurationError) 
     // Nothing was applied: the layer still computes the unquantized output.
     const Problem p = make_problem(c, 2, 8, 300, 3);
     auto ref = backend(kind, c, 2, 8, true);
-    const auto want = forward_all(*ref, p), got = forward_all(*fq, p);
+    const auto want = host_forward(*ref, p), got = host_forward(*fq, p);
     for (int64_t r = 0; r < 2; ++r) EXPECT_TRUE(test::bytes_equal(want[size_t(r)], got[size_t(r)])) << kind;
     EXPECT_FALSE(fq->dispatch_quantizer(0).enabled());
   }
@@ -386,7 +323,7 @@ TEST(FakeQuantMoe, DynamicCombineAmaxIsAConfigurationErrorExceptForMxFormats) {
     ASSERT_NO_THROW(configure(*mx, std::string("$import: [") + unit + "]\n")) << unit;
     EXPECT_TRUE(mx->combine_quantizer(1).enabled());
     EXPECT_FALSE(mx->combine_quantizer(1).has_amax());
-    const auto y = forward_all(*mx, p);
+    const auto y = host_forward(*mx, p);
     const Format f = std::string(unit) == "moe_combine_mxfp8" ? Format::kMxfp8 : Format::kMxfp4;
     for (int64_t r = 0; r < 2; ++r)
       EXPECT_TRUE(test::bytes_equal(expected_resum(mx->backend(), p, r, f, 0.0f), y[size_t(r)])) << unit;
@@ -427,9 +364,9 @@ TEST(FakeQuantMoe, WrongCombineOffsetFailsTheLayoutCheck) {
   // Expected first mismatch on rank 0: the unquantized re-sum of the rows at the reported (wrong)
   // offset against the engine's output.
   auto ref = backend("mega_moe", c, R, T, true);
-  const auto engine_y = forward_all(*ref, p);
+  const auto engine_y = host_forward(*ref, p);
   auto shifted = backend("test_shifted_rows", c, R, T, true);
-  forward_all(*shifted, p);
+  host_forward(*shifted, p);
   int64_t bad_t = -1, bad_h = -1;
   uint16_t want_engine = 0, want_resum = 0;
   for (int64_t t = 0; t < n && bad_t < 0; ++t)
@@ -443,7 +380,7 @@ TEST(FakeQuantMoe, WrongCombineOffsetFailsTheLayoutCheck) {
     }
   ASSERT_GE(bad_t, 0) << "the shifted rows should not re-sum to the engine's output";
   try {
-    forward_all(*fq, p);
+    host_forward(*fq, p);
     ADD_FAILURE() << "no layout check error for a combine offset one row off";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kFailedCheck) << e.what();
@@ -460,7 +397,7 @@ TEST(FakeQuantMoe, DebugSwitchThatZeroesTheBufferFailsTheLayoutCheck) {
   const int64_t R = 2, n = 6;
   const Problem p = make_problem(c, R, n, 500, 3);
   auto ref = backend("mega_moe", c, R, n, true);
-  const auto engine_y = forward_all(*ref, p);
+  const auto engine_y = host_forward(*ref, p);
   // Zeroed rows re-sum to +0: the first mismatch is rank 0's first non-+0 output element.
   int64_t first = -1;
   for (size_t i = 0; i < engine_y[0].size() && first < 0; ++i)
@@ -471,7 +408,7 @@ TEST(FakeQuantMoe, DebugSwitchThatZeroesTheBufferFailsTheLayoutCheck) {
   {
     ScopedEnv debug("MOEFQ_COMM_KERNEL_DEBUG", "1");
     try {
-      forward_all(*fq, p);
+      host_forward(*fq, p);
       ADD_FAILURE() << "no layout check error with MOEFQ_COMM_KERNEL_DEBUG=1";
     } catch (const Error& e) {
       EXPECT_EQ(e.kind(), ErrorKind::kFailedCheck) << e.what();
@@ -483,7 +420,7 @@ TEST(FakeQuantMoe, DebugSwitchThatZeroesTheBufferFailsTheLayoutCheck) {
     }
   }
   // Without the switch the same layer passes the check.
-  EXPECT_NO_THROW(forward_all(*fq, p));
+  EXPECT_NO_THROW(host_forward(*fq, p));
   EXPECT_TRUE(fq->layout_checked(0) && fq->layout_checked(1));
 }
 
@@ -512,21 +449,14 @@ TEST(FakeQuantMoe, BothBackendsRegisteredAndBitIdentical) {
     for (const int64_t R : {1, 4}) {
       // The same N tokens: one problem of N on one rank, cut into R pieces.
       const Problem whole = make_problem(c, 1, N, 600, 5);
-      Problem p;
-      p.R = R, p.H = c.hidden, p.K = c.top_k;
+      const Problem p = test::split_problem(whole, R);
       const int64_t per = N / R;
-      for (int64_t r = 0; r < R; ++r) {
-        p.n.push_back(per);
-        p.x.emplace_back(whole.x[0].begin() + r * per * c.hidden, whole.x[0].begin() + (r + 1) * per * c.hidden);
-        p.idx.emplace_back(whole.idx[0].begin() + r * per * c.top_k, whole.idx[0].begin() + (r + 1) * per * c.top_k);
-        p.wt.emplace_back(whole.wt[0].begin() + r * per * c.top_k, whole.wt[0].begin() + (r + 1) * per * c.top_k);
-      }
       std::vector<std::vector<bf16>> ys[2];
       int i = 0;
       for (const std::string kind : {"mega_moe", "routed_experts"}) {
         auto fq = make_fq(kind, c, R, per, cs.fused);
         configure(*fq, cs.recipe);
-        ys[i++] = forward_all(*fq, p);
+        ys[i++] = host_forward(*fq, p);
       }
       for (int64_t r = 0; r < R; ++r)
         EXPECT_TRUE(test::bytes_equal(ys[0][size_t(r)], ys[1][size_t(r)]))
@@ -555,25 +485,25 @@ TEST(FakeQuantMoe, LayoutCheckWaitsForACallWithRoutedRows) {
   pad.n[1] = 0;
   {
     ScopedEnv debug("MOEFQ_COMM_KERNEL_DEBUG", "1");
-    EXPECT_NO_THROW(forward_all(*fq, pad));
-    EXPECT_NO_THROW(forward_all(*fq, pad));
+    EXPECT_NO_THROW(host_forward(*fq, pad));
+    EXPECT_NO_THROW(host_forward(*fq, pad));
   }
   EXPECT_FALSE(fq->layout_checked(0));
   EXPECT_FALSE(fq->layout_checked(1));
   // Routed rows on rank 0 only: rank 0's buffer is checked, rank 1's (padding) is not.
   const Problem half = make_problem(c, R, n, 701, 3, 1);
-  EXPECT_NO_THROW(forward_all(*fq, half));
+  EXPECT_NO_THROW(host_forward(*fq, half));
   EXPECT_TRUE(fq->layout_checked(0));
   EXPECT_FALSE(fq->layout_checked(1));
   const Problem full = make_problem(c, R, n, 702, 3);
-  EXPECT_NO_THROW(forward_all(*fq, full));
+  EXPECT_NO_THROW(host_forward(*fq, full));
   EXPECT_TRUE(fq->layout_checked(1));
   // Documented behaviour: each buffer is checked once, so a layout that goes wrong later is not
   // caught. Under the debug switch the rows read are zeros and the output silently becomes the
   // re-sum of zeros (+0 everywhere, even the shared expert's part).
   ScopedEnv debug("MOEFQ_COMM_KERNEL_DEBUG", "1");
   std::vector<std::vector<bf16>> y;
-  EXPECT_NO_THROW(y = forward_all(*fq, full));
+  EXPECT_NO_THROW(y = host_forward(*fq, full));
   for (const auto& yr : y)
     for (const bf16& v : yr) ASSERT_EQ(v.bits, 0) << "expected the unchecked re-sum of zeroed rows";
 }
@@ -596,7 +526,7 @@ TEST(FakeQuantMoe, CalibratedAmaxIsTheMaxOfWhatEachQuantizerSawOnEveryRank) {
       }
     for (bf16& v : prime.x[size_t(r)]) v.bits = bf16_round(to_f32(v) * 8.0f);
   }
-  forward_all(*fq, prime);
+  host_forward(*fq, prime);
   configure(*fq, kCalibrateBoth);
   EXPECT_TRUE(fq->dispatch_quantizer(0).needs_calibration());
   EXPECT_TRUE(fq->combine_quantizer(0).needs_calibration());
@@ -624,9 +554,9 @@ TEST(FakeQuantMoe, CalibratedAmaxIsTheMaxOfWhatEachQuantizerSawOnEveryRank) {
       << "some rank with data should see less than the global max";
 
   fq->start_calibration();
-  const auto y_calib = forward_all(*fq, p);
+  const auto y_calib = host_forward(*fq, p);
   auto plain = backend("mega_moe", c, R, n, false);
-  const auto y_plain = forward_all(*plain, p);
+  const auto y_plain = host_forward(*plain, p);
   for (int64_t r = 0; r < R; ++r)
     EXPECT_TRUE(test::bytes_equal(y_plain[size_t(r)], y_calib[size_t(r)])) << "QDQ during calibration, rank " << r;
 
@@ -658,7 +588,7 @@ TEST(FakeQuantMoe, CalibratedAmaxIsTheMaxOfWhatEachQuantizerSawOnEveryRank) {
     EXPECT_FALSE(fq->dispatch_quantizer(r).calibrating());
   }
   // After calibration the quantizers apply QDQ.
-  EXPECT_TRUE(any_differs(forward_all(*fq, p), y_plain));
+  EXPECT_TRUE(any_differs(host_forward(*fq, p), y_plain));
 }
 
 TEST(FakeQuantMoe, CalibratedCombineAmaxExcludesTheFusedSharedSlot) {
@@ -670,7 +600,7 @@ TEST(FakeQuantMoe, CalibratedCombineAmaxExcludesTheFusedSharedSlot) {
   auto fq = make_fq("routed_experts", c, R, n, true);
   configure(*fq, "$import: [moe_combine_nvfp4]\n");
   fq->start_calibration();
-  forward_all(*fq, p);
+  host_forward(*fq, p);
   float routed = 0.0f, shared = 0.0f;
   for (int64_t r = 0; r < R; ++r)
     for (int64_t t = 0; t < n; ++t) {
@@ -695,14 +625,14 @@ TEST(FakeQuantMoe, CalibrationWithNoDataOnAnyRankFailsNamingTheQuantizer) {
     auto fq = make_fq("mega_moe", c, R, n, false);
     configure(*fq, kCalibrateBoth);
     fq->start_calibration();
-    forward_all(*fq, pad);
+    host_forward(*fq, pad);
     expect_error([&] { fq->finish_calibration(); }, {FakeQuantMoe::dispatch_name(0)});
   }
   {
     auto fq = make_fq("mega_moe", c, R, n, true);
     configure(*fq, "$import: [moe_combine_fp8]\n");
     fq->start_calibration();
-    forward_all(*fq, pad);
+    host_forward(*fq, pad);
     expect_error([&] { fq->finish_calibration(); }, {FakeQuantMoe::combine_name(0)});
   }
 }
@@ -726,9 +656,9 @@ TEST(FakeQuantMoe, NonFiniteCalibrationDataIsAnErrorNamingTheQuantizer) {
     fq->start_calibration();
     // In a padding token it is not seen.
     p.x[1][size_t(pad_t * c.hidden + 3)].bits = bf16_round(bad);
-    EXPECT_NO_THROW(forward_all(*fq, p)) << bad;
+    EXPECT_NO_THROW(host_forward(*fq, p)) << bad;
     p.x[1][size_t(active_t * c.hidden + 3)].bits = bf16_round(bad);
-    const auto e = expect_error([&] { forward_all(*fq, p); }, {FakeQuantMoe::dispatch_name(0)});
+    const auto e = expect_error([&] { host_forward(*fq, p); }, {FakeQuantMoe::dispatch_name(0)});
     if (e) {
       EXPECT_EQ(e->kind(), ErrorKind::kBadInput) << bad;
     }
@@ -744,8 +674,8 @@ TEST(FakeQuantMoe, SavedCalibrationLoadsIntoAFreshLayerWithIdenticalOutputs) {
   auto fq = make_fq("mega_moe", c, R, n, false);
   configure(*fq, kCalibrateBoth);
   fq->start_calibration();
-  forward_all(*fq, make_problem(c, R, n, 1200, 4));
-  forward_all(*fq, make_problem(c, R, n, 1201, 3));
+  host_forward(*fq, make_problem(c, R, n, 1200, 4));
+  host_forward(*fq, make_problem(c, R, n, 1201, 3));
   fq->finish_calibration();
   const std::string path = ::testing::TempDir() + "moefq_fake_quant_moe_calib.json";
   save_calibration(path, fq->calibration_state());
@@ -759,10 +689,10 @@ TEST(FakeQuantMoe, SavedCalibrationLoadsIntoAFreshLayerWithIdenticalOutputs) {
     EXPECT_EQ(f32_bits(*fq->combine_quantizer(r).amax()), f32_bits(*fresh->combine_quantizer(r).amax())) << r;
   }
   const Problem eval = make_problem(c, R, n, 1210, 5);
-  const auto a = forward_all(*fq, eval), b = forward_all(*fresh, eval);
+  const auto a = host_forward(*fq, eval), b = host_forward(*fresh, eval);
   for (int64_t r = 0; r < R; ++r) EXPECT_TRUE(test::bytes_equal(a[size_t(r)], b[size_t(r)])) << "rank " << r;
   auto plain = backend("mega_moe", c, R, n, false);
-  EXPECT_TRUE(any_differs(a, forward_all(*plain, eval)));
+  EXPECT_TRUE(any_differs(a, host_forward(*plain, eval)));
 }
 
 // =============================================================================================
@@ -782,7 +712,7 @@ TEST(FakeQuantMoe, OutputEqualsResumOfQdqRowsForEveryCombineFormat) {
   const Problem calib = make_problem(c, R, n, 1300, 4), eval = make_problem(c, R, n, 1301, 3);
   for (const std::string kind : {"mega_moe", "routed_experts"}) {
     auto plain = backend(kind, c, R, n, true);
-    const auto unquantized = forward_all(*plain, eval);
+    const auto unquantized = host_forward(*plain, eval);
     for (const auto& u : units) {
       const std::string recipe = u.unit
                                      ? std::string("$import: [") + u.unit + "]\n"
@@ -791,9 +721,9 @@ TEST(FakeQuantMoe, OutputEqualsResumOfQdqRowsForEveryCombineFormat) {
       auto fq = make_fq(kind, c, R, n, true);
       configure(*fq, recipe);
       fq->start_calibration();
-      forward_all(*fq, calib);
+      host_forward(*fq, calib);
       fq->finish_calibration();
-      const auto y = forward_all(*fq, eval);
+      const auto y = host_forward(*fq, eval);
       for (int64_t r = 0; r < R; ++r) {
         const float amax = fq->combine_quantizer(r).amax().value_or(0.0f);
         EXPECT_EQ(fq->combine_quantizer(r).has_amax(), format_has_global_amax(u.format)) << what;

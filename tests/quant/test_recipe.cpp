@@ -9,36 +9,19 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "moefq/errors.h"
+#include "test_util.h"
 
 namespace moefq {
 namespace {
 
 namespace fs = std::filesystem;
 
-// The message of the moefq::Error that f throws; fails the test when f throws something else
-// (a yaml-cpp exception must never escape) or nothing.
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kBadInput) << e.what();
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "a non-moefq exception escaped: " << e.what();
-    return "";
-  } catch (...) {
-    ADD_FAILURE() << "a non-std exception escaped";
-    return "";
-  }
-  ADD_FAILURE() << "no error was raised";
-  return "";
-}
+using test::error_of;
 
 std::string parse_error(const std::string& text, const std::string& origin = "my.yaml") {
   return error_of([&] { parse_recipe_text(text, origin); });

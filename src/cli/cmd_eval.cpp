@@ -1,0 +1,230 @@
+// moefq eval and moefq calibrate: the main job. eval calibrates (or loads a calibration), runs every
+// recipe of the sweep on held-out batches and prints the error metrics per recipe, best first;
+// --out writes report.json, report.csv and report.html. calibrate saves the amax state that
+// eval --load-calibration reuses. The pipeline is in src/eval, the report writers in src/report.
+#include <CLI/CLI.hpp>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <thread>
+
+#include "cli/commands.h"
+#include "cli/table.h"
+#include "moefq/errors.h"
+#include "moefq/eval.h"
+#include "moefq/report.h"
+#ifdef MOEFQ_HAS_CUDA
+#include "cuda/host_api.h"
+#endif
+
+namespace moefq::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct EvalCliOptions {
+  EvalOptions eval;
+  std::string layers, device = "auto", out, save;
+  int64_t seed = 1;  // parsed signed so that a negative seed is an error, not a wrapped value
+};
+
+// The options both commands share: the model, its data and the device.
+void add_model_options(CLI::App* sub, EvalCliOptions& o) {
+  sub->add_option("--preset", o.eval.preset, "model preset: tiny (default), deepseek-v3, deepseek-v4-flash, "
+                                             "deepseek-v4-pro, kimi-k3");
+  sub->add_option("--config", o.eval.config_path, "a Hugging Face config.json (DeepSeek-V3 style); synthetic weights");
+  sub->add_option("--checkpoint", o.eval.checkpoint_dir,
+                  "a DeepSeek-V3-format checkpoint directory (config.json and safetensors shards); needs --layers");
+  sub->add_option("--layers", o.layers, "layers to evaluate: 4, 3-10 or 3,5,7 (default 0; required with --checkpoint)");
+  sub->add_option("--activations", o.eval.activations_path,
+                  "hidden states captured from a real model: a safetensors file with a [tokens, H] BF16/F32 tensor "
+                  "'layers.{i}' per layer, or one 'hidden_states' used for every layer (default: synthetic)");
+  sub->add_option("--ranks", o.eval.ranks, "simulated expert-parallel ranks, must divide the expert count (default 4)")
+      ->check(CLI::Range(1, 4096));
+  sub->add_option("--tokens", o.eval.tokens, "tokens per rank per batch (default 256)")->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--calib-batches", o.eval.calib_batches, "calibration batches (default 2)")->check(CLI::Range(1, 100000));
+  sub->add_option("--seed", o.seed, "seed of the synthetic weights and activations (default 1)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--device", o.device, "auto | cpu | cuda (default auto: cuda when a GPU is visible)");
+  sub->add_option("--threads", o.eval.num_threads, "CPU engine threads (default 0: all)")->check(CLI::Range(0, 1024));
+}
+
+// Resolves --device, --layers and the preset flag into the library options.
+void resolve(EvalCliOptions& o, const CLI::App* sub) {
+  o.eval.preset_given = sub->get_option("--preset")->count() > 0;
+  o.eval.seed = uint64_t(o.seed);
+  if (!o.layers.empty() || sub->get_option("--layers")->count() > 0) o.eval.layers = parse_layers(o.layers);
+  const bool cuda = use_cuda(o.device);
+  if (cuda) {
+#ifdef MOEFQ_HAS_CUDA
+    cuda::register_cuda_backends();
+    o.eval.backend_kind = "mega_moe_cuda";
+    o.eval.device = cuda::device_description();
+#endif
+  } else {
+    o.eval.backend_kind = "mega_moe";
+    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    const unsigned n = o.eval.num_threads > 0 ? unsigned(o.eval.num_threads) : hw;
+    o.eval.device = "cpu (" + std::to_string(n) + (n == 1 ? " thread)" : " threads)");
+  }
+  o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
+}
+
+bool writable_dir(const fs::path& d) { return fs::is_directory(d) && ::access(d.c_str(), W_OK) == 0; }
+
+// --out: an existing writable directory, or a path whose nearest existing ancestor is one (the
+// directories are created only when the reports are written).
+void check_out_dir(const std::string& out) {
+  MOEFQ_CHECK(!out.empty(), "--out: empty path");
+  const fs::path p(out);
+  std::error_code ec;
+  if (fs::exists(p, ec)) {
+    MOEFQ_CHECK(fs::is_directory(p), "--out ", out, ": exists and is not a directory");
+    MOEFQ_CHECK(writable_dir(p), "--out ", out, ": the directory is not writable");
+    return;
+  }
+  fs::path a = fs::absolute(p, ec).parent_path();
+  while (!a.empty() && !fs::exists(a, ec) && a != a.root_path()) a = a.parent_path();
+  MOEFQ_CHECK(fs::is_directory(a), "--out ", out, ": ", a.string(), " is not a directory");
+  MOEFQ_CHECK(writable_dir(a), "--out ", out, ": cannot create the directory (", a.string(), " is not writable)");
+}
+
+// --save: a file in an existing writable directory.
+void check_save_file(const std::string& save) {
+  MOEFQ_CHECK(!save.empty(), "--save: empty path");
+  const fs::path p(save);
+  MOEFQ_CHECK(!fs::is_directory(p), "--save ", save, ": is a directory; give a file name");
+  std::error_code ec;
+  const fs::path dir = fs::absolute(p, ec).parent_path();
+  MOEFQ_CHECK(fs::is_directory(dir), "--save ", save, ": the directory ", dir.string(), " does not exist");
+  MOEFQ_CHECK(writable_dir(dir), "--save ", save, ": the directory ", dir.string(), " is not writable");
+}
+
+std::string opt(const std::optional<std::string>& v) { return v ? *v : "-"; }
+std::string opt(const std::optional<float>& v) { return v ? fmt_num(*v, 6) : "-"; }
+
+std::string layer_list(const std::vector<int64_t>& layers) {
+  std::string s;
+  for (int64_t l : layers) {
+    if (!s.empty()) s += ',';
+    s += std::to_string(l);
+  }
+  return s;
+}
+
+void print_header(const char* tool, const EvalSetup& s) {
+  const std::string evals = s.eval_batches > 0 ? " + " + std::to_string(s.eval_batches) + " evaluation" : "";
+  std::printf("%s: %s, %s %s, %lld ranks x %lld tokens, %d calibration%s batches, seed %llu\n", tool,
+              s.model_source.c_str(), s.layers.size() == 1 ? "layer" : "layers", layer_list(s.layers).c_str(),
+              (long long)s.ranks, (long long)s.tokens, s.calib_batches, evals.c_str(), (unsigned long long)s.seed);
+  std::printf("weights: %s; activations: %s; device: %s\n", s.weights_source.c_str(), s.activations_source.c_str(),
+              s.device.c_str());
+}
+
+int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {
+  resolve(o, sub);
+  if (!o.out.empty()) check_out_dir(o.out);
+  std::fprintf(stderr, "moefq eval: running (progress below; the table follows on stdout)\n");
+  const EvalResult r = run_eval(o.eval);
+  print_header("moefq eval", r.setup);
+  std::printf("calibration: %s\n\n", r.calibration.source.c_str());
+  Table t({"layer", "recipe", "dispatch", "combine", "disp_amax", "comb_amax", "rel_l2", "cosine", "calc_diff",
+           "max_abs", "snr_db", "layout"});
+  for (const EvalRow& row : r.rows) {
+    const ErrorMetrics& m = row.metrics;
+    t.add({std::to_string(row.layer), row.recipe, opt(row.dispatch_format), opt(row.combine_format),
+           opt(row.dispatch_amax), opt(row.combine_amax), fmt_num(m.rel_l2), fmt_fixed(m.cosine, 6), fmt_num(m.calc_diff),
+           fmt_num(m.max_abs), fmt_fixed(m.snr_db, 2), row.layout_check});
+  }
+  t.print();
+  if (r.setup.layers.size() > 1) {
+    std::printf("\nover %zu layers, best first:\n", r.setup.layers.size());
+    Table sum({"recipe", "mean_rel_l2", "max_rel_l2", "min_cosine"});
+    for (const RecipeSummary& s : r.summary)
+      sum.add({s.recipe, fmt_num(s.mean_rel_l2), fmt_num(s.max_rel_l2), fmt_fixed(s.min_cosine, 6)});
+    sum.print();
+  }
+  std::printf("\nrows: per layer, best first by rel_l2 against the unquantized layer; %.1f s\n", r.wall_seconds);
+  if (!o.out.empty()) {
+    write_eval_reports(r, o.out);
+    std::fprintf(stderr, "moefq eval: wrote %s/report.json, report.csv, report.html\n", o.out.c_str());
+  }
+  return 0;
+}
+
+int run_calibrate_command(EvalCliOptions& o, const CLI::App* sub) {
+  resolve(o, sub);
+  check_save_file(o.save);
+  std::fprintf(stderr, "moefq calibrate: running\n");
+  EvalSetup setup;
+  const CalibrationState state = run_calibration(o.eval, &setup);
+  save_eval_calibration(o.save, state, setup);
+  print_header("moefq calibrate", setup);
+  std::printf("\n");
+  Table t({"layer", "dispatch_amax", "combine_amax", "dispatch_rank_amax", "combine_rank_amax"});
+  const auto list = [](const std::vector<float>& v) {
+    std::string s;
+    for (float x : v) {
+      if (!s.empty()) s += ',';
+      s += fmt_num(x, 6);
+    }
+    return s;
+  };
+  for (const LayerCalibration& c : state.layers)
+    t.add({std::to_string(c.layer), fmt_num(c.dispatch_amax, 6), fmt_num(c.combine_amax, 6), list(c.dispatch_rank_amax),
+           list(c.combine_rank_amax)});
+  t.print();
+  std::printf("\nsaved to %s (use: moefq eval --load-calibration %s with the same model options)\n", o.save.c_str(),
+              o.save.c_str());
+  return 0;
+}
+
+}  // namespace
+
+std::function<int()> add_eval_command(CLI::App& app) {
+  auto o = std::make_shared<EvalCliOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "eval", "The main job: which dispatch/combine formats can a MoE model afford? Calibrates once per layer, "
+              "evaluates every recipe on held-out batches against the unquantized layer and prints the error "
+              "metrics per recipe, best first. Without arguments: the tiny preset, synthetic weights and "
+              "activations, 4 ranks, the default sweep of 13 recipes.");
+  add_model_options(sub, *o);
+  sub->add_option("--eval-batches", o->eval.eval_batches, "held-out evaluation batches (default 2)")
+      ->check(CLI::Range(1, 100000));
+  sub->add_option("--recipe", o->eval.recipes,
+                  "a recipe file or unit name (repeatable); replaces the default sweep (none + fp8, nvfp4, mxfp8, "
+                  "mxfp4 for dispatch, combine and both)");
+  sub->add_option("--load-calibration", o->eval.load_calibration,
+                  "reuse the amax saved by 'moefq calibrate --save' instead of calibrating");
+  sub->add_option("--out", o->out, "write report.json, report.csv and report.html into this directory");
+  sub->footer(
+      "Examples:\n"
+      "  moefq eval                                    # the built-in default (tiny preset, 13 recipes)\n"
+      "  moefq eval --out report                       # also report/report.{json,csv,html}\n"
+      "  moefq eval --checkpoint /models/DeepSeek-V3 --layers 3-10 --activations acts.safetensors \\\n"
+      "             --recipe moe_combine_nvfp4 --recipe my_recipe.yaml --device cuda --out report\n"
+      "  moefq calibrate --save calib.json && moefq eval --load-calibration calib.json\n"
+      "Exit status: 0 success, 1 a failed check (a layout mismatch), 2 bad input (nothing is written then).");
+  return [sub, o]() { return sub->parsed() ? run_eval_command(*o, sub) : 0; };
+}
+
+std::function<int()> add_calibrate_command(CLI::App& app) {
+  auto c = std::make_shared<EvalCliOptions>();
+  CLI::App* cal = app.add_subcommand(
+      "calibrate", "Max calibration of the dispatch and combine quantizers of each layer (the amax does not depend "
+                   "on the recipe); saves the amax state that 'moefq eval --load-calibration' reuses.");
+  add_model_options(cal, *c);
+  cal->add_option("--save", c->save, "write the calibration (JSON) to this file")->required();
+  cal->footer(
+      "Examples:\n"
+      "  moefq calibrate --save calib.json\n"
+      "  moefq calibrate --checkpoint /models/DeepSeek-V3 --layers 3-10 --activations acts.safetensors --save calib.json\n"
+      "  moefq eval --load-calibration calib.json      # same model options: the same numbers as one eval\n"
+      "Exit status: 0 success, 1 a failed check (a layout mismatch), 2 bad input (nothing is written then).");
+  return [cal, c]() { return cal->parsed() ? run_calibrate_command(*c, cal) : 0; };
+}
+
+}  // namespace moefq::cli

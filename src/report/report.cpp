@@ -1,0 +1,494 @@
+// Report writers of `moefq eval` (include/moefq/report.h). The HTML page draws its charts as
+// inline SVG computed here, so it needs no script, font or file besides itself.
+#include "moefq/report.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "moefq/errors.h"
+#include "moefq/fileio.h"
+
+namespace moefq {
+namespace {
+
+using json = nlohmann::json;
+
+json number(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  return v;
+}
+json opt_number(const std::optional<float>& v) { return v ? number(*v) : json(); }
+json opt_string(const std::optional<std::string>& v) { return v ? json(*v) : json(); }
+
+std::string fmt(double v, const char* spec = "%.4g") {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, spec, v);
+  return buf;
+}
+
+std::string utc_now() {
+  const std::time_t t = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+json model_json(const MoeConfig& c) {
+  return {{"name", c.name},
+          {"hidden", c.hidden},
+          {"intermediate", c.intermediate},
+          {"num_experts", c.num_experts},
+          {"top_k", c.top_k},
+          {"num_shared", c.num_shared},
+          {"n_group", c.n_group},
+          {"topk_group", c.topk_group},
+          {"routed_scaling", c.routed_scaling},
+          {"scoring", scoring_name(c.scoring)},
+          {"norm_topk_prob", c.norm_topk_prob},
+          {"noaux_tc", c.noaux_tc},
+          {"swiglu_clamp", c.swiglu_clamp ? json(*c.swiglu_clamp) : json()}};
+}
+
+// ---- SVG helpers.
+
+std::string esc(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    switch (c) {
+      case '&': o += "&amp;"; break;
+      case '<': o += "&lt;"; break;
+      case '>': o += "&gt;"; break;
+      case '"': o += "&quot;"; break;
+      case '\'': o += "&#39;"; break;
+      default: o += c;
+    }
+  }
+  return o;
+}
+
+std::string px(double v) { return fmt(v, "%.1f"); }
+
+// A log10 axis covering the positive finite values (whole decades).
+struct LogAxis {
+  double lo = 1e-4, hi = 1;
+  explicit LogAxis(const std::vector<double>& values) {
+    double mn = INFINITY, mx = 0;
+    for (double v : values)
+      if (std::isfinite(v) && v > 0) {
+        mn = std::min(mn, v);
+        mx = std::max(mx, v);
+      }
+    if (mx > 0) {
+      lo = std::pow(10.0, std::floor(std::log10(mn)));
+      hi = std::pow(10.0, std::ceil(std::log10(mx)));
+      if (hi <= lo) hi = lo * 10;
+    }
+  }
+  // 0 at lo, 1 at hi.
+  double frac(double v) const { return (std::log10(v) - std::log10(lo)) / (std::log10(hi) - std::log10(lo)); }
+  std::vector<double> decades() const {
+    std::vector<double> d;
+    for (double v = lo; v <= hi * 1.0001; v *= 10) d.push_back(v);
+    return d;
+  }
+};
+
+std::string decade_label(double v) {
+  const int e = int(std::lround(std::log10(v)));
+  return e == 0 ? "1" : "1e" + std::to_string(e);
+}
+
+// Colour of a recipe: by the format it quantizes (the sweep's families), else a palette slot.
+std::string recipe_colour(const std::string& format, size_t index) {
+  static const std::map<std::string, std::string> by_format = {
+      {"fp8", "#4e79a7"}, {"nvfp4", "#f28e2b"}, {"mxfp8", "#59a14f"}, {"mxfp4", "#e15759"}, {"int8", "#b07aa1"}};
+  static const char* palette[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",
+                                  "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac", "#1b9e77", "#7570b3"};
+  const auto it = by_format.find(format);
+  return it != by_format.end() ? it->second : palette[index % 12];
+}
+
+std::string row_format(const EvalRow& r) {
+  if (r.dispatch_format) return *r.dispatch_format;
+  if (r.combine_format) return *r.combine_format;
+  return "";
+}
+
+// Dash pattern of a recipe's side: dispatch solid, combine dashed, both dotted.
+std::string recipe_dash(const EvalRow& r) {
+  if (r.dispatch_format && r.combine_format) return "2 3";
+  if (r.combine_format) return "7 4";
+  return "";
+}
+
+struct Bar {
+  std::string label, colour;
+  double value;
+};
+
+// Horizontal bars on a log10 axis; zero values say "0 (exact)".
+std::string bar_chart(const std::string& title, const std::string& axis_label, const std::vector<Bar>& bars) {
+  std::vector<double> values;
+  for (const Bar& b : bars) values.push_back(b.value);
+  const LogAxis ax(values);
+  const double left = 170, right = 110, top = 34, row = 24, width = 920, plot = width - left - right;
+  const double height = top + row * double(bars.size()) + 44;
+  std::string s = "<svg class=\"chart\" role=\"img\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" + px(width) +
+                  "\" height=\"" + px(height) + "\" viewBox=\"0 0 " + px(width) + " " + px(height) + "\">\n";
+  s += "<title>" + esc(title) + "</title>\n";
+  s += "<text x=\"" + px(left) + "\" y=\"20\" class=\"ct\">" + esc(title) + "</text>\n";
+  const double bottom = top + row * double(bars.size());
+  for (double d : ax.decades()) {
+    const double x = left + ax.frac(d) * plot;
+    s += "<line x1=\"" + px(x) + "\" y1=\"" + px(top) + "\" x2=\"" + px(x) + "\" y2=\"" + px(bottom) +
+         "\" class=\"grid\"/>\n";
+    s += "<text x=\"" + px(x) + "\" y=\"" + px(bottom + 16) + "\" class=\"tick\" text-anchor=\"middle\">" +
+         decade_label(d) + "</text>\n";
+  }
+  s += "<text x=\"" + px(left + plot / 2) + "\" y=\"" + px(bottom + 36) + "\" class=\"tick\" text-anchor=\"middle\">" +
+       esc(axis_label) + "</text>\n";
+  for (size_t i = 0; i < bars.size(); ++i) {
+    const Bar& b = bars[i];
+    const double y = top + row * double(i);
+    s += "<text x=\"" + px(left - 8) + "\" y=\"" + px(y + row * 0.65) + "\" class=\"lbl\" text-anchor=\"end\">" +
+         esc(b.label) + "</text>\n";
+    std::string value_text = fmt(b.value);
+    double end = left;
+    if (std::isfinite(b.value) && b.value > 0) {
+      end = left + std::max(2.0, ax.frac(b.value) * plot);
+      s += "<rect class=\"bar\" x=\"" + px(left) + "\" y=\"" + px(y + 3) + "\" width=\"" + px(end - left) +
+           "\" height=\"" + px(row - 6) + "\" fill=\"" + b.colour + "\"><title>" + esc(b.label) + ": " + value_text +
+           "</title></rect>\n";
+    } else if (b.value == 0) {
+      value_text = "0 (exact)";
+    }
+    s += "<text x=\"" + px(end + 6) + "\" y=\"" + px(y + row * 0.65) + "\" class=\"val\">" + esc(value_text) +
+         "</text>\n";
+  }
+  s += "<line x1=\"" + px(left) + "\" y1=\"" + px(top) + "\" x2=\"" + px(left) + "\" y2=\"" + px(bottom) +
+       "\" class=\"axis\"/>\n</svg>\n";
+  return s;
+}
+
+struct Series {
+  std::string label, colour, dash;
+  std::vector<double> values;  // one per layer
+};
+
+// rel_l2 per layer, one line per recipe, log10 y axis.
+std::string line_chart(const std::string& title, const std::vector<int64_t>& layers, const std::vector<Series>& series) {
+  std::vector<double> all;
+  for (const Series& s : series) all.insert(all.end(), s.values.begin(), s.values.end());
+  const LogAxis ax(all);
+  const double left = 70, right = 190, top = 34, width = 920, height = 380, bottom = height - 50;
+  const double plot_w = width - left - right, plot_h = bottom - top;
+  const auto xpos = [&](size_t i) {
+    return layers.size() == 1 ? left + plot_w / 2 : left + plot_w * double(i) / double(layers.size() - 1);
+  };
+  const auto ypos = [&](double v) { return bottom - ax.frac(v) * plot_h; };
+  std::string s = "<svg class=\"chart\" role=\"img\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" + px(width) +
+                  "\" height=\"" + px(height) + "\" viewBox=\"0 0 " + px(width) + " " + px(height) + "\">\n";
+  s += "<title>" + esc(title) + "</title>\n";
+  s += "<text x=\"" + px(left) + "\" y=\"20\" class=\"ct\">" + esc(title) + "</text>\n";
+  for (double d : ax.decades()) {
+    const double y = ypos(d);
+    s += "<line x1=\"" + px(left) + "\" y1=\"" + px(y) + "\" x2=\"" + px(left + plot_w) + "\" y2=\"" + px(y) +
+         "\" class=\"grid\"/>\n";
+    s += "<text x=\"" + px(left - 6) + "\" y=\"" + px(y + 4) + "\" class=\"tick\" text-anchor=\"end\">" +
+         decade_label(d) + "</text>\n";
+  }
+  for (size_t i = 0; i < layers.size(); ++i)
+    s += "<text x=\"" + px(xpos(i)) + "\" y=\"" + px(bottom + 18) + "\" class=\"tick\" text-anchor=\"middle\">" +
+         std::to_string(layers[i]) + "</text>\n";
+  s += "<text x=\"" + px(left + plot_w / 2) + "\" y=\"" + px(bottom + 40) +
+       "\" class=\"tick\" text-anchor=\"middle\">layer</text>\n";
+  s += "<rect x=\"" + px(left) + "\" y=\"" + px(top) + "\" width=\"" + px(plot_w) + "\" height=\"" + px(plot_h) +
+       "\" class=\"frame\"/>\n";
+  size_t shown = 0;
+  for (const Series& ser : series) {
+    std::string points;
+    for (size_t i = 0; i < ser.values.size(); ++i) {
+      const double v = ser.values[i];
+      if (!(std::isfinite(v) && v > 0)) continue;
+      points += px(xpos(i)) + "," + px(ypos(v)) + " ";
+    }
+    if (points.empty()) continue;  // an exact recipe (error 0) has nothing to draw on a log axis
+    s += "<polyline class=\"series\" fill=\"none\" stroke=\"" + ser.colour + "\" stroke-width=\"2\"" +
+         (ser.dash.empty() ? "" : " stroke-dasharray=\"" + ser.dash + "\"") + " points=\"" + points + "\"/>\n";
+    for (size_t i = 0; i < ser.values.size(); ++i) {
+      const double v = ser.values[i];
+      if (!(std::isfinite(v) && v > 0)) continue;
+      s += "<circle cx=\"" + px(xpos(i)) + "\" cy=\"" + px(ypos(v)) + "\" r=\"3\" fill=\"" + ser.colour +
+           "\"><title>" + esc(ser.label) + ", layer " + std::to_string(layers[i]) + ": " + fmt(v) +
+           "</title></circle>\n";
+    }
+    const double ly = top + 8 + 18 * double(shown++);
+    const double lx = left + plot_w + 14;
+    s += "<line x1=\"" + px(lx) + "\" y1=\"" + px(ly) + "\" x2=\"" + px(lx + 26) + "\" y2=\"" + px(ly) + "\" stroke=\"" +
+         ser.colour + "\" stroke-width=\"2\"" + (ser.dash.empty() ? "" : " stroke-dasharray=\"" + ser.dash + "\"") +
+         "/>\n";
+    s += "<text x=\"" + px(lx + 32) + "\" y=\"" + px(ly + 4) + "\" class=\"lbl\">" + esc(ser.label) + "</text>\n";
+  }
+  s += "</svg>\n";
+  return s;
+}
+
+// Vertical bars per rank on a linear axis, with the reduced MAX as a dashed line.
+std::string rank_chart(const std::string& title, const std::vector<float>& values, float reduced, const std::string& colour) {
+  const double left = 70, right = 20, top = 34, width = 440, height = 230, bottom = height - 40;
+  const double plot_w = width - left - right, plot_h = bottom - top;
+  double mx = reduced;
+  for (float v : values) mx = std::max(mx, double(v));
+  if (!(mx > 0) || !std::isfinite(mx)) mx = 1;
+  mx *= 1.12;
+  std::string s = "<svg class=\"chart\" role=\"img\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" + px(width) +
+                  "\" height=\"" + px(height) + "\" viewBox=\"0 0 " + px(width) + " " + px(height) + "\">\n";
+  s += "<title>" + esc(title) + "</title>\n";
+  s += "<text x=\"" + px(left) + "\" y=\"20\" class=\"ct\">" + esc(title) + "</text>\n";
+  for (int g = 0; g <= 4; ++g) {
+    const double v = mx / 1.12 * g / 4, y = bottom - v / mx * plot_h;
+    s += "<line x1=\"" + px(left) + "\" y1=\"" + px(y) + "\" x2=\"" + px(left + plot_w) + "\" y2=\"" + px(y) +
+         "\" class=\"grid\"/>\n";
+    s += "<text x=\"" + px(left - 6) + "\" y=\"" + px(y + 4) + "\" class=\"tick\" text-anchor=\"end\">" + fmt(v, "%.3g") +
+         "</text>\n";
+  }
+  const size_t n = std::max<size_t>(values.size(), 1);
+  const double slot = plot_w / double(n);
+  for (size_t r = 0; r < values.size(); ++r) {
+    const double h = std::max(0.0, double(values[r]) / mx * plot_h);
+    const double x = left + slot * double(r) + slot * 0.15;
+    s += "<rect class=\"bar\" x=\"" + px(x) + "\" y=\"" + px(bottom - h) + "\" width=\"" + px(slot * 0.7) +
+         "\" height=\"" + px(h) + "\" fill=\"" + colour + "\"><title>rank " + std::to_string(r) + ": " +
+         fmt(values[r], "%.6g") + "</title></rect>\n";
+    s += "<text x=\"" + px(x + slot * 0.35) + "\" y=\"" + px(bottom + 16) + "\" class=\"tick\" text-anchor=\"middle\">" +
+         std::to_string(r) + "</text>\n";
+  }
+  const double ry = bottom - double(reduced) / mx * plot_h;
+  s += "<line x1=\"" + px(left) + "\" y1=\"" + px(ry) + "\" x2=\"" + px(left + plot_w) + "\" y2=\"" + px(ry) +
+       "\" class=\"maxline\"/>\n";
+  s += "<text x=\"" + px(left + plot_w) + "\" y=\"" + px(ry - 5) + "\" class=\"val\" text-anchor=\"end\">MAX " +
+       fmt(reduced, "%.6g") + "</text>\n";
+  s += "<text x=\"" + px(left + plot_w / 2) + "\" y=\"" + px(bottom + 34) +
+       "\" class=\"tick\" text-anchor=\"middle\">rank</text>\n</svg>\n";
+  return s;
+}
+
+std::string cell(const std::optional<std::string>& v) { return v ? esc(*v) : "&ndash;"; }
+std::string cell(const std::optional<float>& v) { return v ? fmt(*v, "%.6g") : "&ndash;"; }
+
+const char* kStyle = R"(body{font-family:sans-serif;margin:24px;color:#222;max-width:1100px}
+h1{font-size:22px;margin-bottom:4px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
+dl.meta{display:grid;grid-template-columns:max-content auto;gap:2px 16px;font-size:13px}
+dl.meta dt{font-weight:bold}dl.meta dd{margin:0}
+table{border-collapse:collapse;font-size:12px}th,td{padding:3px 8px;border-bottom:1px solid #eee}
+th{background:#f4f4f4;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
+svg.chart{display:block;margin:8px 0;background:#fff}
+.ct{font-size:14px;font-weight:bold;fill:#222}.tick{font-size:11px;fill:#555}.lbl{font-size:12px;fill:#222}
+.val{font-size:11px;fill:#333}.grid{stroke:#e4e4e4;stroke-width:1}.axis{stroke:#888}
+.frame{fill:none;stroke:#bbb}.maxline{stroke:#222;stroke-width:1.5;stroke-dasharray:5 4}
+.pair{display:flex;flex-wrap:wrap;gap:12px}p.note{font-size:13px;color:#444})";
+
+}  // namespace
+
+std::string eval_report_json(const EvalResult& r) {
+  const EvalSetup& s = r.setup;
+  json config = {{"model", model_json(s.config)},
+                 {"model_source", s.model_source},
+                 {"weights", s.weights_source},
+                 {"activations", s.activations_source},
+                 {"layers", s.layers},
+                 {"ranks", s.ranks},
+                 {"tokens_per_rank", s.tokens},
+                 {"calib_batches", s.calib_batches},
+                 {"eval_batches", s.eval_batches},
+                 {"seed", s.seed},
+                 {"recipes", s.recipe_names},
+                 {"backend", s.backend_kind},
+                 {"shared_expert", "unfused (added to the routed output, computed on the unquantized x)"},
+                 {"calibration", r.calibration.source}};
+  json calibration = json::array();
+  for (const LayerCalibration& c : r.calibration.layers)
+    calibration.push_back({{"layer", c.layer},
+                           {"dispatch_amax", number(c.dispatch_amax)},
+                           {"combine_amax", number(c.combine_amax)},
+                           {"dispatch_rank_amax", c.dispatch_rank_amax},
+                           {"combine_rank_amax", c.combine_rank_amax}});
+  json results = json::array();
+  for (const EvalRow& row : r.rows) {
+    const ErrorMetrics& m = row.metrics;
+    results.push_back({{"layer", row.layer},
+                       {"recipe", row.recipe},
+                       {"dispatch_format", opt_string(row.dispatch_format)},
+                       {"combine_format", opt_string(row.combine_format)},
+                       {"dispatch_amax", opt_number(row.dispatch_amax)},
+                       {"combine_amax", opt_number(row.combine_amax)},
+                       {"rel_l2", number(m.rel_l2)},
+                       {"cosine", number(m.cosine)},
+                       {"calc_diff", number(m.calc_diff)},
+                       {"max_abs", number(m.max_abs)},
+                       {"snr_db", number(m.snr_db)},
+                       {"count", m.count},
+                       {"skipped_nonfinite", m.skipped_nonfinite},
+                       {"layout_check", row.layout_check}});
+  }
+  json summary = json::array();
+  for (const RecipeSummary& x : r.summary)
+    summary.push_back({{"recipe", x.recipe},
+                       {"mean_rel_l2", number(x.mean_rel_l2)},
+                       {"max_rel_l2", number(x.max_rel_l2)},
+                       {"min_cosine", number(x.min_cosine)}});
+  const json j = {{"tool", "moefq eval"},
+                  {"version", s.version},
+                  {"device", s.device},
+                  {"generated", utc_now()},
+                  {"config", config},
+                  {"calibration", calibration},
+                  {"results", results},
+                  {"summary", summary},
+                  {"sort", "per layer, best first by rel_l2"},
+                  {"wall_seconds", r.wall_seconds}};
+  return j.dump(2) + "\n";
+}
+
+std::string eval_report_csv(const EvalResult& r) {
+  const auto quote = [](const std::string& v) {
+    if (v.find_first_of(",\"\n") == std::string::npos) return v;
+    std::string q = "\"";
+    for (char c : v) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+    return q + "\"";
+  };
+  const auto full = [](double v) { return fmt(v, "%.17g"); };
+  std::string out =
+      "layer,recipe,dispatch_format,combine_format,dispatch_amax,combine_amax,rel_l2,cosine,calc_diff,max_abs,"
+      "snr_db,count,layout_check\n";
+  for (const EvalRow& row : r.rows) {
+    const ErrorMetrics& m = row.metrics;
+    out += std::to_string(row.layer) + "," + quote(row.recipe) + "," + quote(row.dispatch_format.value_or("")) + "," +
+           quote(row.combine_format.value_or("")) + "," + (row.dispatch_amax ? full(*row.dispatch_amax) : "") + "," +
+           (row.combine_amax ? full(*row.combine_amax) : "") + "," + full(m.rel_l2) + "," + full(m.cosine) + "," +
+           full(m.calc_diff) + "," + full(m.max_abs) + "," + full(m.snr_db) + "," + std::to_string(m.count) + "," +
+           row.layout_check + "\n";
+  }
+  return out;
+}
+
+std::string eval_report_html(const EvalResult& r) {
+  const EvalSetup& s = r.setup;
+  const bool several = s.layers.size() > 1;
+  std::string layers;
+  for (int64_t l : s.layers) layers += (layers.empty() ? "" : ", ") + std::to_string(l);
+  std::string h = "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>moefq eval: " +
+                  esc(s.config.name) + "</title>\n<style>\n" + kStyle + "\n</style>\n</head>\n<body>\n";
+  h += "<h1>moefq eval: " + esc(s.config.name) + "</h1>\n";
+  h += "<p class=\"note\">Error of the MoE layer output with quantized dispatch/combine traffic against the same "
+       "layer unquantized, per recipe (numerics.md's metrics over the whole evaluation set).</p>\n";
+  h += "<dl class=\"meta\">\n";
+  const auto meta = [&](const std::string& k, const std::string& v) { h += "<dt>" + esc(k) + "</dt><dd>" + esc(v) + "</dd>\n"; };
+  meta("model", s.model_source + " (H " + std::to_string(s.config.hidden) + ", I " + std::to_string(s.config.intermediate) +
+                    ", E " + std::to_string(s.config.num_experts) + ", top-k " + std::to_string(s.config.top_k) +
+                    ", shared " + std::to_string(s.config.num_shared) + ")");
+  meta("weights", s.weights_source);
+  meta("activations", s.activations_source);
+  meta("layers", layers);
+  meta("ranks x tokens", std::to_string(s.ranks) + " x " + std::to_string(s.tokens) + " per batch");
+  meta("batches", std::to_string(s.calib_batches) + " calibration, " + std::to_string(s.eval_batches) + " evaluation (held out)");
+  meta("calibration", r.calibration.source);
+  meta("device", s.device + " (back-end " + s.backend_kind + ")");
+  meta("version", "moefq " + s.version);
+  meta("generated", utc_now() + ", " + fmt(r.wall_seconds, "%.1f") + " s");
+  h += "</dl>\n";
+
+  // Error per recipe: the single layer's rows, or the mean over layers.
+  h += "<h2>Error per recipe</h2>\n";
+  std::vector<Bar> bars;
+  std::map<std::string, std::string> colour_of;
+  std::map<std::string, const EvalRow*> first_row;
+  for (const EvalRow& row : r.rows)
+    if (!first_row.count(row.recipe)) first_row[row.recipe] = &row;
+  for (size_t i = 0; i < s.recipe_names.size(); ++i) {
+    const std::string& name = s.recipe_names[i];
+    colour_of[name] = first_row.count(name) ? recipe_colour(row_format(*first_row[name]), i) : recipe_colour("", i);
+  }
+  for (const RecipeSummary& x : r.summary) bars.push_back({x.recipe, colour_of[x.recipe], x.mean_rel_l2});
+  h += bar_chart(several ? "relative L2 error per recipe (mean over " + std::to_string(s.layers.size()) + " layers)"
+                         : "relative L2 error per recipe (layer " + layers + ")",
+                 "relative L2 error (log scale)", bars);
+  h += "<p class=\"note\">Colour: the format (fp8 blue, nvfp4 orange, mxfp8 green, mxfp4 red). The unquantized "
+       "recipe reproduces the reference exactly (0).</p>\n";
+
+  if (several) {
+    h += "<h2>Error per layer</h2>\n";
+    std::vector<Series> series;
+    for (size_t i = 0; i < s.recipe_names.size(); ++i) {
+      const std::string& name = s.recipe_names[i];
+      Series ser{name, colour_of[name], first_row.count(name) ? recipe_dash(*first_row[name]) : "", {}};
+      for (int64_t l : s.layers) {
+        double v = NAN;
+        for (const EvalRow& row : r.rows)
+          if (row.layer == l && row.recipe == name) v = row.metrics.rel_l2;
+        ser.values.push_back(v);
+      }
+      series.push_back(std::move(ser));
+    }
+    h += line_chart("relative L2 error per layer (log scale)", s.layers, series);
+    h += "<p class=\"note\">Solid: dispatch only; dashed: combine only; dotted: both.</p>\n";
+  }
+
+  h += "<h2>Per-expert-rank amax (max calibration, before the MAX reduction)</h2>\n";
+  h += "<p class=\"note\">Each rank's max |x| over what its quantizer saw; the dashed line is the value every rank "
+       "uses after the MAX reduction. " + esc(r.calibration.source) + ".</p>\n";
+  for (const LayerCalibration& c : r.calibration.layers) {
+    h += "<div class=\"pair\">\n";
+    h += rank_chart("layer " + std::to_string(c.layer) + ": dispatch amax per rank", c.dispatch_rank_amax, c.dispatch_amax,
+                    "#4e79a7");
+    h += rank_chart("layer " + std::to_string(c.layer) + ": combine amax per rank", c.combine_rank_amax, c.combine_amax,
+                    "#f28e2b");
+    h += "</div>\n";
+  }
+
+  h += "<h2>Results</h2>\n<table>\n<thead><tr><th>layer</th><th>recipe</th><th>dispatch</th><th>combine</th>"
+       "<th>dispatch amax</th><th>combine amax</th><th>rel_l2</th><th>cosine</th><th>calc_diff</th><th>max_abs</th>"
+       "<th>snr_db</th><th>layout check</th></tr></thead>\n<tbody>\n";
+  for (const EvalRow& row : r.rows) {
+    const ErrorMetrics& m = row.metrics;
+    h += "<tr><td class=\"n\">" + std::to_string(row.layer) + "</td><td>" + esc(row.recipe) + "</td><td>" +
+         cell(row.dispatch_format) + "</td><td>" + cell(row.combine_format) + "</td><td class=\"n\">" +
+         cell(row.dispatch_amax) + "</td><td class=\"n\">" + cell(row.combine_amax) + "</td><td class=\"n\">" +
+         fmt(m.rel_l2) + "</td><td class=\"n\">" + fmt(m.cosine, "%.6f") + "</td><td class=\"n\">" + fmt(m.calc_diff) +
+         "</td><td class=\"n\">" + fmt(m.max_abs) + "</td><td class=\"n\">" + fmt(m.snr_db, "%.2f") + "</td><td>" +
+         esc(row.layout_check) + "</td></tr>\n";
+  }
+  h += "</tbody>\n</table>\n";
+  h += "<p class=\"note\">rel_l2 = ||y - r|| / ||r||; calc_diff = 1 - 2&Sigma;(y'r') / &Sigma;(y'&sup2; + r'&sup2;) "
+       "with y' = y + 1, r' = r + 1; snr_db = 10 log10(&Sigma;r&sup2; / &Sigma;(y - r)&sup2;). Rows: per layer, best "
+       "first by rel_l2. Layout check: pass = the combine quantizer read the rows the engine summed (checked bit for "
+       "bit); n/a = combine quantization off.</p>\n";
+  h += "</body>\n</html>\n";
+  return h;
+}
+
+void write_eval_reports(const EvalResult& result, const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  MOEFQ_CHECK(!ec && std::filesystem::is_directory(dir), "--out ", dir, ": cannot create the directory",
+              ec ? ": " + ec.message() : "");
+  const std::filesystem::path d(dir);
+  // Everything is rendered before the first file is written.
+  const std::string j = eval_report_json(result), c = eval_report_csv(result), h = eval_report_html(result);
+  write_file_atomic((d / "report.json").string(), j);
+  write_file_atomic((d / "report.csv").string(), c);
+  write_file_atomic((d / "report.html").string(), h);
+}
+
+}  // namespace moefq

@@ -1,0 +1,135 @@
+// The evaluation library (include/moefq/eval.h) in-process: --layers parsing, the default sweep,
+// the calibration file round trip and its errors, and a small run whose calibrated amax must equal
+// what a recipe calibrated on its own collects (the reason calibration runs once per layer).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <string>
+
+#include "moefq/eval.h"
+#include "moefq/qdq.h"
+#include "test_util.h"
+
+namespace moefq {
+namespace {
+
+namespace fs = std::filesystem;
+
+using test::error_of;
+
+TEST(ParseLayers, Forms) {
+  EXPECT_EQ(parse_layers("4"), (std::vector<int64_t>{4}));
+  EXPECT_EQ(parse_layers("3-6"), (std::vector<int64_t>{3, 4, 5, 6}));
+  EXPECT_EQ(parse_layers("7,3,5"), (std::vector<int64_t>{3, 5, 7}));
+  EXPECT_EQ(parse_layers("1-2,2,9"), (std::vector<int64_t>{1, 2, 9}));
+  EXPECT_EQ(parse_layers("0"), (std::vector<int64_t>{0}));
+  for (const char* bad : {"", "a", "3-", "-3", "5-3", "1,,2", "1,", "1.5", " 1", "0-99999", "1-2-3"}) {
+    const std::string msg = error_of([&] { parse_layers(bad); });
+    EXPECT_NE(msg.find("--layers"), std::string::npos) << bad << ": " << msg;
+  }
+}
+
+TEST(DefaultSweep, ThirteenRecipes) {
+  const auto sweep = default_sweep();
+  ASSERT_EQ(sweep.size(), 13u);
+  EXPECT_EQ(sweep[0].name, "none");
+  EXPECT_TRUE(sweep[0].recipe.entries.empty());
+  const std::vector<std::string> q = {"layers.0.mlp.experts.dispatch_quantizer", "layers.0.mlp.experts.combine_quantizer"};
+  for (const NamedRecipe& r : sweep) {
+    SCOPED_TRACE(r.name);
+    const auto cfg = apply_recipe(r.recipe, q);
+    const bool d = r.name.rfind("dispatch_", 0) == 0 || r.name.rfind("both_", 0) == 0;
+    const bool c = r.name.rfind("combine_", 0) == 0 || r.name.rfind("both_", 0) == 0;
+    EXPECT_EQ(cfg.at(q[0]).enable, d);
+    EXPECT_EQ(cfg.at(q[1]).enable, c);
+    if (d || c) {
+      const std::string fmt = r.name.substr(r.name.find('_') + 1);
+      EXPECT_EQ(format_name((d ? cfg.at(q[0]) : cfg.at(q[1])).spec.format), fmt);
+    }
+  }
+}
+
+class EvalLib : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::random_device rd;
+    root_ = fs::temp_directory_path() / ("moefq_evallib_" + std::to_string(::getpid()) + "_" + std::to_string(rd()));
+    fs::create_directories(root_);
+    std::ofstream(root_ / "config.json") << R"({"hidden_size": 256, "moe_intermediate_size": 128,
+      "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+      "scoring_func": "sigmoid", "norm_topk_prob": true, "topk_method": "noaux_tc"})";
+    o_.config_path = (root_ / "config.json").string();
+    o_.ranks = 2;
+    o_.tokens = 16;
+    o_.calib_batches = 1;
+    o_.eval_batches = 1;
+    o_.layers = {0, 5};
+  }
+  void TearDown() override { fs::remove_all(root_); }
+  fs::path root_;
+  EvalOptions o_;
+};
+
+TEST_F(EvalLib, CalibrationIsSharedAndTheFileRoundTrips) {
+  const EvalResult r = run_eval(o_);
+  ASSERT_EQ(r.rows.size(), 26u);
+  ASSERT_EQ(r.calibration.layers.size(), 2u);
+  for (const LayerCalibration& c : r.calibration.layers) {
+    ASSERT_EQ(c.dispatch_rank_amax.size(), 2u);
+    EXPECT_EQ(c.dispatch_amax, std::max(c.dispatch_rank_amax[0], c.dispatch_rank_amax[1]));
+    EXPECT_EQ(c.combine_amax, std::max(c.combine_rank_amax[0], c.combine_rank_amax[1]));
+  }
+  EXPECT_NE(r.calibration.layers[0].combine_amax, r.calibration.layers[1].combine_amax) << "layers differ";
+  for (const EvalRow& row : r.rows) {
+    if (row.recipe == "none") {
+      EXPECT_EQ(row.metrics.rel_l2, 0.0);
+      EXPECT_EQ(row.metrics.max_abs, 0.0);
+    }
+    // Every calibrated recipe uses the layer's one calibration.
+    const LayerCalibration& c = *r.calibration.find(row.layer);
+    if (row.combine_format == std::optional<std::string>("fp8")) {
+      EXPECT_EQ(row.combine_amax, c.combine_amax);
+    }
+    if (row.dispatch_format == std::optional<std::string>("nvfp4")) {
+      EXPECT_EQ(row.dispatch_amax, c.dispatch_amax);
+    }
+  }
+  // calibrate alone collects the same state; saved and loaded, exactly.
+  EvalSetup setup;
+  const CalibrationState alone = run_calibration(o_, &setup);
+  const std::string file = (root_ / "cal.json").string();
+  save_eval_calibration(file, alone, setup);
+  const CalibrationState back = load_eval_calibration(file, setup.config, {5, 0});
+  ASSERT_EQ(back.layers.size(), 2u);
+  for (const LayerCalibration& c : r.calibration.layers) {
+    const LayerCalibration& b = *back.find(c.layer);
+    EXPECT_EQ(b.dispatch_amax, c.dispatch_amax);
+    EXPECT_EQ(b.combine_amax, c.combine_amax);
+    EXPECT_EQ(b.dispatch_rank_amax, c.dispatch_rank_amax);
+    EXPECT_EQ(b.combine_rank_amax, c.combine_rank_amax);
+  }
+  // Errors name the file: a missing layer, another model, disagreeing amax bits.
+  EXPECT_NE(error_of([&] { load_eval_calibration(file, setup.config, {1}); }).find("layer 1"), std::string::npos);
+  MoeConfig other = setup.config;
+  other.top_k = 4;
+  EXPECT_NE(error_of([&] { load_eval_calibration(file, other, {0}); }).find("top_k"), std::string::npos);
+  std::string text;
+  {
+    std::ifstream in(file);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const size_t at = text.find("\"amax_bits\": \"0x");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at + 16, 8, "3f800000");  // 1.0, which the "amax" beside it is not
+  std::ofstream(root_ / "bad.json") << text;
+  EXPECT_NE(error_of([&] { load_eval_calibration((root_ / "bad.json").string(), setup.config, {0, 5}); }).find("disagrees"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace moefq

@@ -1,0 +1,306 @@
+// The reports of `moefq eval`: the HTML page loads in headless Chromium (Debian's chromium
+// package) with no console message, its screenshot shows the charts and its DOM holds the SVG
+// elements; a deliberately broken page proves the checker catches console errors. Also: the page
+// is self-contained, and the JSON/CSV writers spell non-finite numbers and quote CSV fields.
+//
+// Chromium is required: a missing browser FAILS (CI installs it via scripts/install_deps.sh);
+// set MOEFQ_SKIP_BROWSER=1 to skip the browser tests on a machine without it.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "cli/cli_test_util.h"
+#include "moefq/errors.h"
+#include "moefq/report.h"
+
+namespace moefq {
+namespace {
+
+namespace fs = std::filesystem;
+
+using test::quote, test::read_text, test::RunResult;
+
+size_t count(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t p = text.find(needle); p != std::string::npos; p = text.find(needle, p + 1)) ++n;
+  return n;
+}
+
+// A result like a 3-layer run of the default sweep (values made up, one layer with a NaN).
+EvalResult sample_result(int num_layers = 3) {
+  EvalResult r;
+  EvalSetup& s = r.setup;
+  s.config.name = "tiny";
+  s.config.hidden = 512;
+  s.config.intermediate = 256;
+  s.config.num_experts = 32;
+  s.config.top_k = 8;
+  s.config.num_shared = 1;
+  s.model_source = "preset tiny";
+  s.weights_source = "synthetic e4m3 (seed 1)";
+  s.activations_source = "synthetic <&> \"quoted\"";
+  for (int l = 0; l < num_layers; ++l) s.layers.push_back(3 + l);
+  s.ranks = 4;
+  s.tokens = 256;
+  s.calib_batches = 2;
+  s.eval_batches = 2;
+  s.seed = 1;
+  s.backend_kind = "mega_moe";
+  s.device = "cpu (2 threads)";
+  s.version = MOEFQ_VERSION;
+  r.calibration.source = "max calibration on 2 batches";
+  const char* formats[] = {"fp8", "nvfp4", "mxfp8", "mxfp4"};
+  s.recipe_names.push_back("none");
+  for (const char* f : formats)
+    for (const char* side : {"dispatch", "combine", "both"}) s.recipe_names.push_back(std::string(side) + "_" + f);
+  for (int64_t l : s.layers) {
+    LayerCalibration c;
+    c.layer = l;
+    c.dispatch_rank_amax = {7072, 11968, 8960, 52480};
+    c.combine_rank_amax = {6.0e7f, 2.3e8f, 6.6e7f, 4.4e9f};
+    c.dispatch_amax = 52480;
+    c.combine_amax = 4.4e9f;
+    r.calibration.layers.push_back(c);
+    for (size_t i = 0; i < s.recipe_names.size(); ++i) {
+      EvalRow row;
+      row.layer = l;
+      row.recipe = s.recipe_names[i];
+      if (i > 0) {
+        const std::string f = formats[(i - 1) / 3];
+        const int side = int((i - 1) % 3);
+        if (side != 1) row.dispatch_format = f;
+        if (side != 0) row.combine_format = f;
+        if (f == "fp8" || f == "nvfp4") {
+          if (row.dispatch_format) row.dispatch_amax = 52480;
+          if (row.combine_format) row.combine_amax = 4.4e9f;
+        }
+        row.metrics.rel_l2 = 0.01 * double(i) * (1.0 + 0.1 * double(l));
+        row.metrics.cosine = 1 - row.metrics.rel_l2 * row.metrics.rel_l2 / 2;
+        row.metrics.snr_db = -20 * std::log10(row.metrics.rel_l2);
+      } else {
+        row.metrics.snr_db = INFINITY;
+      }
+      row.metrics.count = 1 << 20;
+      row.layout_check = row.combine_format ? "pass" : "n/a";
+      r.rows.push_back(row);
+    }
+  }
+  for (const std::string& n : s.recipe_names) r.summary.push_back({n, 0.05, 0.06, 0.99});
+  r.summary[0].mean_rel_l2 = r.summary[0].max_rel_l2 = 0;
+  r.wall_seconds = 12.5;
+  return r;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Headless Chromium.
+
+std::string find_chromium() {
+  for (const char* name : {"chromium", "chromium-browser", "google-chrome"})
+    for (const char* dir : {"/usr/bin", "/usr/local/bin", "/snap/bin"}) {
+      const fs::path p = fs::path(dir) / name;
+      if (fs::exists(p)) return p.string();
+    }
+  return "";
+}
+
+struct PageLoad {
+  int status = -1;
+  std::string log;                    // chromium's stderr
+  std::vector<std::string> console;   // console messages and uncaught exceptions
+  std::vector<uint8_t> png;           // the screenshot
+  std::string dom;                    // --dump-dom
+};
+
+class BrowserTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* skip = std::getenv("MOEFQ_SKIP_BROWSER");
+    if (skip && std::string(skip) == "1") GTEST_SKIP() << "MOEFQ_SKIP_BROWSER=1: browser tests skipped";
+    chromium_ = find_chromium();
+    ASSERT_FALSE(chromium_.empty()) << "headless Chromium is required for the HTML report tests: install the Debian "
+                                       "package 'chromium' (scripts/install_deps.sh does), or set MOEFQ_SKIP_BROWSER=1";
+    root_ = test::unique_temp_path("moefq_html_");
+    fs::create_directories(root_);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    if (!root_.empty()) fs::remove_all(root_, ec);
+  }
+
+  // Runs headless Chromium with args (shell-quoted), stdout and stderr captured to root_/NAME.out
+  // and root_/NAME.err. A private profile per run, so parallel test processes do not share
+  // Chromium's profile lock.
+  RunResult run_chromium(const std::string& args, const std::string& name) const {
+    return test::run_captured("timeout 120 " + quote(chromium_) +
+                                  " --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --no-first-run "
+                                  "--enable-logging=stderr --v=0 --user-data-dir=" +
+                                  quote((root_ / ("profile" + std::to_string(runs_++))).string()) + " " + args,
+                              root_ / (name + ".out"), root_ / (name + ".err"));
+  }
+
+  // Loads the page twice: a screenshot (1280 x 2000) with the console log, and a DOM dump.
+  PageLoad load(const fs::path& html) const {
+    PageLoad p;
+    const std::string url = "file://" + fs::absolute(html).string();
+    const fs::path shot = root_ / (html.stem().string() + ".png");
+    const RunResult shot_run =
+        run_chromium("--screenshot=" + quote(shot.string()) + " --window-size=1280,2000 " + quote(url), "shot");
+    p.status = shot_run.status;
+    p.log = shot_run.err;
+    for (const std::string& line : test::split_lines(p.log))
+      if (line.find(":CONSOLE") != std::string::npos || line.find("Uncaught") != std::string::npos)
+        p.console.push_back(line);
+    p.png = test::read_bytes(shot);
+    const RunResult dom_run = run_chromium("--dump-dom " + quote(url), "dom");
+    if (dom_run.status != 0) p.status = dom_run.status;
+    p.dom = dom_run.out;
+    return p;
+  }
+
+  fs::path write_page(const std::string& name, const std::string& html) const {
+    const fs::path p = root_ / name;
+    std::ofstream(p) << html;
+    return p;
+  }
+
+  std::string chromium_;
+  fs::path root_;
+  mutable int runs_ = 0;
+};
+
+uint32_t be32(const std::vector<uint8_t>& b, size_t at) {
+  return uint32_t(b[at]) << 24 | uint32_t(b[at + 1]) << 16 | uint32_t(b[at + 2]) << 8 | uint32_t(b[at + 3]);
+}
+
+// A PNG of the window's size (signature, then the IHDR chunk's width and height).
+::testing::AssertionResult is_png(const std::vector<uint8_t>& b, uint32_t w, uint32_t h) {
+  static const uint8_t sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  if (b.size() < 33 || !std::equal(sig, sig + 8, b.begin()))
+    return ::testing::AssertionFailure() << "not a PNG (" << b.size() << " bytes)";
+  if (std::string(b.begin() + 12, b.begin() + 16) != "IHDR") return ::testing::AssertionFailure() << "no IHDR chunk";
+  if (be32(b, 16) != w || be32(b, 20) != h)
+    return ::testing::AssertionFailure() << "size " << be32(b, 16) << " x " << be32(b, 20) << ", want " << w << " x " << h;
+  return ::testing::AssertionSuccess();
+}
+
+TEST_F(BrowserTest, ReportLoadsWithoutConsoleErrorsAndShowsTheCharts) {
+  const EvalResult r = sample_result();
+  write_eval_reports(r, (root_ / "rep").string());
+  const PageLoad page = load(root_ / "rep" / "report.html");
+  ASSERT_EQ(page.status, 0) << page.log;
+  EXPECT_TRUE(page.console.empty()) << "console messages:\n" << ::testing::PrintToString(page.console);
+  ASSERT_TRUE(is_png(page.png, 1280, 2000));
+
+  // The control: a blank page's screenshot compresses to almost nothing; the report's charts,
+  // bars and text do not.
+  const PageLoad blank = load(write_page("blank.html", "<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
+                                                       "<title>blank</title></head><body></body></html>\n"));
+  ASSERT_EQ(blank.status, 0) << blank.log;
+  ASSERT_TRUE(is_png(blank.png, 1280, 2000));
+  EXPECT_GT(page.png.size(), 4 * blank.png.size())
+      << "the screenshot looks empty: " << page.png.size() << " bytes vs a blank page's " << blank.png.size();
+
+  // The DOM as the browser built it: bar chart, line chart (3 layers), amax per rank (2 per layer).
+  EXPECT_EQ(count(page.dom, "<svg"), 1u + 1u + 2u * 3u) << page.dom.substr(0, 2000);
+  EXPECT_EQ(count(page.dom, "class=\"bar\""), 12u + 2u * 3u * 4u) << "12 recipe bars (none is exact) and 4 bars per amax chart";
+  EXPECT_EQ(count(page.dom, "<polyline"), 12u) << "one line per quantized recipe";
+  EXPECT_EQ(count(page.dom, "<tr>"), 1u + 13u * 3u) << "the results table";
+  EXPECT_NE(page.dom.find("synthetic &lt;&amp;&gt; \"quoted\""), std::string::npos) << "text is escaped";
+}
+
+TEST_F(BrowserTest, TheCheckerCatchesABrokenPage) {
+  const PageLoad page = load(write_page(
+      "broken.html", "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>broken</title></head><body>"
+                     "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"10\" height=\"10\"></svg>"
+                     "<script>throw new Error(\"moefq-broken-page\");</script></body></html>\n"));
+  ASSERT_EQ(page.status, 0) << page.log;
+  ASSERT_FALSE(page.console.empty()) << "the uncaught exception must be seen:\n" << page.log;
+  bool named = false;
+  for (const std::string& l : page.console) named |= l.find("moefq-broken-page") != std::string::npos;
+  EXPECT_TRUE(named) << ::testing::PrintToString(page.console);
+}
+
+TEST_F(BrowserTest, SingleLayerPageHasNoLineChart) {
+  const EvalResult r = sample_result(1);
+  const PageLoad page = load(write_page("one.html", eval_report_html(r)));
+  ASSERT_EQ(page.status, 0) << page.log;
+  EXPECT_TRUE(page.console.empty()) << ::testing::PrintToString(page.console);
+  EXPECT_EQ(count(page.dom, "<svg"), 1u + 2u);
+  EXPECT_EQ(count(page.dom, "<polyline"), 0u);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Without a browser.
+
+TEST(ReportHtml, SelfContained) {
+  const std::string html = eval_report_html(sample_result());
+  for (const char* banned : {"<script", "<link", "<img", "<iframe", "src=", "href=", "@import", "url("})
+    EXPECT_EQ(html.find(banned), std::string::npos) << banned;
+  // The only URL is the SVG namespace.
+  EXPECT_EQ(count(html, "http"), count(html, "http://www.w3.org/2000/svg"));
+  EXPECT_EQ(html.find("https:"), std::string::npos);
+  EXPECT_NE(html.find("moefq " MOEFQ_VERSION), std::string::npos);
+  EXPECT_NE(html.find("cpu (2 threads)"), std::string::npos);
+}
+
+TEST(ReportJson, EveryFigureAndNonFiniteAsStrings) {
+  EvalResult r = sample_result(1);
+  r.rows[1].metrics.max_abs = NAN;
+  const nlohmann::json j = nlohmann::json::parse(eval_report_json(r));
+  EXPECT_EQ(j.at("tool"), "moefq eval");
+  EXPECT_EQ(j.at("device"), "cpu (2 threads)");
+  EXPECT_EQ(j.at("version"), MOEFQ_VERSION);
+  ASSERT_EQ(j.at("results").size(), 13u);
+  EXPECT_EQ(j.at("results")[0].at("snr_db"), "inf");
+  EXPECT_EQ(j.at("results")[1].at("max_abs"), "nan");
+  EXPECT_TRUE(j.at("results")[0].at("dispatch_format").is_null());
+  EXPECT_EQ(j.at("results")[1].at("dispatch_amax"), 52480.0);
+  EXPECT_EQ(j.at("calibration")[0].at("combine_rank_amax").size(), 4u);
+  EXPECT_EQ(j.at("config").at("ranks"), 4);
+  EXPECT_EQ(j.at("config").at("model").at("hidden"), 512);
+  EXPECT_EQ(j.at("summary").size(), 13u);
+}
+
+TEST(ReportCsv, OneLinePerRowQuotedAndExact) {
+  EvalResult r = sample_result(1);
+  r.rows[2].recipe = "my, \"odd\" recipe";
+  r.rows[3].metrics.rel_l2 = 0.1 + 0.2;  // needs 17 digits to round-trip
+  const std::string csv = eval_report_csv(r);
+  const std::vector<std::string> lines = test::split_lines(csv);
+  ASSERT_EQ(lines.size(), 14u);
+  EXPECT_EQ(lines[0], "layer,recipe,dispatch_format,combine_format,dispatch_amax,combine_amax,rel_l2,cosine,"
+                      "calc_diff,max_abs,snr_db,count,layout_check");
+  EXPECT_EQ(lines[1].substr(0, 9), "3,none,,,");
+  EXPECT_NE(lines[1].find(",inf,"), std::string::npos) << lines[1];
+  EXPECT_EQ(lines[3].substr(0, 24), "3,\"my, \"\"odd\"\" recipe\",,");
+  EXPECT_NE(lines[4].find(",0.30000000000000004,"), std::string::npos) << lines[4];
+}
+
+TEST(ReportFiles, CreatesTheDirectoryAndRefusesAFile) {
+  const fs::path root = test::unique_temp_path("moefq_rep_");
+  const EvalResult r = sample_result(1);
+  write_eval_reports(r, (root / "a" / "b").string());
+  for (const char* f : {"report.json", "report.csv", "report.html"}) EXPECT_TRUE(fs::is_regular_file(root / "a" / "b" / f)) << f;
+  EXPECT_EQ(read_text(root / "a" / "b" / "report.csv"), eval_report_csv(r));
+  std::ofstream(root / "file") << "x";
+  try {
+    write_eval_reports(r, (root / "file" / "sub").string());
+    ADD_FAILURE() << "a path under a file must be refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kBadInput);
+    EXPECT_NE(std::string(e.what()).find("--out"), std::string::npos) << e.what();
+  }
+  size_t n = 0;
+  for (const auto& e : fs::recursive_directory_iterator(root)) n += e.is_regular_file() ? 1 : 0;
+  EXPECT_EQ(n, 4u) << "three reports and the file; no temporaries";
+  fs::remove_all(root);
+}
+
+}  // namespace
+}  // namespace moefq

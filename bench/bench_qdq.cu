@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bench/bench.h"
+#include "bench/bench_cuda_util.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/qdq_kernels.cuh"
@@ -20,53 +21,12 @@ namespace {
 
 using cuda::DeviceBuffer;
 
-// Median time of one call of `launch(i)` in microseconds: `per_graph` calls (rotating over the
-// input sets through i) are captured in one CUDA graph, replayed `reps` times after a warm-up.
-double median_us(const std::function<void(int, cudaStream_t)>& launch, int per_graph, int reps) {
-  cudaStream_t s;
-  MOEFQ_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOEFQ_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < per_graph; ++i) launch(i, s);
-  MOEFQ_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  MOEFQ_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t a, b;
-  MOEFQ_CUDA_CHECK(cudaEventCreate(&a));
-  MOEFQ_CUDA_CHECK(cudaEventCreate(&b));
-  for (int w = 0; w < 3; ++w) MOEFQ_CUDA_CHECK(cudaGraphLaunch(exec, s));
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    MOEFQ_CUDA_CHECK(cudaEventRecord(a, s));
-    MOEFQ_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    MOEFQ_CUDA_CHECK(cudaEventRecord(b, s));
-    MOEFQ_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    MOEFQ_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(1000.0 * ms / per_graph);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
 struct Case {
   std::string name;
   std::optional<Format> format;  // nullopt: the e4m3 staging cast
   bool dynamic = false;          // measure the amax pass too
   bool saturating = false;       // amax far below the data's max: many blocks saturate
 };
-
-std::string today() {
-  const std::time_t now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
-  return buf;
-}
 
 }  // namespace
 

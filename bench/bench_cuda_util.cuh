@@ -1,0 +1,124 @@
+// Timing helpers shared by the GPU benchmarks: CUDA-graph timing, the copy-bandwidth ceiling and
+// the date stamp of a report.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <ctime>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+
+namespace moefq::bench {
+
+// A timed case: `prepare` (may be empty) runs before the case's graph is captured; the graph holds
+// `per_graph` calls of `launch(i, stream)`, i = 0, 1, ... (rotating over input sets through i).
+struct TimedCase {
+  std::function<void()> prepare;
+  std::function<void(int, cudaStream_t)> launch;
+};
+
+// Median time of one call of each case's launch in microseconds: every case's graph is captured
+// first, then replayed round-robin `reps` times after a warm-up (replay r of every case before
+// replay r + 1 of any), so slow drifts of clock or temperature affect every case alike.
+inline std::vector<double> interleaved_median_us(const std::vector<TimedCase>& cases, int per_graph, int reps) {
+  cudaStream_t s;
+  MOEFQ_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  std::vector<cudaGraphExec_t> execs;
+  for (const TimedCase& c : cases) {
+    if (c.prepare) c.prepare();
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOEFQ_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < per_graph; ++i) c.launch(i, s);
+    MOEFQ_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    MOEFQ_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    MOEFQ_CUDA_CHECK(cudaGraphDestroy(graph));
+    execs.push_back(exec);
+  }
+  cudaEvent_t a, b;
+  MOEFQ_CUDA_CHECK(cudaEventCreate(&a));
+  MOEFQ_CUDA_CHECK(cudaEventCreate(&b));
+  for (cudaGraphExec_t e : execs)
+    for (int w = 0; w < 3; ++w) MOEFQ_CUDA_CHECK(cudaGraphLaunch(e, s));
+  std::vector<std::vector<double>> t(execs.size());
+  for (int r = 0; r < reps; ++r)
+    for (size_t i = 0; i < execs.size(); ++i) {
+      MOEFQ_CUDA_CHECK(cudaEventRecord(a, s));
+      MOEFQ_CUDA_CHECK(cudaGraphLaunch(execs[i], s));
+      MOEFQ_CUDA_CHECK(cudaEventRecord(b, s));
+      MOEFQ_CUDA_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      MOEFQ_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      t[i].push_back(1000.0 * ms / per_graph);
+    }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  for (cudaGraphExec_t e : execs) cudaGraphExecDestroy(e);
+  cudaStreamDestroy(s);
+  std::vector<double> medians;
+  for (auto& v : t) {
+    std::sort(v.begin(), v.end());
+    medians.push_back(v[v.size() / 2]);
+  }
+  return medians;
+}
+
+// Median time of one call of `launch(i)` in microseconds (one case of the above).
+inline double median_us(const std::function<void(int, cudaStream_t)>& launch, int per_graph, int reps) {
+  return interleaved_median_us({TimedCase{nullptr, launch}}, per_graph, reps)[0];
+}
+
+// The same for launches that do not rotate over input sets.
+inline double median_us(const std::function<void(cudaStream_t)>& launch, int per_graph, int reps) {
+  return median_us([&](int, cudaStream_t s) { launch(s); }, per_graph, reps);
+}
+
+// A plain 16-byte-per-thread grid-stride copy.
+static __global__ void copy16_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+// Device-to-device copy bandwidth in GB/s (read + write bytes), copying `bytes` (a multiple of 16)
+// between two allocations: the better of cudaMemcpyAsync and a plain 16-byte copy kernel (for
+// large copies the latter is faster on the H200), so the memory ceiling every bandwidth figure is
+// compared with never flatters it.
+inline double copy_gbs(size_t bytes, int per_graph = 10, int reps = 11) {
+  void *a = nullptr, *b = nullptr;
+  MOEFQ_CUDA_CHECK(cudaMalloc(&a, bytes));
+  MOEFQ_CUDA_CHECK(cudaMalloc(&b, bytes));
+  MOEFQ_CUDA_CHECK(cudaMemset(a, 1, bytes));
+  MOEFQ_CUDA_CHECK(cudaMemset(b, 2, bytes));
+  int dev = 0, sms = 0;
+  MOEFQ_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEFQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const std::vector<double> us = interleaved_median_us(
+      {TimedCase{nullptr,
+                 [&](int i, cudaStream_t s) {
+                   MOEFQ_CUDA_CHECK(cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice, s));
+                 }},
+       TimedCase{nullptr,
+                 [&](int i, cudaStream_t s) {
+                   copy16_kernel<<<sms * 8, 512, 0, s>>>(static_cast<const uint4*>(i % 2 ? b : a),
+                                                         static_cast<uint4*>(i % 2 ? a : b), int64_t(bytes / 16));
+                   MOEFQ_CUDA_CHECK_LAUNCH();
+                 }}},
+      per_graph, reps);
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * double(bytes) / std::min(us[0], us[1]) * 1e-3;
+}
+
+// Today's date (UTC), YYYY-MM-DD.
+inline std::string today() {
+  const std::time_t now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
+  return buf;
+}
+
+}  // namespace moefq::bench

@@ -1,0 +1,575 @@
+// CUDA combine kernels against the CPU, byte for byte: the plain combine against combine_rows, the
+// combine quantizer against qdq_ref of each [1, H] row then combine_rows (fake_quant_moe.cpp's
+// order), and the device-side layout check against the CPU comparison it replaces.
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/combine_kernels.cuh"
+#include "cuda/cuda_check.h"
+#include "cuda/device_buffer.h"
+#include "cuda/qdq_rules.cuh"
+#include "engine/expert_cpu.h"
+#include "moefq/qdq.h"
+#include "test_util.h"
+
+extern char** environ;
+
+namespace moefq {
+namespace {
+
+using cuda::DeviceBuffer;
+
+#define SKIP_WITHOUT_GPU() \
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device"
+
+constexpr uint16_t kPoison = 0x7F7F;  // rows nobody wrote: a huge finite value that no sum absorbs
+
+struct Shape {
+  int64_t T, K, H;
+  bool fused;
+  int64_t num_tokens;
+};
+
+// One rank's buffer on the host: a workspace before the combine region (the offset), rows of
+// inactive slots and of tokens past num_tokens left as poison, as the engine leaves them unwritten.
+struct HostRows {
+  Shape s;
+  size_t offset = 0;
+  std::vector<uint8_t> buffer;
+  std::vector<int32_t> topk;  // [num_tokens, K]
+
+  bf16* row(int64_t k, int64_t t) {
+    return reinterpret_cast<bf16*>(buffer.data() + offset + size_t((k * s.T + t) * s.H) * 2);
+  }
+  const bf16* row(int64_t k, int64_t t) const { return const_cast<HostRows*>(this)->row(k, t); }
+  bool active(int64_t t, int64_t k) const { return topk[size_t(t * s.K + k)] >= 0; }
+};
+
+// Random routing (`inactive` of the routed slots off, every `padding_every`-th token all padding)
+// and rows of activations (with NaN, +-inf, +-0 and subnormals when specials).
+HostRows make_rows(const Shape& s, uint64_t seed, bool specials, double inactive = 0.1, int64_t padding_every = 5,
+                   std::optional<size_t> offset = std::nullopt) {
+  HostRows r;
+  r.s = s;
+  r.offset = offset.value_or(4096 + 16 * (seed % 7));
+  const int64_t slots = s.K + (s.fused ? 1 : 0);
+  r.buffer.resize(r.offset + size_t(slots * s.T * s.H) * 2 + 64);
+  for (size_t i = 0; i + 1 < r.buffer.size(); i += 2) std::memcpy(&r.buffer[i], &kPoison, 2);
+  std::mt19937_64 rng(seed);
+  r.topk.assign(size_t(s.num_tokens * s.K), -1);
+  int64_t num_rows = 0;
+  for (int64_t t = 0; t < s.num_tokens; ++t) {
+    const bool padding = padding_every && t % padding_every == padding_every - 1;
+    for (int64_t k = 0; k < s.K; ++k)
+      if (!padding && double(rng() % 1000) >= inactive * 1000) r.topk[size_t(t * s.K + k)] = int32_t(rng() % 256);
+  }
+  for (int64_t t = 0; t < s.num_tokens; ++t)
+    for (int64_t k = 0; k < slots; ++k) num_rows += (k == s.K || r.active(t, k)) ? 1 : 0;
+  const std::vector<bf16> data = test::to_bf16(test::activations(num_rows, s.H, seed + 11, specials));
+  int64_t next = 0;
+  for (int64_t t = 0; t < s.num_tokens; ++t)
+    for (int64_t k = 0; k < slots; ++k)
+      if (k == s.K || r.active(t, k)) std::memcpy(r.row(k, t), data.data() + (next++) * s.H, size_t(s.H) * 2);
+  return r;
+}
+
+// The CPU fake quantizer's combine (fake_quant_moe.cpp): each active routed row QDQ'd as a [1, H]
+// bf16 tensor into a bf16 row (or copied when f is nullopt), then combine_rows with the shared row
+// last and unquantized.
+std::vector<bf16> reference(const HostRows& r, std::optional<Format> f, float amax) {
+  const Shape& s = r.s;
+  std::vector<bf16> y(size_t(s.num_tokens * s.H)), q(size_t(s.K * s.H));
+  for (int64_t t = 0; t < s.num_tokens; ++t) {
+    const bf16* rows[kMaxCombineRows];
+    int n = 0;
+    for (int64_t k = 0; k < s.K; ++k) {
+      if (!r.active(t, k)) continue;
+      if (f) {
+        bf16* qr = q.data() + n * s.H;
+        qdq_ref(*f, r.row(k, t), qr, 1, s.H, amax);
+        rows[n++] = qr;
+      } else {
+        rows[n++] = r.row(k, t);
+      }
+    }
+    if (s.fused) rows[n++] = r.row(s.K, t);
+    combine_rows(rows, n, s.H, y.data() + t * s.H);
+  }
+  return y;
+}
+
+// max |x| over the active routed rows' finite values (what max calibration on finite data sees).
+float routed_amax(const HostRows& r) {
+  float m = 0.0f;
+  for (int64_t t = 0; t < r.s.num_tokens; ++t)
+    for (int64_t k = 0; k < r.s.K; ++k)
+      if (r.active(t, k))
+        for (int64_t h = 0; h < r.s.H; ++h) {
+          const float v = abs_f32(to_f32(r.row(k, t)[h]));
+          if (is_finite(v)) m = max_ignore_nan(m, v);
+        }
+  return m;
+}
+
+struct DeviceRows {
+  DeviceBuffer<uint8_t> buffer;
+  DeviceBuffer<int32_t> topk;
+  cuda::CombineRows rows;
+
+  explicit DeviceRows(const HostRows& h) : buffer(h.buffer), topk(h.topk) {
+    rows.buffer = buffer.get();
+    rows.combine_offset = h.offset;
+    rows.max_tokens = h.s.T;
+    rows.top_k = h.s.K;
+    rows.hidden = h.s.H;
+    rows.fused_shared = h.s.fused;
+    rows.topk_idx = topk.get();
+    rows.num_tokens = h.s.num_tokens;
+  }
+  void upload(const HostRows& h) {
+    buffer.upload(h.buffer);
+    topk.upload(h.topk);
+  }
+};
+
+std::string describe(const Shape& s) {
+  return "T=" + std::to_string(s.T) + " K=" + std::to_string(s.K) + " H=" + std::to_string(s.H) +
+         (s.fused ? " fused-shared" : "") + " num_tokens=" + std::to_string(s.num_tokens);
+}
+
+// num_tokens 0, 1 and T; H 384 (odd number of 128-column groups), 7168 and 128; K 1, 6, 8, 32.
+const Shape kShapes[] = {
+    {64, 8, 384, false, 64}, {64, 8, 384, true, 37}, {16, 8, 7168, true, 16}, {8, 32, 128, true, 8},
+    {24, 6, 4096, false, 1}, {12, 1, 256, true, 12}, {16, 8, 384, true, 0}, {33, 4, 512, false, 33},
+};
+
+// The combine's sum-exact element rules (qdq_rules.cuh) against the numerics.h rules they stand
+// for, on the device, on every input: equal bits, or both NaN, or both zero (the freedoms an fp32
+// sum from +0 cannot see). Each QDQ result is compared after the bf16 rounding the CPU quantizer
+// applies (and the combine applies wherever the rule says the result needs it).
+__device__ bool same_in_sum(float a, float b) {
+  if (is_nan(a) || is_nan(b)) return is_nan(a) && is_nan(b);
+  return (a == 0.0f && b == 0.0f) || f32_bits(a) == f32_bits(b);
+}
+__device__ float bf16_value(float v) { return bf16_to_f32(bf16_round(v)); }
+
+// Rounding cores on every a >= 0 and NaN (2^31 inputs, in slices).
+__global__ void sum_cores_kernel(uint32_t base, unsigned long long* bad) {
+  using namespace cuda::rules;
+  const float a = f32_from_bits(base + blockIdx.x * blockDim.x + threadIdx.x);
+  const float e4 = e4m3_decode(e4m3_encode_sat(a)), e2 = e2m1_round_sat(a);
+  const float g4 = e4m3_round_sat_mag(a), g2 = e2m1_round_sat_mag(a);
+  if (!(is_nan(e4) ? is_nan(g4) : f32_bits(e4) == f32_bits(g4))) atomicAdd(&bad[0], 1ull);
+  if (!(is_nan(e2) ? is_nan(g2) : f32_bits(e2) == f32_bits(g2))) atomicAdd(&bad[1], 1ull);
+}
+
+// Every bf16 x (threads) against one parameter set (blockIdx.y): a global amax for fp8, int8 and
+// nvfp4 (every block scale code under its global scale), or an mx block exponent.
+__global__ void sum_rules_kernel(const float* amaxes, int num_amax, unsigned long long* bad) {
+  using namespace cuda::rules;
+  const float x = bf16_to_f32(uint16_t(blockIdx.x * blockDim.x + threadIdx.x));
+  if (int(blockIdx.y) < num_amax) {
+    const float amax = amaxes[blockIdx.y];
+    const Fp8Params fp = fp8_params(amax);
+    if (!same_in_sum(bf16_value(fp8_qdq(x, fp)), bf16_value(fp8_qdq_sum(x, fp)))) atomicAdd(&bad[2], 1ull);
+    const Int8Params ip = int8_params(amax);
+    if (amax < 1.7014118e38f && !ip.zero &&
+        !same_in_sum(bf16_value(int8_qdq(x, ip)), bf16_value(int8_qdq_sum(x, ip, div_rn(1.0f, ip.s)))))
+      atomicAdd(&bad[3], 1ull);
+    const float gs = nvfp4_global_scale(amax);
+    for (int sf = 0; sf < 128; ++sf) {
+      const float scale = nvfp4_scale_from_code(uint8_t(sf), gs), r = div_rn(1.0f, scale);
+      if (scale == INFINITY) continue;  // unreachable: an infinite gs gives code 0 (a NaN scale)
+      const float want = bf16_value(nvfp4_qdq(x, scale));
+      if (!same_in_sum(want, bf16_value(nvfp4_qdq_sum<true>(x, scale, r)))) atomicAdd(&bad[4], 1ull);
+      if (!nvfp4_block_needs_clamp(abs_f32(x), r) && !same_in_sum(want, bf16_value(nvfp4_qdq_sum<false>(x, scale, r))))
+        atomicAdd(&bad[4], 1ull);
+    }
+  } else {
+    const int e = int(blockIdx.y) - num_amax - 127;
+    const MxScale s = mx_scale(e);
+    const float g8 = mxfp8_qdq_sum(x, s);
+    if (!same_in_sum(bf16_value(mxfp8_qdq(x, s)), e < -124 ? bf16_value(g8) : g8)) atomicAdd(&bad[5], 1ull);
+    if (!same_in_sum(bf16_value(mxfp4_qdq(x, s)), mxfp4_qdq_sum(x, s))) atomicAdd(&bad[6], 1ull);
+    // The unscaled rules, where the combine takes them: on every x a block of exponent e can hold
+    // (|x| <= M * 2^e, or NaN), the same value, and already a bf16 value.
+    const auto unscaled_ok = [&](float want, float got) {
+      return same_in_sum(want, got) && (is_nan(got) || (f32_bits(got) & 0xFFFFu) == 0);
+    };
+    const MxBounds b8 = mx_unscaled_bounds<true>(s.from_elem), b4 = mx_unscaled_bounds<false>(s.from_elem);
+    if (mx_unscaled_ok<true>(e) && (is_nan(x) || abs_f32(x) <= b8.sat) &&
+        !unscaled_ok(bf16_value(mxfp8_qdq(x, s)), mx_qdq_sum_unscaled<true>(x, b8)))
+      atomicAdd(&bad[8], 1ull);
+    if (mx_unscaled_ok<false>(e) && (is_nan(x) || abs_f32(x) <= b4.sat) &&
+        !unscaled_ok(bf16_value(mxfp4_qdq(x, s)), mx_qdq_sum_unscaled<false>(x, b4)))
+      atomicAdd(&bad[8], 1ull);
+    // The division-free block exponent, on every bf16 block maximum (and +inf).
+    if (e == 0 && x >= 0.0f && !is_nan(x)) {
+      if (mx_block_exponent_bf16<true>(x) != mx_block_exponent(x, kE4m3Max)) atomicAdd(&bad[7], 1ull);
+      if (mx_block_exponent_bf16<false>(x) != mx_block_exponent(x, kE2m1Max)) atomicAdd(&bad[7], 1ull);
+      // Every element of a block with this maximum is within the unscaled rules' saturation.
+      if (x > mx_unscaled_bounds<true>(exp2i(mx_block_exponent_bf16<true>(x))).sat) atomicAdd(&bad[8], 1ull);
+      if (x > mx_unscaled_bounds<false>(exp2i(mx_block_exponent_bf16<false>(x))).sat) atomicAdd(&bad[8], 1ull);
+    }
+  }
+}
+
+TEST(CombineCuda, SumExactRulesEqualTheQdqRulesOnEveryInput) {
+  SKIP_WITHOUT_GPU();
+  DeviceBuffer<unsigned long long> bad(std::vector<unsigned long long>(9, 0));
+  for (uint64_t base = 0; base < (1ull << 31); base += (1ull << 28)) {
+    sum_cores_kernel<<<(1u << 28) / 256, 256>>>(uint32_t(base), bad.get());
+    MOEFQ_CUDA_CHECK_LAUNCH();
+  }
+  std::vector<float> amaxes = {0.0f, 1e-40f, 1e-30f, 5.9604644775390625e-08f, 6e-8f, 1e-6f, 0.5f, 1.0f, 448.0f,
+                               2688.0f, 1e4f, 1.7e38f, 1.7014118e38f, 3e38f, INFINITY};
+  std::mt19937 rng(5);
+  for (int i = 0; i < 200; ++i) amaxes.push_back(std::ldexp(1.0f + float(rng() % 1000000) / 1e6f, int(rng() % 200) - 100));
+  for (int i = 0; i < 100; ++i) amaxes.push_back(bf16_to_f32(uint16_t(rng() % 0x7F80)));
+  const DeviceBuffer<float> d_amax(amaxes);
+  sum_rules_kernel<<<dim3(65536 / 256, unsigned(amaxes.size()) + 255), 256>>>(d_amax.get(), int(amaxes.size()),
+                                                                             bad.get());
+  MOEFQ_CUDA_CHECK_LAUNCH();
+  const auto b = bad.download();
+  const char* names[] = {"e4m3 rounding core", "e2m1 rounding core", "fp8",   "int8",
+                         "nvfp4",              "mxfp8",              "mxfp4", "mx block exponent",
+                         "mx unscaled"};
+  for (int i = 0; i < 9; ++i) EXPECT_EQ(b[size_t(i)], 0u) << names[i] << ": inputs where the sum-exact rule differs";
+}
+
+TEST(CombineCuda, PlainCombineEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 1;
+  for (const Shape& s : kShapes)
+    for (bool specials : {false, true}) {
+      SCOPED_TRACE(describe(s) + (specials ? " specials" : ""));
+      const HostRows h = make_rows(s, seed++, specials);
+      DeviceRows d(h);
+      DeviceBuffer<bf16> y(size_t(s.num_tokens * s.H));
+      cuda::launch_combine(d.rows, y.get(), nullptr);
+      MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(test::bytes_equal(reference(h, std::nullopt, 0.0f), y.download()));
+    }
+}
+
+// One active routed slot per token (k = t % K), every element of row (k, t) = (k + 1) * 2^(t % 16 - 8):
+// y[t] is that row exactly, so a row taken from the wrong slot or token names itself.
+TEST(CombineCuda, RowsNameThemselves) {
+  SKIP_WITHOUT_GPU();
+  const Shape s{40, 8, 256, false, 40};
+  HostRows h = make_rows(s, 3, false, 0.0, 0);
+  std::vector<bf16> want(size_t(s.num_tokens * s.H));
+  for (int64_t t = 0; t < s.num_tokens; ++t)
+    for (int64_t k = 0; k < s.K; ++k) {
+      const bool on = k == t % s.K;
+      h.topk[size_t(t * s.K + k)] = on ? int32_t(k) : -1;
+      const bf16 v{bf16_round(std::ldexp(float(k + 1), int(t % 16) - 8))};
+      for (int64_t e = 0; e < s.H; ++e) {
+        h.row(k, t)[e] = v;
+        if (on) want[size_t(t * s.H + e)] = v;
+      }
+    }
+  DeviceRows d(h);
+  DeviceBuffer<bf16> y(want.size());
+  cuda::launch_combine(d.rows, y.get(), nullptr);
+  EXPECT_TRUE(test::bytes_equal(want, y.download()));
+}
+
+TEST(CombineCuda, QdqCombineEqualsCpuEveryFormat) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 100;
+  for (const Shape& s : kShapes)
+    for (bool specials : {false, true}) {
+      const HostRows h = make_rows(s, seed++, specials);
+      DeviceRows d(h);
+      DeviceBuffer<bf16> y(size_t(s.num_tokens * s.H));
+      const float calibrated = routed_amax(h);
+      // calibrated, saturating (many blocks clamp), tiny (fp8 falls back to 1, int8 to zero),
+      // +inf (NaN scales), and 2688 (nvfp4 global scale 1).
+      for (float amax : {calibrated, calibrated / 500.0f, 0.0f, INFINITY, 2688.0f})
+        for (Format f : kAllFormats) {
+          if (!format_has_global_amax(f) && amax != calibrated) continue;
+          SCOPED_TRACE(describe(s) + (specials ? " specials " : " ") + format_name(f) + " amax " + std::to_string(amax));
+          DeviceBuffer<float> d_amax(std::vector<float>{amax});
+          cuda::launch_combine_qdq(d.rows, true, f, format_has_global_amax(f) ? d_amax.get() : nullptr, {}, y.get(),
+                                   nullptr);
+          MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
+          EXPECT_TRUE(test::bytes_equal(reference(h, f, amax), y.download()));
+        }
+    }
+}
+
+TEST(CombineCuda, QuantizeFalseIsThePlainCombine) {
+  SKIP_WITHOUT_GPU();
+  const Shape s{32, 8, 384, true, 32};
+  const HostRows h = make_rows(s, 7, true);
+  DeviceRows d(h);
+  DeviceBuffer<bf16> y(size_t(s.num_tokens * s.H));
+  cuda::launch_combine_qdq(d.rows, false, Format::kNvfp4, nullptr, {}, y.get(), nullptr);
+  EXPECT_TRUE(test::bytes_equal(reference(h, std::nullopt, 0.0f), y.download()));
+}
+
+// The engine's output as the GPU engine would leave it: the plain combine of the same rows.
+DeviceBuffer<bf16> engine_output(const DeviceRows& d) {
+  DeviceBuffer<bf16> y(size_t(d.rows.num_tokens * d.rows.hidden));
+  cuda::launch_combine(d.rows, y.get(), nullptr);
+  return y;
+}
+
+DeviceBuffer<cuda::CheckRecord> new_record() {
+  DeviceBuffer<cuda::CheckRecord> r(1);
+  cuda::reset_check_record(r.get(), nullptr);
+  return r;
+}
+
+TEST(CombineCuda, CheckPassesOnCorrectRowsEveryFormatAndInPlace) {
+  SKIP_WITHOUT_GPU();
+  const Shape s{48, 8, 1024, true, 45};
+  const HostRows h = make_rows(s, 9, true);
+  DeviceRows d(h);
+  const float amax = routed_amax(h);
+  DeviceBuffer<float> d_amax(std::vector<float>{amax});
+  auto record = new_record();
+  for (Format f : kAllFormats)
+    for (bool in_place : {false, true}) {
+      SCOPED_TRACE(std::string(format_name(f)) + (in_place ? " in place" : ""));
+      DeviceBuffer<bf16> y_engine = engine_output(d);
+      DeviceBuffer<bf16> y_sep(y_engine.size());
+      bf16* y_out = in_place ? y_engine.get() : y_sep.get();
+      cuda::launch_combine_qdq(d.rows, true, f, d_amax.get(), {y_engine.get(), record.get(), false}, y_out, nullptr);
+      const auto m = cuda::read_check(record.get(), s.H, nullptr);
+      EXPECT_FALSE(m.has_value()) << "token " << m->token << " element " << m->element;
+      std::vector<bf16> got(y_engine.size());
+      MOEFQ_CUDA_CHECK(cudaMemcpy(got.data(), y_out, got.size() * 2, cudaMemcpyDeviceToHost));
+      EXPECT_TRUE(test::bytes_equal(reference(h, f, amax), got));
+    }
+  // quantize = false with a check: output and re-sum are the same sum.
+  DeviceBuffer<bf16> y_engine = engine_output(d);
+  cuda::launch_combine_qdq(d.rows, false, Format::kFp8, nullptr, {y_engine.get(), record.get(), false},
+                           y_engine.get(), nullptr);
+  EXPECT_FALSE(cuda::read_check(record.get(), s.H, nullptr).has_value());
+  EXPECT_TRUE(test::bytes_equal(reference(h, std::nullopt, 0.0f), y_engine.download()));
+}
+
+// The CPU's layout check on host data: first mismatching (token, element) of the engine output
+// against the re-sum of the rows, and the number of mismatching elements.
+struct Expected {
+  int64_t token = -1, element = -1;
+  uint16_t engine = 0, resum = 0;
+  uint64_t count = 0;
+};
+Expected cpu_check(const HostRows& h, const std::vector<bf16>& y_engine) {
+  const std::vector<bf16> resum = reference(h, std::nullopt, 0.0f);
+  Expected e;
+  for (size_t i = 0; i < resum.size(); ++i)
+    if (resum[i].bits != y_engine[i].bits && e.count++ == 0) {
+      e.token = int64_t(i) / h.s.H;
+      e.element = int64_t(i) % h.s.H;
+      e.engine = y_engine[i].bits;
+      e.resum = resum[i].bits;
+    }
+  return e;
+}
+
+void expect_mismatch(const std::optional<cuda::CheckMismatch>& m, const Expected& e) {
+  ASSERT_GT(e.count, 0u) << "the corruption changed no sum: the test data is wrong";
+  ASSERT_TRUE(m.has_value()) << "the check missed " << e.count << " mismatches";
+  EXPECT_EQ(m->token, e.token);
+  EXPECT_EQ(m->element, e.element);
+  EXPECT_EQ(m->engine_bits, e.engine);
+  EXPECT_EQ(m->resum_bits, e.resum);
+  EXPECT_EQ(m->count, e.count);
+}
+
+TEST(CombineCuda, CheckNamesTheFirstMismatch) {
+  SKIP_WITHOUT_GPU();
+  const Shape s{32, 8, 768, true, 30};
+  HostRows h = make_rows(s, 21, false, 0.1, 0);
+  DeviceRows d(h);
+  DeviceBuffer<bf16> y_engine = engine_output(d);
+  const std::vector<bf16> engine_host = y_engine.download();
+  // Corrupt a routed row of token 5 (element 600), then, in a lower slot, one of token 3 (element
+  // 77) and the shared row of token 9: the first mismatch in position order is token 3, element 77.
+  auto first_active = [&](int64_t t) {
+    for (int64_t k = 0; k < s.K; ++k)
+      if (h.active(t, k)) return k;
+    return int64_t(-1);
+  };
+  ASSERT_GE(first_active(3), 0);
+  ASSERT_GE(first_active(5), 0);
+  int64_t k5 = s.K - 1;
+  while (!h.active(5, k5)) --k5;
+  h.row(k5, 5)[600] = bf16{bf16_round(4096.0f)};
+  h.row(first_active(3), 3)[77] = bf16{bf16_round(4096.0f)};
+  h.row(s.K, 9)[5] = bf16{bf16_round(4096.0f)};
+  d.upload(h);
+  const Expected want = cpu_check(h, engine_host);
+  EXPECT_EQ(want.count, 3u);
+  auto record = new_record();
+  for (Format f : {Format::kNvfp4, Format::kMxfp4}) {
+    SCOPED_TRACE(format_name(f));
+    DeviceBuffer<float> d_amax(std::vector<float>{2688.0f});
+    DeviceBuffer<bf16> y_out(y_engine.size());
+    cuda::launch_combine_qdq(d.rows, true, f, d_amax.get(), {y_engine.get(), record.get(), false}, y_out.get(), nullptr);
+    expect_mismatch(cuda::read_check(record.get(), s.H, nullptr), want);
+    EXPECT_FALSE(cuda::read_check(record.get(), s.H, nullptr).has_value()) << "read_check did not reset the record";
+    // The output is still the combine quantizer's (of the rows as they are).
+    EXPECT_TRUE(test::bytes_equal(reference(h, f, 2688.0f), y_out.download()));
+  }
+  // The record accumulates over launches until it is read; the first stays the first.
+  DeviceBuffer<bf16> y_scratch(y_engine.size());
+  for (int i = 0; i < 3; ++i)
+    cuda::launch_combine_qdq(d.rows, false, Format::kFp8, nullptr, {y_engine.get(), record.get(), false},
+                             y_scratch.get(), nullptr);
+  Expected thrice = want;
+  thrice.count *= 3;
+  expect_mismatch(cuda::read_check(record.get(), s.H, nullptr), thrice);
+}
+
+// MOEFQ_COMM_KERNEL_DEBUG=1 zeroes the buffer after the call: every non-zero output mismatches.
+TEST(CombineCuda, CheckCatchesAZeroedBuffer) {
+  SKIP_WITHOUT_GPU();
+  const Shape s{16, 8, 384, true, 16};
+  HostRows h = make_rows(s, 33, true, 0.1, 4);
+  DeviceRows d(h);
+  DeviceBuffer<bf16> y_engine = engine_output(d);
+  const std::vector<bf16> engine_host = y_engine.download();
+  std::fill(h.buffer.begin(), h.buffer.end(), uint8_t(0));
+  d.upload(h);
+  const Expected want = cpu_check(h, engine_host);
+  auto record = new_record();
+  DeviceBuffer<float> d_amax(std::vector<float>{100.0f});
+  cuda::launch_combine_qdq(d.rows, true, Format::kFp8, d_amax.get(), {y_engine.get(), record.get(), false},
+                           y_engine.get(), nullptr);
+  expect_mismatch(cuda::read_check(record.get(), s.H, nullptr), want);
+}
+
+// The check captured in a CUDA graph: replays follow changed rows and routing; a corrupted layout
+// surfaces through the record at the next sync point, and the context survives.
+TEST(CombineCuda, GraphCaptureReplaysWithChangedRows) {
+  SKIP_WITHOUT_GPU();
+  const Shape s{64, 8, 512, true, 50};
+  HostRows h = make_rows(s, 41, true);
+  DeviceRows d(h);
+  DeviceBuffer<float> d_amax(std::vector<float>{256.0f});
+  DeviceBuffer<bf16> y_engine(size_t(s.num_tokens * s.H)), y_out(y_engine.size());
+  auto record = new_record();
+  cudaStream_t stream;
+  MOEFQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOEFQ_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  cuda::launch_combine_qdq(d.rows, true, Format::kNvfp4, d_amax.get(), {y_engine.get(), record.get(), false},
+                           y_out.get(), stream);
+  MOEFQ_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOEFQ_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (uint64_t seed : {41u, 42u, 43u}) {
+    SCOPED_TRACE("rows of seed " + std::to_string(seed));
+    h = make_rows(s, seed, true, 0.1, 5, d.rows.combine_offset);  // same layout, new rows and routing
+    d.upload(h);
+    cuda::launch_combine(d.rows, y_engine.get(), stream);
+    MOEFQ_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    EXPECT_FALSE(cuda::read_check(record.get(), s.H, stream).has_value());
+    EXPECT_TRUE(test::bytes_equal(reference(h, Format::kNvfp4, 256.0f), y_out.download()));
+  }
+  // Corrupt the layout: the engine output stays, the rows move by one token.
+  const std::vector<bf16> engine_host = y_engine.download();
+  std::memmove(h.buffer.data() + h.offset + size_t(s.H) * 2, h.buffer.data() + h.offset,
+               h.buffer.size() - h.offset - size_t(s.H) * 2);
+  d.upload(h);
+  MOEFQ_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  MOEFQ_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  Expected want = cpu_check(h, engine_host);
+  want.count *= 2;
+  expect_mismatch(cuda::read_check(record.get(), s.H, stream), want);
+  // The context survives: a further replay and a plain launch work.
+  MOEFQ_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(cuda::read_check(record.get(), s.H, stream).has_value());
+  cuda::launch_combine(d.rows, y_engine.get(), stream);
+  MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(test::bytes_equal(reference(h, std::nullopt, 0.0f), y_engine.download()));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+constexpr int kTrapExit = 77;
+
+// Run only as a child of TrapIsOptInAndKillsOnlyTheContext: a mismatch with trap on.
+TEST(CombineCudaChild, DISABLED_TrapOnMismatch) {
+  if (std::getenv("MOEFQ_COMBINE_TRAP_CHILD") == nullptr) GTEST_SKIP() << "child of a trap test only";
+  const Shape s{8, 4, 256, false, 8};
+  HostRows h = make_rows(s, 5, false, 0.0, 0);
+  DeviceRows d(h);
+  DeviceBuffer<bf16> y_engine = engine_output(d);
+  h.row(0, 2)[3] = bf16{bf16_round(4096.0f)};
+  d.upload(h);
+  auto record = new_record();
+  cuda::launch_combine_qdq(d.rows, false, Format::kFp8, nullptr, {y_engine.get(), record.get(), true},
+                           y_engine.get(), nullptr);
+  const cudaError_t err = cudaDeviceSynchronize();
+  std::fprintf(stderr, "child: %s\n", cudaGetErrorString(err));
+  std::_Exit(err != cudaSuccess ? kTrapExit : 0);
+}
+
+TEST(CombineCuda, TrapIsOptInAndKillsOnlyTheContext) {
+  SKIP_WITHOUT_GPU();
+  std::string filter = "--gtest_filter=CombineCudaChild.DISABLED_TrapOnMismatch";
+  std::string also = "--gtest_also_run_disabled_tests";
+  char* argv[] = {const_cast<char*>("/proc/self/exe"), filter.data(), also.data(), nullptr};
+  std::vector<std::string> env_s = {"MOEFQ_COMBINE_TRAP_CHILD=1"};
+  for (char** e = environ; *e; ++e) env_s.emplace_back(*e);
+  std::vector<char*> env;
+  for (auto& e : env_s) env.push_back(e.data());
+  env.push_back(nullptr);
+  pid_t pid = 0;
+  ASSERT_EQ(posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, env.data()), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), kTrapExit) << "the trap did not stop the kernel";
+  // This process's context is untouched.
+  DeviceBuffer<int> probe(std::vector<int>{1});
+  MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+TEST(CombineCuda, RejectsWhatTheLayoutCannotHold) {
+  SKIP_WITHOUT_GPU();
+  const Shape s{8, 4, 256, false, 8};
+  const HostRows h = make_rows(s, 5, false);
+  DeviceRows d(h);
+  DeviceBuffer<bf16> y(size_t(s.num_tokens * s.H));
+  cuda::CombineRows r = d.rows;
+  r.hidden = 200;
+  EXPECT_THROW(cuda::launch_combine(r, y.get(), nullptr), Error);
+  r = d.rows;
+  r.top_k = 33;
+  EXPECT_THROW(cuda::launch_combine(r, y.get(), nullptr), Error);
+  r = d.rows;
+  r.num_tokens = r.max_tokens + 1;
+  EXPECT_THROW(cuda::launch_combine(r, y.get(), nullptr), Error);
+  r = d.rows;
+  r.combine_offset += 2;
+  EXPECT_THROW(cuda::launch_combine(r, y.get(), nullptr), Error);
+  EXPECT_THROW(cuda::launch_combine_qdq(d.rows, true, Format::kNvfp4, nullptr, {}, y.get(), nullptr), Error);
+  EXPECT_THROW(cuda::launch_combine_qdq(d.rows, true, Format::kMxfp8, nullptr, {y.get(), nullptr, false}, y.get(), nullptr),
+               Error);
+  // No tokens: nothing is launched and nothing is checked.
+  r = d.rows;
+  r.num_tokens = 0;
+  EXPECT_NO_THROW(cuda::launch_combine(r, nullptr, nullptr));
+}
+
+}  // namespace
+}  // namespace moefq

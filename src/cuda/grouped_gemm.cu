@@ -1,0 +1,625 @@
+// The grouped expert GEMMs on Hopper: one persistent, warp-specialised wgmma kernel per
+// (tile rows, weight format, epilogue). See grouped_gemm.cuh for the contract.
+//
+// Design (after DeepGEMM's Hopper FP8 grouped GEMM, "masked" layout: per-group counts on the
+// device):
+// - CTA = 1 producer warpgroup + kMathWG (1 or 2) consumer warpgroups; tile = BM = 64 * kMathWG
+//   rows x 128 columns, k walked in 128-blocks (one activation scale and one weight scale per
+//   block). SwiGLU tiles run two passes over k, gate columns [n0, n0+128) then up columns
+//   [I+n0, I+n0+128), so a row's 128 h values (one staging block) end up in one quad of lanes.
+// - Tile list: every CTA builds the prefix of ceil(count_g / BM) * n_tiles over the groups in
+//   shared memory and walks tiles blockIdx.x, +gridDim.x, ... (n fastest inside an m-tile).
+// - Producer, bulk tensor path (args.b_all and args.a_rows given): one thread issues TMA loads
+//   (cp.async.bulk.tensor.2d, 128-byte swizzle, K-major) of the A tile ([BM rows][128 k] of the
+//   [a_rows, k] activations; rows past a_rows are zero-filled, rows past the group's count are
+//   loaded but never stored) and of the B tile ([128 rows][128 k] of the [G * n, k] weights of
+//   all groups), completing on the stage's `full` mbarrier (expect_tx); the 4-byte scales go
+//   through cp.async with mbarrier arrival on the same barrier. Only the producer's first warp
+//   works. bf16 weights: B by TMA, A converted e4m3 -> bf16 (exact) by the whole producer
+//   warpgroup on the way to shared memory, and the bf16 wgmma is used.
+// - Producer, fallback path (no b_all): cp.async (16-byte, zero fill for rows past the group's
+//   count, so those rows are never read) into the same stages; weight pointers from args.b.
+// - Consumers: per 128-block, 4 wgmma m64n128k32 (8 x k16 for bf16) into a fresh accumulator,
+//   wait, then promote: acc += partial * (a_scale * b_scale) with separate RN multiply and add
+//   (the CPU reference's order, engine/gemm_cpu.h), blocks ascending. Only the order inside a
+//   block differs from the CPU; the epilogues are bit-exact given the same accumulators.
+#include "cuda/grouped_gemm.cuh"
+
+#include <cuda.h>  // CUtensorMap and its encoder's types only: the encoder comes from the runtime
+
+#include <algorithm>
+#include <mutex>
+
+#include "cuda/cuda_check.h"
+#include "cuda/gemm_sm90.cuh"
+#include "moefq/errors.h"
+
+namespace moefq::cuda {
+namespace {
+
+using namespace sm90;
+
+constexpr int kBN = 128;  // output columns per pass (one 128 x 128 weight-scale block)
+constexpr int kMaxStagesCpAsync = 8;  // cp.async path, as measured (H200, 2026-12-02)
+constexpr int kMaxStagesTma = 12;
+constexpr int kSmemLimit = 227 * 1024;  // sm_90 dynamic shared memory per block
+
+enum class Epi { kSwiglu, kStore };
+
+struct KernelParams {
+  CUtensorMap tmap_a;  // TMA path, e4m3 A: [a_rows, k] e4m3, box [BM rows][128]
+  CUtensorMap tmap_b;  // TMA path: B of all groups, [G * n, k] e4m3 (box [128][128]) or bf16 (box [128][64])
+  int num_groups = 0;
+  int n_tiles = 0;  // 128-column tiles per m-tile (SwiGLU: I / 128)
+  int num_kb = 0;   // k / 128
+  int stages = 0;
+  int64_t k = 0;
+  int64_t inter = 0;  // SwiGLU: I, where the up rows of B start
+  int64_t n = 0;      // rows of one group's B
+  const int32_t* counts = nullptr;
+  const int32_t* row_offset = nullptr;
+  const uint8_t* a = nullptr;
+  int64_t lda = 0;
+  const float* a_scale = nullptr;
+  int64_t lda_scale = 0;
+  const void* const* b = nullptr;
+  const float* const* b_scale = nullptr;
+  const float* b_scale_all = nullptr;  // TMA path, e4m3: group g's scales at + g * (n / 128) * num_kb
+  SwigluEpilogue swiglu;
+  StoreEpilogue store;
+};
+
+template <int kMathWG, bool kBf16>
+struct Layout {
+  static constexpr int kBM = 64 * kMathWG;
+  static constexpr int kThreads = 128 * (kMathWG + 1);
+  static constexpr int kRowBytes = kBf16 ? 256 : 128;  // one row's 128-k block in shared memory
+  static constexpr int kABytes = kBM * kRowBytes;      // [k half][kBM rows][128 B] (bf16: 2 halves)
+  static constexpr int kBBytes = kBN * kRowBytes;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kScaleFloats = kBM + 4;  // the rows' a scales, then the block's b scale
+  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzle atoms need 1024-byte bases");
+
+  static size_t smem_bytes(int stages, int num_groups) {
+    return 1024 + size_t(stages) * (kStageBytes + kScaleFloats * 4 + 16) + 4 * size_t(num_groups + 1);
+  }
+  static int stages_for(int num_groups, int max_stages) {
+    const size_t fixed = 1024 + 4 * size_t(num_groups + 1);
+    const size_t per = kStageBytes + kScaleFloats * 4 + 16;
+    const int s = fixed >= size_t(kSmemLimit) ? 0 : int((size_t(kSmemLimit) - fixed) / per);
+    return s < max_stages ? s : max_stages;
+  }
+};
+
+struct Tile {
+  int g, m0, nb;
+};
+
+// The tile's group: the largest g with prefix[g] <= t (empty groups have prefix[g] == prefix[g+1]).
+__device__ __forceinline__ Tile decode_tile(int t, const int* prefix, int num_groups, int n_tiles, int bm) {
+  int lo = 0, hi = num_groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (prefix[mid] <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int local = t - prefix[lo];
+  return {lo, (local / n_tiles) * bm, local % n_tiles};
+}
+
+// Two e4m3 codes (low byte first) -> bf16x2, exactly (e4m3 -> f16 -> f32 -> bf16, all exact).
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(uint16_t(two & 0xFFFFu)));
+  float lo, hi;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(uint16_t(h2 & 0xFFFFu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(uint16_t(h2 >> 16)));
+  return bf16x2_round(lo, hi);
+}
+
+__device__ __forceinline__ uint32_t pick4(const uint32_t (&v)[4], int i) {
+  return i == 0 ? v[0] : (i == 1 ? v[1] : (i == 2 ? v[2] : v[3]));
+}
+
+// 4 x 4 transpose inside a quad of lanes (q = lane % 4): out[p] on lane q = in[q] on lane p.
+__device__ __forceinline__ void quad_transpose(const uint32_t (&in)[4], uint32_t (&out)[4], int q) {
+  const uint32_t self = pick4(in, q);
+#pragma unroll
+  for (int d = 1; d < 4; ++d) {
+    const int partner = q ^ d;
+    const uint32_t recv = __shfl_xor_sync(0xFFFFFFFFu, pick4(in, partner), d);
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+      if (p == partner) out[p] = recv;
+  }
+#pragma unroll
+  for (int p = 0; p < 4; ++p)
+    if (p == q) out[p] = self;
+}
+
+// The TMA producer for e4m3 weights, run by the producer warpgroup's first warp: lane 0 loads
+// the A and B tiles and the block's weight scale, every lane loads the a scales of BM / 32 rows
+// (zero for rows past the group's count); each lane's cp.async arrival plus lane 0's expect_tx
+// complete the stage's phase with the bytes.
+template <int kBM, int kPasses>
+__device__ __forceinline__ void tma_producer_e4m3(const KernelParams& p, uint8_t* smem, float* scales, uint64_t* full,
+                                                  uint64_t* empty, const int* tile_prefix, int num_tiles) {
+  constexpr int kABytes = kBM * 128, kBBytes = kBN * 128, kStageBytes = kABytes + kBBytes, kScaleFloats = kBM + 4;
+  const int lane = threadIdx.x;
+  if (lane == 0) {
+    prefetch_tensormap(&p.tmap_a);
+    prefetch_tensormap(&p.tmap_b);
+  }
+  int s = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const Tile tl = decode_tile(tile, tile_prefix, p.num_groups, p.n_tiles, kBM);
+    const int rows = min(kBM, p.counts[tl.g] - tl.m0);
+    const int64_t row0 = int64_t(p.row_offset[tl.g]) + tl.m0;
+    const float* bs = p.b_scale_all ? p.b_scale_all + int64_t(tl.g) * (p.n / 128) * p.num_kb : p.b_scale[tl.g];
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int64_t n0 = pass * p.inter + int64_t(tl.nb) * kBN;
+      const int32_t brow = int32_t(int64_t(tl.g) * p.n + n0);
+      const float* bsrow = bs + (n0 / 128) * p.num_kb;
+      for (int kb = 0; kb < p.num_kb; ++kb) {
+        mbar_wait(smem_addr(&empty[s]), phase ^ 1);
+        const uint32_t sa = smem_addr(smem + size_t(s) * kStageBytes);
+        const uint32_t sc = smem_addr(scales + s * kScaleFloats);
+        const uint32_t fb = smem_addr(&full[s]);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(fb, kABytes + kBBytes);
+          tma_load_2d(sa, &p.tmap_a, kb * 128, int32_t(row0), fb);
+          tma_load_2d(sa + kABytes, &p.tmap_b, kb * 128, brow, fb);
+          cp_async_4(sc + kBM * 4, bsrow + kb, 4);
+        }
+#pragma unroll
+        for (int r = lane; r < kBM; r += 32) {
+          const bool v = r < rows;
+          cp_async_4(sc + r * 4, v ? p.a_scale + (row0 + r) * p.lda_scale + kb : p.a_scale, v ? 4 : 0);
+        }
+        cp_async_arrive_noinc(fb);
+        if (++s == p.stages) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+    }
+  }
+  cp_async_wait_all();
+}
+
+template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
+__global__ void __launch_bounds__(Layout<kMathWG, kBf16>::kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ KernelParams p) {
+  using L = Layout<kMathWG, kBf16>;
+  constexpr int kBM = L::kBM;
+  constexpr int kPasses = kEpi == Epi::kSwiglu ? 2 : 1;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + (((smem_addr(smem_raw) + 1023u) & ~1023u) - smem_addr(smem_raw));
+  const int num_stages = p.stages;
+  float* scales = reinterpret_cast<float*>(smem + size_t(num_stages) * L::kStageBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(scales + num_stages * L::kScaleFloats);
+  uint64_t* empty = full + num_stages;
+  int* tile_prefix = reinterpret_cast<int*>(empty + num_stages);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < num_stages; ++s) {
+      // Arrivals per phase: TMA path: the expect_tx, then one cp.async arrival per scale-loading
+      // thread (32, or 128 for bf16), plus 128 store arrivals for bf16; cp.async path: 128
+      // cp.async arrivals, plus 128 store arrivals for bf16.
+      mbar_init(smem_addr(&full[s]), kTma ? (kBf16 ? 257 : 33) : (kBf16 ? 256 : 128));
+      mbar_init(smem_addr(&empty[s]), 4 * kMathWG);        // one arrival per consumer warp
+    }
+    int total = 0;
+    tile_prefix[0] = 0;
+    for (int g = 0; g < p.num_groups; ++g) {
+      const int c = p.counts[g];
+      total += (c > 0 ? (c + kBM - 1) / kBM : 0) * p.n_tiles;
+      tile_prefix[g + 1] = total;
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int num_tiles = tile_prefix[p.num_groups];
+  const int wg = threadIdx.x / 128;
+
+  if (wg == 0) {
+    // ------------------------------------------------------------------ producer warpgroup
+    if constexpr (kMathWG == 2) setmaxnreg_dec<56>();
+    if constexpr (kTma && !kBf16) {
+      if (threadIdx.x < 32) tma_producer_e4m3<kBM, kPasses>(p, smem, scales, full, empty, tile_prefix, num_tiles);
+      return;
+    }
+    const int t = threadIdx.x;
+    if (kTma && t == 0) prefetch_tensormap(&p.tmap_b);
+    int s = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, tile_prefix, p.num_groups, p.n_tiles, kBM);
+      const int rows = min(kBM, p.counts[tl.g] - tl.m0);
+      const int64_t row0 = int64_t(p.row_offset[tl.g]) + tl.m0;
+      const uint8_t* bw = kTma ? nullptr : static_cast<const uint8_t*>(p.b[tl.g]);
+      const float* bs = kBf16 ? nullptr : p.b_scale[tl.g];
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int64_t n0 = pass * p.inter + int64_t(tl.nb) * kBN;
+        for (int kb = 0; kb < p.num_kb; ++kb) {
+          mbar_wait(smem_addr(&empty[s]), phase ^ 1);
+          const uint32_t sa = smem_addr(smem + size_t(s) * L::kStageBytes);
+          const uint32_t sb = sa + L::kABytes;
+          const uint32_t sc = smem_addr(scales + s * L::kScaleFloats);
+          const int64_t kbyte = int64_t(kb) * 128;  // e4m3 bytes of A (and of e4m3 B) before the block
+          if constexpr (!kBf16) {
+            const int c = t & 7;
+#pragma unroll 4
+            for (int r = t >> 3; r < kBM; r += 16) {
+              const bool v = r < rows;
+              cp_async_16(sa + r * 128 + ((c ^ (r & 7)) << 4), v ? p.a + (row0 + r) * p.lda + kbyte + c * 16 : p.a,
+                          v ? 16 : 0);
+            }
+#pragma unroll 4
+            for (int r = t >> 3; r < kBN; r += 16)
+              cp_async_16(sb + r * 128 + ((c ^ (r & 7)) << 4), bw + (n0 + r) * p.k + kbyte + c * 16, 16);
+            if (t == 0) cp_async_4(sc + kBM * 4, bs + (n0 / 128) * p.num_kb + kb, 4);
+          } else if constexpr (kTma) {
+            // B: two boxes of [128 rows][64 bf16], one per swizzle atom along k ([half][row][128 B]).
+            if (t == 0) {
+              const uint32_t fb = smem_addr(&full[s]);
+              const int32_t brow = int32_t(int64_t(tl.g) * p.n + n0);
+              mbar_arrive_expect_tx(fb, L::kBBytes);
+              tma_load_2d(sb, &p.tmap_b, int32_t(kb * 128), brow, fb);
+              tma_load_2d(sb + kBN * 128, &p.tmap_b, int32_t(kb * 128 + 64), brow, fb);
+            }
+          } else {
+            // B: bf16 rows of 256 bytes = two swizzle atoms along k ([half][row][128 B]).
+            const int c = t & 15;
+#pragma unroll 4
+            for (int r = t >> 4; r < kBN; r += 8)
+              cp_async_16(sb + (c >> 3) * (kBN * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4),
+                          bw + ((n0 + r) * p.k + kbyte) * 2 + c * 16, 16);
+          }
+          if (t < kBM) {
+            const bool v = t < rows;
+            cp_async_4(sc + t * 4, v ? p.a_scale + (row0 + t) * p.lda_scale + kb : p.a_scale, v ? 4 : 0);
+          }
+          cp_async_arrive_noinc(smem_addr(&full[s]));
+          if constexpr (kBf16) {
+            // A: 16 e4m3 of a row -> 32 bytes of bf16, two 16-byte chunks of the same k half.
+            const int c = t & 7;
+            for (int r = t >> 3; r < kBM; r += 16) {
+              uint4 v = make_uint4(0, 0, 0, 0);
+              if (r < rows) v = __ldg(reinterpret_cast<const uint4*>(p.a + (row0 + r) * p.lda + kbyte + c * 16));
+              const uint4 o0 = make_uint4(e4m3x2_to_bf16x2(v.x), e4m3x2_to_bf16x2(v.x >> 16), e4m3x2_to_bf16x2(v.y),
+                                          e4m3x2_to_bf16x2(v.y >> 16));
+              const uint4 o1 = make_uint4(e4m3x2_to_bf16x2(v.z), e4m3x2_to_bf16x2(v.z >> 16), e4m3x2_to_bf16x2(v.w),
+                                          e4m3x2_to_bf16x2(v.w >> 16));
+              const uint32_t row = sa + (c >> 2) * (kBM * 128) + r * 128;
+              const int a0 = (2 * c) & 7;
+              asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row + ((a0 ^ (r & 7)) << 4)), "r"(o0.x),
+                           "r"(o0.y), "r"(o0.z), "r"(o0.w)
+                           : "memory");
+              asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row + (((a0 + 1) ^ (r & 7)) << 4)),
+                           "r"(o1.x), "r"(o1.y), "r"(o1.z), "r"(o1.w)
+                           : "memory");
+            }
+            fence_proxy_async();
+            mbar_arrive(smem_addr(&full[s]));
+          }
+          if (++s == num_stages) {
+            s = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    cp_async_wait_all();
+  } else {
+    // ------------------------------------------------------------------ consumer warpgroups
+    if constexpr (kMathWG == 2) setmaxnreg_inc<224>();
+    const int wgc = wg - 1;
+    const int lane = threadIdx.x & 31, q = lane & 3;
+    const int r0 = wgc * 64 + ((threadIdx.x / 32) & 3) * 16 + lane / 4;  // tile row of i = 0 (i = 1: +8)
+    float acc[64], sum[64];
+    uint32_t gate[32];  // SwiGLU: bf16x2 of the gate pass, [j][i]
+    int s = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, tile_prefix, p.num_groups, p.n_tiles, kBM);
+      const int rows = min(kBM, p.counts[tl.g] - tl.m0);
+      const int64_t row0 = int64_t(p.row_offset[tl.g]) + tl.m0;
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) sum[i] = 0.0f;
+        for (int kb = 0; kb < p.num_kb; ++kb) {
+          mbar_wait(smem_addr(&full[s]), phase);
+          if constexpr (!kTma) fence_proxy_async();  // cp.async data (generic proxy) -> wgmma
+          const uint32_t sa = smem_addr(smem + size_t(s) * L::kStageBytes) + wgc * 64 * 128;
+          const uint32_t sb = smem_addr(smem + size_t(s) * L::kStageBytes + L::kABytes);
+#pragma unroll
+          for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+          wgmma_fence();
+          if constexpr (!kBf16) {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+              wgmma_m64n128k32_e4m3(acc, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32), kk > 0 ? 1u : 0u);
+          } else {
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk)
+              wgmma_m64n128k16_bf16(acc, sw128_desc(sa + (kk >> 2) * (kBM * 128) + (kk & 3) * 32),
+                                    sw128_desc(sb + (kk >> 2) * (kBN * 128) + (kk & 3) * 32), kk > 0 ? 1u : 0u);
+          }
+          wgmma_commit();
+          wgmma_wait_all();
+#pragma unroll
+          for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+          const float* sc = scales + s * L::kScaleFloats;
+          const float sbv = kBf16 ? 1.0f : sc[kBM];
+          const float f0 = __fmul_rn(sc[r0], sbv), f1 = __fmul_rn(sc[r0 + 8], sbv);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(smem_addr(&empty[s]));
+          if (++s == num_stages) {
+            s = 0;
+            phase ^= 1;
+          }
+#pragma unroll
+          for (int i = 0; i < 64; ++i) sum[i] = __fadd_rn(sum[i], __fmul_rn(acc[i], (i & 2) ? f1 : f0));
+        }
+        if (kEpi == Epi::kSwiglu && pass == 0) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) gate[2 * j + i] = bf16x2_round(sum[4 * j + 2 * i], sum[4 * j + 2 * i + 1]);
+        }
+      }
+
+      const bool valid[2] = {r0 < rows, r0 + 8 < rows};
+      if constexpr (kEpi == Epi::kStore) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          bf16* out = valid[i] ? p.store.row_out[row0 + r0 + 8 * i] + int64_t(tl.nb) * kBN : nullptr;
+#pragma unroll
+          for (int jb = 0; jb < 4; ++jb) {
+            uint32_t in[4], o[4];
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+              const int j = 4 * jb + jj;
+              in[jj] = bf16x2_round(sum[4 * j + 2 * i], sum[4 * j + 2 * i + 1]);
+            }
+            quad_transpose(in, o, q);
+            if (valid[i]) *reinterpret_cast<uint4*>(out + 32 * jb + 8 * q) = make_uint4(o[0], o[1], o[2], o[3]);
+          }
+        }
+      } else {
+        const SwigluEpilogue& e = p.swiglu;
+        float amax[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float w = valid[i] ? e.row_weight[row0 + r0 + 8 * i] : 0.0f;
+#pragma unroll
+          for (int j = 0; j < 16; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int idx = 4 * j + 2 * i + c;
+              float gv = bf16_to_f32(uint16_t(c ? gate[2 * j + i] >> 16 : gate[2 * j + i] & 0xFFFFu));
+              float uv = bf16_to_f32(bf16_round(sum[idx]));
+              if (e.has_clamp) {
+                gv = gv < e.clamp ? gv : e.clamp;
+                uv = uv < -e.clamp ? -e.clamp : (uv > e.clamp ? e.clamp : uv);
+              }
+              const float h = mul_rn(mul_rn(silu_f32(gv), uv), w);
+              sum[idx] = h;
+              amax[i] = max_ignore_nan(amax[i], abs_f32(h));
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          // The row's 128 values live in the 4 lanes of a quad; fmaxf is exact and order-free.
+          amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xFFFFFFFFu, amax[i], 1));
+          amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xFFFFFFFFu, amax[i], 2));
+          const float sf = stage_scale(amax[i]);
+          const float inv = div_rn(1.0f, sf);
+          const int64_t row = row0 + r0 + 8 * i;
+          uint8_t* h8 = valid[i] ? e.h8 + row * e.ldh + int64_t(tl.nb) * kBN : nullptr;
+#pragma unroll
+          for (int jb = 0; jb < 4; ++jb) {
+            uint32_t in[4], o[4];
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+              const int j = 4 * jb + jj;
+              in[jj] = uint32_t(stage_encode(sum[4 * j + 2 * i], inv)) |
+                       (uint32_t(stage_encode(sum[4 * j + 2 * i + 1], inv)) << 8);
+            }
+            quad_transpose(in, o, q);
+            if (valid[i])
+              *reinterpret_cast<uint2*>(h8 + 32 * jb + 8 * q) = make_uint2(o[0] | (o[1] << 16), o[2] | (o[3] << 16));
+          }
+          if (valid[i] && q == 0) e.h_scale[row * e.ldh_scale + tl.nb] = sf;
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
+void set_attributes() {
+  MOEFQ_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kMathWG, kBf16, kEpi, kTma>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemLimit));
+}
+template <int kMathWG, bool kBf16>
+void set_attributes_all() {
+  set_attributes<kMathWG, kBf16, Epi::kSwiglu, false>();
+  set_attributes<kMathWG, kBf16, Epi::kSwiglu, true>();
+  set_attributes<kMathWG, kBf16, Epi::kStore, false>();
+  set_attributes<kMathWG, kBf16, Epi::kStore, true>();
+}
+
+constexpr int kMaxDevices = 64;
+std::once_flag g_prepared[kMaxDevices];
+int g_num_sms[kMaxDevices];
+
+int current_device() {
+  int dev = 0;
+  MOEFQ_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEFQ_CHECK(dev >= 0 && dev < kMaxDevices, "grouped GEMM: device ", dev, " out of range");
+  return dev;
+}
+
+// cuTensorMapEncodeTiled from the driver through the runtime, so that no -lcuda is needed.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+std::once_flag g_encode_once;
+EncodeTiledFn g_encode = nullptr;
+
+EncodeTiledFn encode_tiled() {
+  std::call_once(g_encode_once, [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    MOEFQ_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+    MOEFQ_CHECK(q == cudaDriverEntryPointSuccess && fn, "grouped GEMM: the driver offers no cuTensorMapEncodeTiled");
+    g_encode = reinterpret_cast<EncodeTiledFn>(fn);
+  });
+  return g_encode;
+}
+
+// A 2-D row-major tensor [rows, inner] (row stride row_bytes) read in boxes of [box_rows][box_inner]
+// with the 128-byte swizzle (box_inner elements must span 128 bytes); out-of-bounds reads give zeros.
+CUtensorMap make_tensor_map(const void* base, CUtensorMapDataType type, uint64_t inner, uint64_t rows, uint64_t row_bytes,
+                            uint32_t box_inner, uint32_t box_rows) {
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {inner, rows};
+  const cuuint64_t strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {box_inner, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&m, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOEFQ_CHECK(r == CUDA_SUCCESS, "grouped GEMM: cuTensorMapEncodeTiled failed with CUresult ", int(r), " (rows ", rows,
+              ", inner ", inner, ", row bytes ", row_bytes, ")");
+  return m;
+}
+
+void prepare_device(int dev) {
+  std::call_once(g_prepared[dev], [dev] {
+    set_attributes_all<1, false>();
+    set_attributes_all<2, false>();
+    set_attributes_all<1, true>();
+    set_attributes_all<2, true>();
+    MOEFQ_CUDA_CHECK(cudaDeviceGetAttribute(&g_num_sms[dev], cudaDevAttrMultiProcessorCount, dev));
+    encode_tiled();
+  });
+}
+
+// Whether the bulk tensor path applies: all groups' B in one allocation and, for e4m3 weights
+// (A by TMA too), the rows allocated at A; addresses 16-byte aligned as TMA requires.
+bool use_tma(const GroupedGemmArgs& a) {
+  const bool bf16 = a.b_format == WeightFormat::kBf16;
+  auto aligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; };
+  return a.b_all && aligned(a.b_all) && (bf16 || (a.a_rows > 0 && aligned(a.a)));
+}
+
+template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
+void launch_kernel(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStream_t stream) {
+  using L = Layout<kMathWG, kBf16>;
+  kp.stages = L::stages_for(kp.num_groups, kTma ? kMaxStagesTma : kMaxStagesCpAsync);
+  MOEFQ_CHECK(kp.stages >= 2, "grouped GEMM: ", kp.num_groups, " groups leave too little shared memory");
+  if constexpr (kTma) {
+    const uint64_t b_rows = uint64_t(a.num_groups) * uint64_t(a.n);
+    if constexpr (kBf16) {
+      kp.tmap_b = make_tensor_map(a.b_all, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, uint64_t(a.k), b_rows, uint64_t(a.k) * 2, 64, kBN);
+    } else {
+      kp.tmap_b = make_tensor_map(a.b_all, CU_TENSOR_MAP_DATA_TYPE_UINT8, uint64_t(a.k), b_rows, uint64_t(a.k), 128, kBN);
+      kp.tmap_a = make_tensor_map(a.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, uint64_t(a.k), uint64_t(a.a_rows), uint64_t(a.lda), 128,
+                                  L::kBM);
+    }
+  }
+  const int64_t max_tiles = ((a.max_total_rows + L::kBM - 1) / L::kBM + kp.num_groups) * kp.n_tiles;
+  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(g_num_sms[dev], max_tiles)));
+  grouped_gemm_kernel<kMathWG, kBf16, kEpi, kTma>
+      <<<grid, L::kThreads, L::smem_bytes(kp.stages, kp.num_groups), stream>>>(kp);
+  MOEFQ_CUDA_CHECK_LAUNCH();
+}
+
+template <int kMathWG, bool kBf16, Epi kEpi>
+void launch_path(const KernelParams& kp, const GroupedGemmArgs& a, int dev, cudaStream_t stream) {
+  if (use_tma(a))
+    launch_kernel<kMathWG, kBf16, kEpi, true>(kp, a, dev, stream);
+  else
+    launch_kernel<kMathWG, kBf16, kEpi, false>(kp, a, dev, stream);
+}
+
+template <Epi kEpi>
+void launch_any(const GroupedGemmArgs& a, KernelParams kp, cudaStream_t stream) {
+  const bool bf16 = a.b_format == WeightFormat::kBf16;
+  int rows = a.tile_rows;
+  if (rows == 0) rows = a.max_total_rows <= 64 * int64_t(a.num_groups) ? 64 : 128;
+  MOEFQ_CHECK(rows == 64 || rows == 128, "grouped GEMM: tile_rows must be 0, 64 or 128 (got ", rows, ")");
+  MOEFQ_CHECK(use_tma(a) || a.b, "grouped GEMM: null b (and no 16-byte aligned b_all with a_rows for the bulk path)");
+  const int dev = current_device();
+  prepare_device(dev);
+  if (rows == 64)
+    bf16 ? launch_path<1, true, kEpi>(kp, a, dev, stream) : launch_path<1, false, kEpi>(kp, a, dev, stream);
+  else
+    bf16 ? launch_path<2, true, kEpi>(kp, a, dev, stream) : launch_path<2, false, kEpi>(kp, a, dev, stream);
+}
+
+KernelParams common_params(const GroupedGemmArgs& a, const char* what) {
+  MOEFQ_CHECK(a.num_groups > 0, what, ": num_groups must be positive (got ", a.num_groups, ")");
+  MOEFQ_CHECK(a.n > 0 && a.k > 0 && a.n % 128 == 0 && a.k % 128 == 0, what, ": n and k must be positive multiples of 128 (got n=",
+              a.n, ", k=", a.k, ")");
+  MOEFQ_CHECK(a.lda % 16 == 0 && a.lda >= a.k, what, ": lda must be a multiple of 16 and at least k (got ", a.lda, ")");
+  MOEFQ_CHECK(a.lda_scale >= a.k / 128, what, ": lda_scale must be at least k / 128 (got ", a.lda_scale, ")");
+  MOEFQ_CHECK(a.counts && a.row_offset && a.a && a.a_scale && (a.b || a.b_all), what, ": null device pointer");
+  MOEFQ_CHECK(a.b_format == WeightFormat::kBf16 || a.b_scale || (a.b_scale_all && use_tma(a)), what,
+              ": e4m3 weights need b_scale (or b_scale_all with b_all)");
+  MOEFQ_CHECK(int64_t(a.num_groups) * a.n < (int64_t(1) << 31), what, ": G * n must stay below 2^31");
+  KernelParams kp;
+  kp.num_groups = a.num_groups;
+  kp.num_kb = int(a.k / 128);
+  kp.k = a.k;
+  kp.n = a.n;
+  kp.counts = a.counts;
+  kp.row_offset = a.row_offset;
+  kp.a = a.a;
+  kp.lda = a.lda;
+  kp.a_scale = a.a_scale;
+  kp.lda_scale = a.lda_scale;
+  kp.b = a.b;
+  kp.b_scale = a.b_scale;
+  kp.b_scale_all = a.b_scale_all;
+  return kp;
+}
+
+}  // namespace
+
+void prepare_grouped_gemm() { prepare_device(current_device()); }
+
+void launch_gemm_swiglu(const GroupedGemmArgs& args, const SwigluEpilogue& epi, cudaStream_t stream) {
+  KernelParams kp = common_params(args, "launch_gemm_swiglu");
+  MOEFQ_CHECK(args.n % 256 == 0, "launch_gemm_swiglu: n = 2I must be a multiple of 256 (got ", args.n, ")");
+  MOEFQ_CHECK(epi.row_weight && epi.h8 && epi.h_scale, "launch_gemm_swiglu: null epilogue pointer");
+  MOEFQ_CHECK(epi.ldh % 8 == 0 && epi.ldh >= args.n / 2 && epi.ldh_scale >= args.n / 256,
+              "launch_gemm_swiglu: ldh must be a multiple of 8 and at least I; ldh_scale at least I / 128");
+  if (args.max_total_rows <= 0) return;
+  kp.inter = args.n / 2;
+  kp.n_tiles = int(kp.inter / kBN);
+  kp.swiglu = epi;
+  launch_any<Epi::kSwiglu>(args, kp, stream);
+}
+
+void launch_gemm_store(const GroupedGemmArgs& args, const StoreEpilogue& epi, cudaStream_t stream) {
+  KernelParams kp = common_params(args, "launch_gemm_store");
+  MOEFQ_CHECK(epi.row_out, "launch_gemm_store: null row_out");
+  if (args.max_total_rows <= 0) return;
+  kp.n_tiles = int(args.n / kBN);
+  kp.store = epi;
+  launch_any<Epi::kStore>(args, kp, stream);
+}
+
+}  // namespace moefq::cuda

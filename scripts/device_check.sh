@@ -1,46 +1,79 @@
 #!/usr/bin/env bash
 # On the GPU machine (no package registry there): build, run every test, run compute-sanitizer on
-# the CUDA tests' small cases and the benchmarks, writing logs and JSON under $OUT.
+# the CUDA tests' small cases, and the GPU benchmarks. Logs and JSON go to $OUT/logs/ and are
+# packed into $OUT/device_run.tar.gz (the device tool returns at most 8 files); a summary is
+# printed and kept in $OUT/summary.txt.
 # Needs .deps/ from scripts/fetch_device_deps.sh (carried along with the working tree).
-# Usage: scripts/device_check.sh [quick]   (quick: build + GPU tests only)
+# Usage: scripts/device_check.sh [quick|full|bench] [benchmark ...]
+#   quick: build + GPU tests; full: + CPU tests, sanitizers and benchmarks; bench: build + benchmarks
+#   benchmarks: any of qdq combine gemm moe (default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-mkdir -p "$OUT"
+LOG="$OUT/logs"
+mkdir -p "$LOG"
 mode=${1:-full}
+shift || true
+benches=${*:-qdq combine gemm moe}
+export MOEFQ_SKIP_BROWSER=1  # no chromium there (no package registry); CI runs the browser test
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+exec > >(tee "$OUT/summary.txt") 2>&1
 step() { echo "== $* ($(date +%T))"; }
+pack() { tar -C "$OUT" -czf "$OUT/device_run.tar.gz" logs; }
+trap pack EXIT
 
 step "device"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$LOG/gpu.txt"
 
 step "configure + build"
 cmake -S . -B build-dev -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
-  -DCMAKE_CUDA_COMPILER="$nvcc" -DMOEFQ_FUZZ=OFF > "$OUT/build.log" 2>&1 &&
-  cmake --build build-dev -j"$(nproc)" >> "$OUT/build.log" 2>&1
+  -DCMAKE_CUDA_COMPILER="$nvcc" -DMOEFQ_FUZZ=OFF > "$LOG/build.log" 2>&1 &&
+  cmake --build build-dev -j"$(nproc)" >> "$LOG/build.log" 2>&1
 rc=$?
-tail -n 30 "$OUT/build.log"
-[ $rc -eq 0 ] || { echo "BUILD FAILED"; exit 1; }
+grep -E "error|warning" "$LOG/build.log" | grep -v "^--" | head -n 20
+[ $rc -eq 0 ] || { tail -n 40 "$LOG/build.log"; echo "BUILD FAILED"; exit 1; }
 
-step "tests"
-labels="gpu|cpu"
-[ "$mode" = quick ] && labels="gpu"
-ctest --test-dir build-dev -L "$labels" --output-on-failure -j8 > "$OUT/ctest.log" 2>&1
-test_rc=$?
-grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | tail -n 30
-# Figures some tests measure and print (ctest shows output only on failure).
-build-dev/tests/test_qdq_cuda --gtest_filter='CudaQdq.Nvfp4Approx*' 2>&1 | grep -E "differ|OK|FAILED" | tee "$OUT/measured.txt"
+test_rc=0
+if [ "$mode" != bench ]; then
+  step "tests"
+  labels="gpu|cpu"
+  [ "$mode" = quick ] && labels="gpu"
+  ctest --test-dir build-dev -L "$labels" --output-on-failure -j4 > "$LOG/ctest.log" 2>&1
+  test_rc=$?
+  grep -E "tests passed|tests failed|Failed|\*\*\*|Test +#.*(Failed|Exception)" "$LOG/ctest.log" | tail -n 40
+  # Figures some tests measure and print (ctest shows output only on failure).
+  build-dev/tests/test_qdq_cuda --gtest_filter='CudaQdq.Nvfp4Approx*' 2>&1 | grep -E "differ|OK|FAILED" | tee "$LOG/measured.txt"
+  build-dev/tests/test_cuda_engine --gtest_filter='*Tolerance*' 2>&1 | grep -E "measured|OK|FAILED" | tee -a "$LOG/measured.txt"
+fi
+
+if [ "$mode" = full ]; then
+  step "compute-sanitizer memcheck + racecheck (small cases)"
+  sanitize() {  # test binary, gtest filter
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool $tool --error-exitcode 9 "build-dev/tests/$1" --gtest_filter="$2" > "$LOG/sanitizer_${tool}_$1.log" 2>&1
+      echo "$1 $tool rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$LOG/sanitizer_${tool}_$1.log" | tail -n 2 | tr '\n' ' ')"
+    done
+  }
+  sanitize test_qdq_cuda 'CudaQdq.Staging*:CudaQdq.Amax*:CudaQdq.Bf16Equals*'
+  sanitize test_cuda_fake_quant 'CudaFakeQuant.Combine*:CudaFakeQuant.GraphCapture*:CudaFakeQuant.Calibrated*'
+  sanitize test_combine_cuda 'CombineCuda.PlainCombine*:CombineCuda.CheckNames*:CombineCuda.GraphCapture*'
+  sanitize test_grouped_gemm 'GroupedGemm.AllGroupsEmpty*:GroupedGemm.GraphReplay*'
+  sanitize test_router_cuda 'CudaRouter.ZeroTokens*:CudaRouter.GraphCapture*'
+  sanitize test_cuda_engine 'CudaEngine.StagingDispatch*:CudaEngine.Padding*'
+fi
 
 if [ "$mode" != quick ]; then
-  step "compute-sanitizer memcheck + racecheck (small cases)"
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 build-dev/tests/test_qdq_cuda \
-      --gtest_filter='CudaQdq.Staging*:CudaQdq.Amax*:CudaQdq.Bf16Equals*' > "$OUT/sanitizer_$tool.log" 2>&1
-    echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/sanitizer_$tool.log" | tail -n 2 | tr '\n' ' ')"
+  step "benchmarks"
+  for name in $benches; do
+    args=""
+    [ "$name" = qdq ] && args="--rows 4096 32768"
+    if build-dev/moefq bench $name --help > /dev/null 2>&1; then
+      build-dev/moefq bench $name $args --json "$LOG/bench_$name.json" > "$LOG/bench_$name.txt" 2>&1
+      echo "-- bench $name rc=$?"
+      cat "$LOG/bench_$name.txt"
+    fi
   done
-
-  step "bench qdq"
-  build-dev/moefq bench qdq --json "$OUT/bench_qdq.json" 2>&1 | tee "$OUT/bench_qdq.txt"
+  cp "$LOG"/bench_*.json "$OUT/" 2>/dev/null
 fi
 step "done (tests rc=$test_rc)"
 exit $test_rc

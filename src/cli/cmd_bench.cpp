@@ -1,17 +1,25 @@
-// moefq bench: benchmark programs (the GPU ones in CUDA builds only).
+// moefq bench: benchmark programs. The GPU ones exist in every build; without CUDA they fail with
+// a message saying so (bench/gpu_stubs.cpp).
 #include <CLI/CLI.hpp>
 
 #include <memory>
+#include <utility>
+#include <vector>
 
-#include "cli/commands.h"
 #include "bench/bench.h"
-#include "moefq/errors.h"
+#include "bench/bench_combine.h"
+#include "bench/bench_gemm.h"
+#include "bench/bench_moe.h"
+#include "cli/commands.h"
 
 namespace moefq::cli {
 
 std::function<int()> add_bench_command(CLI::App& app) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks, with the measured ceilings beside every GPU figure.");
   bench->require_subcommand(1);
+  // Each subcommand with the action to run when it was chosen.
+  auto actions = std::make_shared<std::vector<std::pair<CLI::App*, std::function<int()>>>>();
+
   CLI::App* ecpu = bench->add_subcommand("engine-cpu", "One MoE layer call of the CPU engine (all simulated ranks), timed.");
   auto eo = std::make_shared<bench::EngineCpuBenchOptions>();
   ecpu->add_option("--preset", eo->preset, "model preset (default tiny)");
@@ -21,42 +29,69 @@ std::function<int()> add_bench_command(CLI::App& app) {
   ecpu->add_option("--reps", eo->reps, "timed calls (default 5)")->check(CLI::Range(1, 1000));
   ecpu->add_option("--json", eo->json, "also write the result as JSON to this file");
   ecpu->footer("Example:\n  moefq bench engine-cpu --preset tiny --ranks 4 --tokens 256");
-  CLI::App* fqb = bench->add_subcommand("fake-quant", "Accuracy cost of each dispatch/combine recipe on one MoE layer (CPU).");
-  auto fo = std::make_shared<bench::FakeQuantBenchOptions>();
-  fqb->add_option("--preset", fo->preset, "model preset (default tiny)");
-  fqb->add_option("--experts", fo->experts, "use this many routed experts instead of the preset's")->check(CLI::Range(1, 4096));
-  fqb->add_option("--ranks", fo->ranks, "simulated ranks (default 4)")->check(CLI::Range(1, 64));
-  fqb->add_option("--tokens", fo->tokens, "tokens per rank per batch (default 64)")->check(CLI::Range(1, 1 << 16));
-  fqb->add_option("--calib-batches", fo->calib_batches, "calibration batches (default 2)")->check(CLI::Range(1, 1000));
-  fqb->add_option("--eval-batches", fo->eval_batches, "held-out evaluation batches (default 2)")->check(CLI::Range(1, 1000));
-  fqb->add_option("--seed", fo->seed, "seed of weights and activations (default 1)");
-  fqb->add_option("--json", fo->json, "also write the table as JSON to this file");
-  fqb->footer("Example:\n  moefq bench fake-quant --preset deepseek-v3 --experts 16 --ranks 2 --tokens 16");
+  actions->emplace_back(ecpu, [eo] { return bench::run_bench_engine_cpu(*eo); });
+
   CLI::App* qdq = bench->add_subcommand(
       "qdq", "QDQ kernels on [rows, cols] bf16: time, GB/s (read + write) and the ratio to a "
              "device-to-device copy of the same bytes, measured in the same run.");
-#ifdef MOEFQ_HAS_CUDA
-  auto o = std::make_shared<bench::QdqBenchOptions>();
-  qdq->add_option("--rows", o->rows, "row counts (default 128 4096 32768)");
-  qdq->add_option("--cols", o->cols, "hidden size (default 7168)");
-  qdq->add_option("--formats", o->formats, "subset of fp8 nvfp4 mxfp8 mxfp4 int8 stage_e4m3 (default all)");
-  qdq->add_option("--reps", o->reps, "timed graph replays; the median is reported")->check(CLI::Range(1, 10000));
-  qdq->add_option("--launches", o->launches_per_graph, "launches captured per graph")->check(CLI::Range(1, 1000));
-  qdq->add_option("--json", o->json, "also write the results as JSON to this file");
+  auto qo = std::make_shared<bench::QdqBenchOptions>();
+  qdq->add_option("--rows", qo->rows, "row counts (default 128 4096 32768)");
+  qdq->add_option("--cols", qo->cols, "hidden size (default 7168)");
+  qdq->add_option("--formats", qo->formats, "subset of fp8 nvfp4 mxfp8 mxfp4 int8 stage_e4m3 (default all)");
+  qdq->add_option("--reps", qo->reps, "timed graph replays; the median is reported")->check(CLI::Range(1, 10000));
+  qdq->add_option("--launches", qo->launches_per_graph, "launches captured per graph")->check(CLI::Range(1, 1000));
+  qdq->add_option("--json", qo->json, "also write the results as JSON to this file");
   qdq->footer("Example:\n  moefq bench qdq --rows 32768 --json bench_qdq.json");
-  return [qdq, o, ecpu, eo, fqb, fo] {
-    if (ecpu->parsed()) return bench::run_bench_engine_cpu(*eo);
-    if (fqb->parsed()) return bench::run_bench_fake_quant(*fo);
-    return qdq->parsed() ? bench::run_bench_qdq(*o) : 0;
-  };
-#else
-  return [qdq, ecpu, eo, fqb, fo]() -> int {
-    if (ecpu->parsed()) return bench::run_bench_engine_cpu(*eo);
-    if (fqb->parsed()) return bench::run_bench_fake_quant(*fo);
-    MOEFQ_CHECK(!qdq->parsed(), "moefq bench qdq: this moefq was built without CUDA (no nvcc was found)");
+  actions->emplace_back(qdq, [qo] { return bench::run_bench_qdq(*qo); });
+
+  auto mo = std::make_shared<bench::MoeBenchOptions>();
+  CLI::App* moe = bench->add_subcommand(
+      "moe", "The fake-quantized MoE layer of one expert-parallel rank on the GPU: layer time, TFLOPS, weight GB/s, "
+             "the roofline floor from the same run's ceilings, and each quantizer configuration's overhead.");
+  moe->add_option("--preset", mo->presets, "model presets (repeatable; default deepseek-v3)");
+  moe->add_option("--ep", mo->ep, "expert-parallel degree whose per-GPU share runs (default 8)")->check(CLI::Range(1, 1024));
+  moe->add_option("--tokens", mo->tokens, "tokens per rank (default 1 128 512 4096)");
+  moe->add_option("--configs", mo->configs,
+                  "quantizer configurations (default all: none dispatch-fp8 combine-fp8 both-fp8 both-nvfp4 both-mxfp8)");
+  moe->add_option("--calls", mo->calls_per_graph, "layer calls captured per graph (default 3)")->check(CLI::Range(1, 100));
+  moe->add_option("--reps", mo->reps, "timed graph replays; the median is reported (default 7)")->check(CLI::Range(1, 1000));
+  moe->add_option("--json", mo->json, "also write the results as JSON to this file");
+  moe->footer("Example:\n  moefq bench moe --preset deepseek-v3 --tokens 128 4096 --json bench_moe.json");
+  actions->emplace_back(moe, [mo] { return bench::run_bench_moe(*mo); });
+
+  auto go = std::make_shared<bench::GemmBenchOptions>();
+  CLI::App* gemm = bench->add_subcommand(
+      "gemm", "Grouped expert GEMMs (gate/up + SwiGLU, down + store) with e4m3 weights: time, TFLOPS, the ratio to "
+              "cuBLASLt FP8 of the same total M x N x K and to reading the touched experts' weights once.");
+  gemm->add_option("--tokens", go->tokens, "tokens per rank; rows = tokens * top-k (default 1 128 512 4096)");
+  gemm->add_option("--hidden", go->hidden, "H (default 7168)");
+  gemm->add_option("--inter", go->inter, "I (default 2048)");
+  gemm->add_option("--experts", go->experts, "local experts = groups (default 32)")->check(CLI::Range(1, 4096));
+  gemm->add_option("--top-k", go->top_k, "rows per token (default 8)")->check(CLI::Range(1, 64));
+  gemm->add_option("--reps", go->reps, "timed graph replays; the median is reported (default 20)")->check(CLI::Range(1, 10000));
+  gemm->add_option("--json", go->json, "also write the results as JSON to this file");
+  gemm->footer("Example:\n  moefq bench gemm --tokens 1 4096 --json bench_gemm.json");
+  actions->emplace_back(gemm, [go] { return bench::run_bench_gemm(*go); });
+
+  auto co = std::make_shared<bench::CombineBenchOptions>();
+  CLI::App* comb = bench->add_subcommand(
+      "combine", "Combine kernels on [K][T][H] bf16 rows (plain combine, and the combine quantizer's QDQ + re-sum with "
+                 "and without its layout check): time, GB/s and the ratio to a device-to-device copy.");
+  comb->add_option("--tokens", co->tokens, "T = num_tokens (default 4096)")->check(CLI::Range(1, 1 << 20));
+  comb->add_option("--top-k", co->top_k, "K (default 8)")->check(CLI::Range(1, 32));
+  comb->add_option("--hidden", co->hidden, "H, a multiple of 128 (default 7168)");
+  comb->add_option("--formats", co->formats, "subset of combine fp8 nvfp4 mxfp8 mxfp4 int8 (default all)");
+  comb->add_option("--reps", co->reps, "timed graph replays; the median is reported")->check(CLI::Range(1, 10000));
+  comb->add_option("--launches", co->launches_per_graph, "launches captured per graph")->check(CLI::Range(1, 1000));
+  comb->add_option("--json", co->json, "also write the results as JSON to this file");
+  comb->footer("Example:\n  moefq bench combine --formats combine fp8 nvfp4 --json bench_combine.json");
+  actions->emplace_back(comb, [co] { return bench::run_bench_combine(*co); });
+
+  return [actions] {
+    for (const auto& [cmd, action] : *actions)
+      if (cmd->parsed()) return action();
     return 0;
   };
-#endif
 }
 
 }  // namespace moefq::cli

@@ -16,6 +16,10 @@ std::string device_description();
 
 // QDQ of a host tensor on the GPU: upload, amax (max |x| on the device when amax is nullopt),
 // QDQ, download. x, y: [rows, cols] host tensors of dtype dt. Returns the amax used.
+// Registers the CUDA expert back-ends ("mega_moe_cuda": the CUDA engine behind the host-tensor
+// ExpertBackend interface) with the registry of expert_backend.h. Idempotent.
+void register_cuda_backends();
+
 float qdq_host_tensor(Format f, DType dt, const void* x, void* y, int64_t rows, int64_t cols,
                       std::optional<float> amax);
 

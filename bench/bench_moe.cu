@@ -1,0 +1,172 @@
+#include "bench/bench_moe.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "bench/bench_cuda_util.cuh"
+#include "bench/ceilings.cuh"
+#include "cuda/cuda_fake_quant.cuh"
+#include "cuda/host_api.h"
+#include "moefq/errors.h"
+#include "moefq/fileio.h"
+#include "moefq/recipe.h"
+#include "moefq/synthetic.h"
+
+namespace moefq::bench {
+namespace {
+
+using cuda::DeviceBuffer;
+
+// Constant amax values: timing does not depend on them, and no calibration pass is needed.
+const std::map<std::string, std::string>& config_recipes() {
+  static const std::map<std::string, std::string> recipes = {
+      {"none", "quant_cfg:\n  - quantizer_name: '*'\n    enable: false\n"},
+      {"dispatch-fp8", "quant_cfg:\n  - quantizer_name: '*dispatch_quantizer'\n    cfg: {num_bits: e4m3, constant_amax: 1000}\n"},
+      {"combine-fp8", "quant_cfg:\n  - quantizer_name: '*combine_quantizer'\n    cfg: {num_bits: e4m3, constant_amax: 1000}\n"},
+      {"both-fp8",
+       "quant_cfg:\n  - quantizer_name: '*dispatch_quantizer'\n    cfg: {num_bits: e4m3, constant_amax: 1000}\n"
+       "  - quantizer_name: '*combine_quantizer'\n    cfg: {num_bits: e4m3, constant_amax: 1000}\n"},
+      {"both-nvfp4",
+       "$import: [moe_dispatch_nvfp4, moe_combine_nvfp4]\nquant_cfg:\n  - quantizer_name: '*'\n"
+       "    cfg: {num_bits: e2m1, block_sizes: {-1: 16, type: dynamic, scale_bits: e4m3}, constant_amax: 2688}\n"},
+      {"both-mxfp8", "$import: [moe_dispatch_mxfp8, moe_combine_mxfp8]\n"},
+  };
+  return recipes;
+}
+
+// One EP rank's share of a preset: E / ep local experts, every token routed to K of them.
+MoeConfig rank_config(const std::string& name, int64_t ep) {
+  MoeConfig c = preset(name);
+  MOEFQ_CHECK(ep >= 1 && c.num_experts % ep == 0 && c.num_experts / ep >= c.top_k, "--ep ", ep, ": ", name, "'s ",
+              c.num_experts, " experts do not split into ", ep, " ranks of at least K = ", c.top_k);
+  c.num_experts /= ep;
+  c.n_group = c.topk_group = 1;
+  return c;
+}
+
+// Timing does not depend on the weight values: expert 0's synthetic weights for every expert.
+LayerWeights bench_weights(const MoeConfig& c) {
+  LayerWeights one = synthetic_weights(c, WeightFormat::kE4m3, 1, 0, 1);
+  LayerWeights w = one;
+  w.experts.assign(size_t(c.num_experts), one.experts[0]);
+  return w;
+}
+
+}  // namespace
+
+std::vector<std::string> moe_bench_configs() {
+  return {"none", "dispatch-fp8", "combine-fp8", "both-fp8", "both-nvfp4", "both-mxfp8"};
+}
+
+int run_bench_moe(const MoeBenchOptions& o) {
+  MOEFQ_CHECK(cuda::device_count() > 0, "moefq bench moe: no CUDA device is visible");
+  std::vector<std::string> configs = o.configs.empty() ? moe_bench_configs() : o.configs;
+  for (const auto& c : configs)
+    MOEFQ_CHECK(config_recipes().count(c), "--configs: unknown configuration '", c, "'");
+  configs.erase(std::remove(configs.begin(), configs.end(), "none"), configs.end());
+  configs.insert(configs.begin(), "none");  // the baseline of every overhead, first
+  for (int64_t t : o.tokens) MOEFQ_CHECK(t >= 1, "--tokens: ", t, " is not a positive token count");
+  for (const auto& p : o.presets) rank_config(p, o.ep);  // bad names and splits before any work
+  std::optional<AtomicFile> out;  // the JSON path is checked before any work
+  if (!o.json.empty()) out.emplace(o.json);
+
+  const std::string device = cuda::device_description();
+  std::fprintf(stderr, "moefq bench moe on %s, %s\n", device.c_str(), today().c_str());
+  const double copy = copy_gbs(size_t(1) << 30);
+  nlohmann::json report = {{"device", device}, {"date", today()}, {"copy_gbs", copy}, {"ep", o.ep}};
+  std::printf("device-to-device copy: %.0f GB/s\n", copy);
+  int64_t tmax = *std::max_element(o.tokens.begin(), o.tokens.end());
+
+  for (const std::string& name : o.presets) {
+    const MoeConfig c = rank_config(name, o.ep);
+    const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.num_experts, Is = I * c.num_shared;
+    // The compute ceiling: cuBLASLt FP8 on the layer's largest GEMM at the largest token count.
+    const double peak_tflops = 2.0 * double(tmax * K) * double(2 * I) * double(H) /
+                               cublaslt_fp8_gemm_us(tmax * K, 2 * I, H) * 1e-6;
+    std::printf("\n%s, one rank of EP%lld: H %lld, I %lld, %lld local experts, K %lld, shared %lld; "
+                "cuBLASLt FP8 %.0f TFLOPS at %lld x %lld x %lld\n",
+                name.c_str(), (long long)o.ep, (long long)H, (long long)I, (long long)E, (long long)K,
+                (long long)c.num_shared, peak_tflops, (long long)(tmax * K), (long long)(2 * I), (long long)H);
+    std::printf("%6s  %-13s  %10s  %8s  %8s  %9s  %7s  %8s  %9s  %7s\n", "tokens", "config", "time_us", "TFLOPS",
+                "wt_GB/s", "floor_us", "of_floor", "overhead", "quant_us", "q_share");
+    nlohmann::json pj = {{"preset", name}, {"hidden", H}, {"intermediate", I}, {"local_experts", E}, {"top_k", K},
+                         {"cublaslt_fp8_tflops", peak_tflops}};
+    cuda::CudaFakeQuantMoe fq(std::make_unique<cuda::CudaEngine>(c, 1, tmax, std::vector<LayerWeights>{bench_weights(c)},
+                                                                 EngineOptions{false, 0}),
+                              0);
+    for (int64_t T : o.tokens) {
+      // Uniform routing: K distinct local experts per token.
+      std::mt19937_64 rng(static_cast<uint64_t>(T));
+      std::vector<int32_t> idx(size_t(T * K));
+      std::vector<float> wt(size_t(T * K));
+      std::vector<bool> touched(size_t(E), false);
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<int32_t> perm(static_cast<size_t>(E));
+        for (int64_t e = 0; e < E; ++e) perm[size_t(e)] = int32_t(e);
+        for (int64_t k = 0; k < K; ++k) {
+          std::swap(perm[size_t(k)], perm[size_t(k + int64_t(rng() % uint64_t(E - k)))]);
+          idx[size_t(t * K + k)] = perm[size_t(k)];
+          wt[size_t(t * K + k)] = 0.1f + float(rng() % 1000) * 1e-4f;
+          touched[size_t(perm[size_t(k)])] = true;
+        }
+      }
+      const int64_t touched_n = std::count(touched.begin(), touched.end(), true);
+      std::vector<bf16> xh(size_t(T * H));
+      const std::vector<float> xf = synthetic_activations(T, H, 7);
+      for (size_t i = 0; i < xh.size(); ++i) xh[i].bits = bf16_round(xf[i]);
+      DeviceBuffer<bf16> x(xh), y(size_t(T * H)), ys(size_t(T * H));
+      DeviceBuffer<int32_t> di(idx);
+      DeviceBuffer<float> dw(wt);
+      const cuda::DeviceBatch batch{x.get(), T, di.get(), dw.get(), y.get()};
+
+      const double flops = 2.0 * double(T * K) * double(3 * I * H) + 2.0 * double(T) * double(3 * Is * H);
+      const double weight_bytes = double(touched_n * 3 * I * H) + double(3 * Is * H);
+      const double floor_us = std::max(flops / (peak_tflops * 1e6), weight_bytes / (copy * 1e3));
+      // Every configuration captured in its own graph (after an eager call: the layout check,
+      // once), then all timed round-robin so drifts of clock and temperature hit them alike.
+      // The quantizers' own kernels are timed too: the end-to-end difference also carries the
+      // GEMMs' data-dependent clock (quantized tokens change the tensor cores' power draw).
+      std::vector<TimedCase> cases;
+      for (const std::string& cfg : configs) {
+        auto prepare = [&fq, &batch, cfg] {
+          fq.configure(apply_recipe(parse_recipe_text(config_recipes().at(cfg), cfg), fq.quantizer_names()));
+          fq.forward({&batch, 1}, nullptr);
+          fq.synchronize(nullptr);
+        };
+        cases.push_back({prepare, [&](int, cudaStream_t s) {
+                           fq.forward({&batch, 1}, s);
+                           fq.engine().shared_expert(0, x.get(), T, ys.get(), s);
+                         }});
+        cases.push_back({prepare, [&](int, cudaStream_t s) { fq.quantizers_only({&batch, 1}, s); }});
+      }
+      const std::vector<double> times = interleaved_median_us(cases, o.calls_per_graph, o.reps);
+      for (size_t i = 0; i < configs.size(); ++i) {
+        const double us = times[2 * i], quant_us = i == 0 ? 0.0 : times[2 * i + 1];
+        const double overhead = us / times[0] - 1.0, kernel_overhead = quant_us / times[0];  // configs[0]: none
+        std::printf("%6lld  %-13s  %10.1f  %8.1f  %8.0f  %9.1f  %7.2f  %+7.1f%%  %9.1f  %6.1f%%\n", (long long)T,
+                    configs[i].c_str(), us, flops / us * 1e-6, weight_bytes / us * 1e-3, floor_us, floor_us / us,
+                    100.0 * overhead, quant_us, 100.0 * kernel_overhead);
+        pj["runs"].push_back({{"tokens", T}, {"config", configs[i]}, {"time_us", us}, {"tflops", flops / us * 1e-6},
+                              {"weight_gbs", weight_bytes / us * 1e-3}, {"floor_us", floor_us},
+                              {"fraction_of_floor", floor_us / us}, {"overhead", overhead},
+                              {"quantizer_us", quant_us}, {"quantizer_overhead", kernel_overhead},
+                              {"touched_experts", touched_n}});
+      }
+    }
+    report["presets"].push_back(pj);
+  }
+  if (out) {
+    const std::string text = report.dump(2) + "\n";
+    out->write(text.data(), text.size());
+    out->commit();
+  }
+  return 0;
+}
+
+}  // namespace moefq::bench

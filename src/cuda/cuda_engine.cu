@@ -1,0 +1,410 @@
+#include "cuda/cuda_engine.cuh"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/combine_kernels.cuh"
+#include "cuda/cuda_check.h"
+#include "cuda/device_buffer.h"
+#include "cuda/grouped_gemm.cuh"
+#include "cuda/qdq_kernels.cuh"
+#include "moefq/errors.h"
+
+namespace moefq::cuda {
+namespace {
+
+constexpr int64_t kB = kStageBlock;
+constexpr int kMaxRanks = 64;
+constexpr int kThreads = 256;
+
+// Per-call token counts, passed by value (a graph captures them with the launch).
+struct TokenCounts {
+  int32_t n[kMaxRanks];
+};
+
+// Where a rank's kernels find its buffer and its engine-private per-call arrays (device memory).
+struct RankPtrs {
+  uint8_t* buf;
+  int32_t* counts;    // [E/R + 1]: rows per local expert of this call, then the shared expert's
+  int32_t* offsets;   // [E/R + 1]: first pool row of each local expert, then 0
+  float* row_weight;  // [pool_rows]: router weight of each pool row
+  bf16** row_out;     // [pool_rows]: the combine row (in the token's rank) each pool row goes to
+};
+
+// Region offsets of the layout, for the kernels.
+struct Offsets {
+  size_t expert_counts, expert_lists, staged_x, staged_scales, topk_idx, topk_weights, pool_x, pool_x_scales, combine;
+};
+
+// One CTA per global expert e: appends every (token, slot) of every rank that picked e to e's list
+// in the workspace of e's rank, in (rank, token, slot) order: the list entries and their order are
+// the CPU engine's. Entry = (src_rank * T + token) * K + slot.
+__global__ void __launch_bounds__(kThreads) dispatch_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc,
+                                                            int R, int T, int K, int el) {
+  const int e = blockIdx.x, d = e / el, le = e % el;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  __shared__ int warp_hits[kThreads / 32];
+  __shared__ int base;
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  const int64_t cap = int64_t(R) * T;
+  int32_t* list = reinterpret_cast<int32_t*>(ranks[d].buf + off.expert_lists) + int64_t(le) * cap;
+  for (int r = 0; r < R; ++r) {
+    const int n = tc.n[r] * K;
+    const int32_t* idx = reinterpret_cast<const int32_t*>(ranks[r].buf + off.topk_idx);
+    for (int s = 0; s < n; s += blockDim.x) {
+      const int i = s + int(threadIdx.x);
+      const bool hit = i < n && idx[i] == e;
+      const unsigned mask = __ballot_sync(0xffffffffu, hit);
+      if (lane == 0) warp_hits[warp] = __popc(mask);
+      __syncthreads();
+      int pos = base;
+      for (int j = 0; j < warp; ++j) pos += warp_hits[j];
+      pos += __popc(mask & ((1u << lane) - 1u));
+      if (hit && pos < cap) list[pos] = int32_t(int64_t(r) * T * K + i);
+      __syncthreads();
+      if (threadIdx.x == 0)
+        for (int j = 0; j < nwarps; ++j) base += warp_hits[j];
+      __syncthreads();
+    }
+  }
+  if (threadIdx.x == 0) reinterpret_cast<int32_t*>(ranks[d].buf + off.expert_counts)[le] = int32_t(base < cap ? int64_t(base) : cap);
+}
+
+// One thread per rank: pool offsets of the local experts, the counts the GEMMs read, and the
+// dispatch counters reset for the next call (the workspace cleans itself).
+__global__ void plan_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc, int R, int el) {
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  if (d >= R) return;
+  const RankPtrs rp = ranks[d];
+  int32_t* counts = reinterpret_cast<int32_t*>(rp.buf + off.expert_counts);
+  int32_t run = 0;
+  for (int le = 0; le < el; ++le) {
+    const int32_t n = counts[le];
+    rp.counts[le] = n;
+    rp.offsets[le] = run;
+    run += n;
+    counts[le] = 0;
+  }
+  rp.counts[el] = tc.n[d];
+  rp.offsets[el] = 0;
+}
+
+// Pulls each listed row (e4m3 bytes and scales) from its token rank's staged copy into the expert
+// rank's pool, with the row's router weight and destination combine row. Grid: (E/R, R, splits),
+// one warp per row.
+__global__ void __launch_bounds__(kThreads) pull_kernel(const RankPtrs* ranks, Offsets off, int R, int T, int K,
+                                                        int el, int H) {
+  const int le = blockIdx.x, d = blockIdx.y;
+  const RankPtrs me = ranks[d];
+  const int n = me.counts[le], first = me.offsets[le];
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int32_t* list = reinterpret_cast<const int32_t*>(me.buf + off.expert_lists) + int64_t(le) * R * T;
+  const int hb = H / int(kB), chunks = H / 16;
+  for (int i = blockIdx.z * warps + (threadIdx.x >> 5); i < n; i += gridDim.z * warps) {
+    const int32_t entry = list[i];
+    const int src = entry / (T * K), t = entry / K % T, k = entry % K;
+    const uint8_t* sbuf = ranks[src].buf;
+    const int64_t row = int64_t(first) + i;
+    const int4* sx = reinterpret_cast<const int4*>(sbuf + off.staged_x + int64_t(t) * H);
+    int4* dx = reinterpret_cast<int4*>(me.buf + off.pool_x + row * H);
+    for (int c = lane; c < chunks; c += 32) dx[c] = sx[c];
+    const float* ss = reinterpret_cast<const float*>(sbuf + off.staged_scales) + int64_t(t) * hb;
+    float* ds = reinterpret_cast<float*>(me.buf + off.pool_x_scales) + row * hb;
+    for (int c = lane; c < hb; c += 32) ds[c] = ss[c];
+    if (lane == 0) {
+      me.row_weight[row] = reinterpret_cast<const float*>(sbuf + off.topk_weights)[int64_t(t) * K + k];
+      me.row_out[row] = reinterpret_cast<bf16*>(const_cast<uint8_t*>(sbuf) + off.combine + (int64_t(k) * T + t) * H * 2);
+    }
+  }
+}
+
+__global__ void row_pointers_kernel(bf16* y, int64_t n, int64_t H, bf16** out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = y + i * H;
+}
+
+__global__ void set_count_kernel(int32_t* counts, int32_t n) {
+  counts[0] = n;
+  counts[1] = 0;
+}
+
+bool debug_zeroing_env() {
+  const char* v = std::getenv("MOEFQ_COMM_KERNEL_DEBUG");
+  return v && std::strcmp(v, "1") == 0;
+}
+
+int sm_count() {
+  int dev = 0, n = 0;
+  MOEFQ_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEFQ_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+}  // namespace
+
+// The weights of a set of experts of one shape, contiguous on the device (expert e's matrices at
+// e times their size), as the grouped GEMMs' bulk tensor loads read them.
+struct ExpertSet {
+  int64_t count = 0, inter = 0;
+  DeviceBuffer<uint8_t> gate_up, down;
+  DeviceBuffer<float> gate_up_scale, down_scale;
+
+  ExpertSet() = default;
+  ExpertSet(const std::vector<ExpertWeights>& experts, WeightFormat f, int64_t H, int64_t I) : count(int64_t(experts.size())), inter(I) {
+    const bool e4m3 = f == WeightFormat::kE4m3;
+    const size_t elem = e4m3 ? 1 : 2, gu_bytes = size_t(2 * I * H) * elem, dn_bytes = size_t(H * I) * elem;
+    const size_t gu_scales = size_t((2 * I / kB) * (H / kB)), dn_scales = size_t((H / kB) * (I / kB));
+    std::vector<uint8_t> gu(gu_bytes * experts.size()), dn(dn_bytes * experts.size());
+    std::vector<float> gus(e4m3 ? gu_scales * experts.size() : 0), dns(e4m3 ? dn_scales * experts.size() : 0);
+    for (size_t e = 0; e < experts.size(); ++e) {
+      const ExpertWeights& w = experts[e];
+      MOEFQ_CHECK(w.format == f && w.hidden == H && w.intermediate == I, "cuda engine: expert weights of format ",
+                  weight_format_name(w.format), " H=", w.hidden, " I=", w.intermediate, " where ", weight_format_name(f),
+                  " H=", H, " I=", I, " is expected");
+      if (e4m3) {
+        std::memcpy(gu.data() + e * gu_bytes, w.gate_up_e4m3.data(), gu_bytes);
+        std::memcpy(dn.data() + e * dn_bytes, w.down_e4m3.data(), dn_bytes);
+        std::copy(w.gate_up_scale.begin(), w.gate_up_scale.end(), gus.begin() + std::ptrdiff_t(e * gu_scales));
+        std::copy(w.down_scale.begin(), w.down_scale.end(), dns.begin() + std::ptrdiff_t(e * dn_scales));
+      } else {
+        std::memcpy(gu.data() + e * gu_bytes, w.gate_up_bf16.data(), gu_bytes);
+        std::memcpy(dn.data() + e * dn_bytes, w.down_bf16.data(), dn_bytes);
+      }
+    }
+    gate_up = DeviceBuffer<uint8_t>(gu);
+    down = DeviceBuffer<uint8_t>(dn);
+    gate_up_scale = DeviceBuffer<float>(gus);
+    down_scale = DeviceBuffer<float>(dns);
+  }
+};
+
+struct CudaEngine::RankState {
+  DeviceBuffer<uint8_t> buffer;
+  ExpertSet routed, shared;
+  DeviceBuffer<int32_t> counts, offsets;  // [el + 1]
+  DeviceBuffer<float> row_weight;         // [pool_rows]
+  DeviceBuffer<bf16*> row_out;            // [pool_rows]
+  DeviceBuffer<float> ones;               // [T]: the shared expert's weight
+  DeviceBuffer<bf16*> shared_out;         // [T]: slot K's combine rows
+  // shared_expert() on its own: staged x, its h, its output rows and counts.
+  DeviceBuffer<uint8_t> solo_x8, solo_h8;
+  DeviceBuffer<float> solo_xs, solo_hs;
+  DeviceBuffer<bf16*> solo_out;
+  DeviceBuffer<int32_t> solo_count;  // {n, 0}
+};
+
+namespace {
+
+// One grouped pass of experts over pooled rows: gate/up GEMM + SwiGLU, then down GEMM.
+struct ExpertPass {
+  const ExpertSet* set;
+  const int32_t* counts;
+  const int32_t* offsets;
+  int num_groups;
+  const uint8_t* a;  // staged input rows, stride H
+  const float* a_scale;
+  const float* row_weight;
+  uint8_t* h8;  // re-staged h, stride ldh
+  float* h_scale;
+  int64_t ldh;
+  bf16* const* row_out;
+  int64_t rows_bound;
+  int64_t a_rows;  // rows allocated at a
+};
+
+// The shape and operands of one grouped GEMM of the pass: rows of `a` (stride lda bytes, 1x128
+// scales) times every group's weights, stored contiguously (group g at g * n * k elements).
+GroupedGemmArgs gemm_args(const ExpertPass& p, WeightFormat f, int64_t n, int64_t k, const uint8_t* a, int64_t lda,
+                          const float* a_scale, const void* weights, const float* scales) {
+  GroupedGemmArgs g;
+  g.num_groups = p.num_groups;
+  g.max_total_rows = p.rows_bound;
+  g.n = n;
+  g.k = k;
+  g.counts = p.counts;
+  g.row_offset = p.offsets;
+  g.a = a;
+  g.lda = lda;
+  g.a_scale = a_scale;
+  g.lda_scale = lda / kB;
+  g.a_rows = p.a_rows;
+  g.b_format = f;
+  g.b_all = weights;
+  g.b_scale_all = f == WeightFormat::kE4m3 ? scales : nullptr;
+  return g;
+}
+
+void run_pass(const ExpertPass& p, int64_t H, std::optional<float> clamp, WeightFormat f, cudaStream_t stream) {
+  const int64_t I = p.set->inter;
+  SwigluEpilogue e1;
+  e1.row_weight = p.row_weight;
+  e1.has_clamp = clamp.has_value();
+  e1.clamp = clamp.value_or(0.0f);
+  e1.h8 = p.h8;
+  e1.ldh = p.ldh;
+  e1.h_scale = p.h_scale;
+  e1.ldh_scale = p.ldh / kB;
+  launch_gemm_swiglu(gemm_args(p, f, 2 * I, H, p.a, H, p.a_scale, p.set->gate_up.get(), p.set->gate_up_scale.get()),
+                     e1, stream);
+  StoreEpilogue e2;
+  e2.row_out = p.row_out;
+  launch_gemm_store(gemm_args(p, f, H, I, p.h8, p.ldh, p.h_scale, p.set->down.get(), p.set->down_scale.get()), e2,
+                    stream);
+}
+
+}  // namespace
+
+CudaEngine::CudaEngine(const MoeConfig& cfg, int64_t R, int64_t T, const std::vector<LayerWeights>& w,
+                       EngineOptions options)
+    : cfg_(cfg), layout_(engine_buffer_shape(cfg, R, T, w, options)), debug_zeroing_(debug_zeroing_env()) {
+  const BufferShape& sh = layout_.shape();
+  const int64_t el = sh.local_experts(), P = sh.pool_rows(), H = sh.hidden;
+  MOEFQ_CHECK(R <= kMaxRanks, "cuda engine: at most ", kMaxRanks, " simulated ranks, got ", R);
+  prepare_grouped_gemm();  // kernel attributes now, never during a graph capture
+  MOEFQ_CHECK(int64_t(w.size()) == R, "cuda engine: ", w.size(), " ranks of weights given for ", R, " ranks");
+  const int64_t Is = cfg.intermediate * cfg.num_shared;
+  const int64_t imax = std::max(sh.intermediate, sh.shared_intermediate);
+  for (int64_t r = 0; r < R; ++r) {
+    const LayerWeights& lw = w[size_t(r)];
+    MOEFQ_CHECK(lw.first_expert == r * el && int64_t(lw.experts.size()) == el, "cuda engine: rank ", r,
+                " must hold experts [", r * el, ", ", (r + 1) * el, "), got ", lw.experts.size(), " from ", lw.first_expert);
+    auto rs = std::make_unique<RankState>();
+    rs->buffer = DeviceBuffer<uint8_t>(layout_.total_bytes());
+    MOEFQ_CUDA_CHECK(cudaMemset(rs->buffer.get(), 0, layout_.total_bytes()));
+    rs->routed = ExpertSet(lw.experts, sh.weight_format, H, cfg.intermediate);
+    if (cfg.num_shared > 0) {
+      MOEFQ_CHECK(lw.shared.size() == 1, "cuda engine: rank ", r, " has no shared expert weights");
+      rs->shared = ExpertSet(lw.shared, sh.weight_format, H, Is);
+    }
+    rs->counts = DeviceBuffer<int32_t>(std::vector<int32_t>(size_t(el + 1), 0));
+    rs->offsets = DeviceBuffer<int32_t>(std::vector<int32_t>(size_t(el + 1), 0));
+    rs->row_weight = DeviceBuffer<float>(size_t(P));
+    rs->row_out = DeviceBuffer<bf16*>(size_t(P));
+    rs->ones = DeviceBuffer<float>(std::vector<float>(size_t(T), 1.0f));
+    std::vector<bf16*> out(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t)
+      out[size_t(t)] = sh.fused_shared_slots() ? reinterpret_cast<bf16*>(rs->buffer.get() + layout_.combine_row_offset(cfg.top_k, t)) : nullptr;
+    rs->shared_out = DeviceBuffer<bf16*>(out);
+    if (cfg.num_shared > 0 && !sh.fused_shared_slots()) {
+      rs->solo_x8 = DeviceBuffer<uint8_t>(size_t(T * H));
+      rs->solo_xs = DeviceBuffer<float>(size_t(T * (H / kB)));
+      rs->solo_h8 = DeviceBuffer<uint8_t>(size_t(T * Is));
+      rs->solo_hs = DeviceBuffer<float>(size_t(T * (Is / kB)));
+      rs->solo_out = DeviceBuffer<bf16*>(size_t(T));
+      rs->solo_count = DeviceBuffer<int32_t>(std::vector<int32_t>{0, 0});
+    }
+    ranks_.push_back(std::move(rs));
+  }
+  std::vector<RankPtrs> ptrs;
+  for (auto& rs : ranks_)
+    ptrs.push_back({rs->buffer.get(), rs->counts.get(), rs->offsets.get(), rs->row_weight.get(), rs->row_out.get()});
+  rank_ptrs_ = DeviceBuffer<uint8_t>(ptrs.size() * sizeof(RankPtrs));
+  MOEFQ_CUDA_CHECK(cudaMemcpy(rank_ptrs_.get(), ptrs.data(), rank_ptrs_.bytes(), cudaMemcpyHostToDevice));
+  (void)imax;
+}
+
+CudaEngine::~CudaEngine() = default;
+
+const uint8_t* CudaEngine::buffer(int64_t rank) const {
+  MOEFQ_ASSERT(rank >= 0 && rank < num_ranks(), "buffer: rank out of range");
+  return ranks_[size_t(rank)]->buffer.get();
+}
+
+void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stream) {
+  const BufferShape& sh = layout_.shape();
+  const int64_t R = sh.num_ranks, T = sh.max_tokens, K = sh.top_k, H = sh.hidden, el = sh.local_experts();
+  const int64_t P = sh.pool_rows(), imax = std::max(sh.intermediate, sh.shared_intermediate);
+  MOEFQ_CHECK(int64_t(batches.size()) == R, "forward: ", batches.size(), " batches for ", R, " ranks");
+  TokenCounts tc{};
+  int64_t sent = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const DeviceBatch& b = batches[size_t(r)];
+    MOEFQ_CHECK(b.num_tokens >= 0 && b.num_tokens <= T, "forward: rank ", r, " has ", b.num_tokens,
+                " tokens; the buffer holds at most ", T);
+    MOEFQ_CHECK(b.num_tokens == 0 || (b.x && b.topk_idx && b.topk_weights && b.y), "forward: rank ", r, ": null tensor");
+    tc.n[r] = int32_t(b.num_tokens);
+    sent += b.num_tokens * std::min(K, el);
+  }
+  const Offsets off{layout_.expert_counts.offset, layout_.expert_lists.offset, layout_.staged_x.offset,
+                    layout_.staged_scales.offset,  layout_.topk_idx.offset,     layout_.topk_weights.offset,
+                    layout_.pool_x.offset,         layout_.pool_x_scales.offset, layout_.combine.offset};
+  const auto* rp = reinterpret_cast<const RankPtrs*>(rank_ptrs_.get());
+
+  // Token side: stage x, publish topk in the rank's own buffer.
+  for (int64_t r = 0; r < R; ++r) {
+    const DeviceBatch& b = batches[size_t(r)];
+    if (b.num_tokens == 0) continue;
+    uint8_t* buf = ranks_[size_t(r)]->buffer.get();
+    launch_stage_e4m3(b.x, buf + off.staged_x, reinterpret_cast<float*>(buf + off.staged_scales), b.num_tokens, H, stream);
+    MOEFQ_CUDA_CHECK(cudaMemcpyAsync(buf + off.topk_idx, b.topk_idx, size_t(b.num_tokens * K) * 4, cudaMemcpyDeviceToDevice, stream));
+    MOEFQ_CUDA_CHECK(cudaMemcpyAsync(buf + off.topk_weights, b.topk_weights, size_t(b.num_tokens * K) * 4,
+                                     cudaMemcpyDeviceToDevice, stream));
+  }
+  // Dispatch, plan, pull.
+  dispatch_kernel<<<unsigned(sh.num_experts), kThreads, 0, stream>>>(rp, off, tc, int(R), int(T), int(K), int(el));
+  MOEFQ_CUDA_CHECK_LAUNCH();
+  plan_kernel<<<unsigned((R + 31) / 32), 32, 0, stream>>>(rp, off, tc, int(R), int(el));
+  MOEFQ_CUDA_CHECK_LAUNCH();
+  static const int sms = sm_count();
+  const unsigned splits = unsigned(std::clamp<int64_t>((2 * sms + R * el - 1) / (R * el), 1, 64));
+  pull_kernel<<<dim3(unsigned(el), unsigned(R), splits), kThreads, 0, stream>>>(rp, off, int(R), int(T), int(K), int(el), int(H));
+  MOEFQ_CUDA_CHECK_LAUNCH();
+
+  // Expert side of each rank: the routed experts over its pool, the fused shared expert over its
+  // own staged tokens (intermediates after the pool, rows into slot K).
+  for (int64_t d = 0; d < R; ++d) {
+    RankState& rs = *ranks_[size_t(d)];
+    uint8_t* buf = rs.buffer.get();
+    auto* h8 = buf + layout_.pool_h.offset;
+    auto* hs = reinterpret_cast<float*>(buf + layout_.pool_h_scales.offset);
+    run_pass({&rs.routed, rs.counts.get(), rs.offsets.get(), int(el), buf + off.pool_x,
+              reinterpret_cast<const float*>(buf + off.pool_x_scales), rs.row_weight.get(), h8, hs, imax,
+              rs.row_out.get(), std::min(P, sent), P},
+             H, cfg_.swiglu_clamp, sh.weight_format, stream);
+    if (fused_shared() && batches[size_t(d)].num_tokens > 0)
+      run_pass({&rs.shared, rs.counts.get() + el, rs.offsets.get() + el, 1, buf + off.staged_x,
+                reinterpret_cast<const float*>(buf + off.staged_scales), rs.ones.get(), h8 + P * imax,
+                hs + P * (imax / kB), imax, rs.shared_out.get(), batches[size_t(d)].num_tokens, T},
+               H, cfg_.swiglu_clamp, sh.weight_format, stream);
+  }
+
+  // Combine on each token rank.
+  for (int64_t r = 0; r < R; ++r) {
+    const DeviceBatch& b = batches[size_t(r)];
+    if (b.num_tokens == 0) continue;
+    CombineRows rows;
+    rows.buffer = ranks_[size_t(r)]->buffer.get();
+    rows.combine_offset = off.combine;
+    rows.max_tokens = T;
+    rows.top_k = K;
+    rows.hidden = H;
+    rows.fused_shared = fused_shared();
+    rows.topk_idx = reinterpret_cast<const int32_t*>(rows.buffer + off.topk_idx);
+    rows.num_tokens = b.num_tokens;
+    launch_combine(rows, b.y, stream);
+  }
+  if (debug_zeroing_)
+    for (auto& rs : ranks_) MOEFQ_CUDA_CHECK(cudaMemsetAsync(rs->buffer.get(), 0, rs->buffer.bytes(), stream));
+}
+
+void CudaEngine::shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y, cudaStream_t stream) {
+  MOEFQ_CHECK(cfg_.num_shared > 0, "shared_expert: the config has no shared expert");
+  MOEFQ_CHECK(!fused_shared(), "shared_expert: the shared expert is fused into the engine (slot K)");
+  MOEFQ_ASSERT(rank >= 0 && rank < num_ranks(), "shared_expert: rank out of range");
+  MOEFQ_CHECK(n >= 0 && n <= max_tokens(), "shared_expert: ", n, " tokens; at most ", max_tokens());
+  if (n == 0) return;
+  RankState& rs = *ranks_[size_t(rank)];
+  const int64_t H = cfg_.hidden, Is = rs.shared.inter;
+  launch_stage_e4m3(x, rs.solo_x8.get(), rs.solo_xs.get(), n, H, stream);
+  row_pointers_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(y, n, H, rs.solo_out.get());
+  MOEFQ_CUDA_CHECK_LAUNCH();
+  set_count_kernel<<<1, 1, 0, stream>>>(rs.solo_count.get(), int32_t(n));
+  MOEFQ_CUDA_CHECK_LAUNCH();
+  run_pass({&rs.shared, rs.solo_count.get(), rs.solo_count.get() + 1, 1, rs.solo_x8.get(), rs.solo_xs.get(),
+            rs.ones.get(), rs.solo_h8.get(), rs.solo_hs.get(), Is, rs.solo_out.get(), n, max_tokens()},
+           H, cfg_.swiglu_clamp, layout_.shape().weight_format, stream);
+}
+
+}  // namespace moefq::cuda

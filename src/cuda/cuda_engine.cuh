@@ -1,0 +1,71 @@
+// The fused MoE layer on a Hopper GPU (engine.md): the same contract and buffer layout as the CPU
+// engine (its reference), R simulated ranks on one GPU, each with its own symmetric buffer in
+// device memory. A forward is a fixed sequence of kernels on one stream with every per-call count
+// kept on the device, so it does no host synchronisation and can be captured in a CUDA graph:
+//   stage x (e4m3, 1x128) and publish topk -> dispatch (per expert, its (token, slot) entries in
+//   (rank, token, slot) order, the CPU engine's order) -> plan (pool offsets; the dispatch
+//   counters are reset here: the workspace cleans itself) -> pull the staged rows into the expert
+//   rank's pool -> grouped gate/up GEMM with the SwiGLU epilogue -> grouped down GEMM writing bf16
+//   rows into the token rank's combine region -> combine.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "cuda/device_buffer.h"
+#include "moefq/buffer_layout.h"
+#include "moefq/cpu_engine.h"
+
+namespace moefq::cuda {
+
+// One rank's tensors of a call, all in device memory (RankBatch's meaning).
+struct DeviceBatch {
+  const bf16* x = nullptr;              // [num_tokens, H]
+  int64_t num_tokens = 0;               // <= max_tokens
+  const int32_t* topk_idx = nullptr;    // [num_tokens, K], global ids, -1 inactive
+  const float* topk_weights = nullptr;  // [num_tokens, K]
+  bf16* y = nullptr;                    // [num_tokens, H]
+};
+
+class CudaEngine {
+ public:
+  // Uploads each rank's weights (rank_weights as for CpuEngine) and allocates the buffers.
+  CudaEngine(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
+             const std::vector<LayerWeights>& rank_weights, EngineOptions options = {});
+  ~CudaEngine();
+  CudaEngine(const CudaEngine&) = delete;
+  CudaEngine& operator=(const CudaEngine&) = delete;
+
+  // One call of every rank, enqueued on `stream`. Checks what the host knows (batch count, token
+  // counts, null tensors); expert ids are device data and are not validated here (an id outside
+  // [-1, E) is never dispatched; the host-tensor back-end validates before upload). With
+  // MOEFQ_COMM_KERNEL_DEBUG=1 (read at construction) every buffer is zeroed after the call.
+  void forward(std::span<const DeviceBatch> batches, cudaStream_t stream);
+
+  // The shared expert run on its own (not fused): y = shared(x), [n, H] bf16 device tensors,
+  // n <= max_tokens.
+  void shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y, cudaStream_t stream);
+
+  const MoeConfig& config() const { return cfg_; }
+  const BufferLayout& layout() const { return layout_; }
+  int64_t num_ranks() const { return layout_.shape().num_ranks; }
+  int64_t max_tokens() const { return layout_.shape().max_tokens; }
+  bool fused_shared() const { return layout_.shape().fused_shared_slots() > 0; }
+  // Rank r's symmetric buffer (device memory, layout().total_bytes()).
+  const uint8_t* buffer(int64_t rank) const;
+
+ private:
+  struct RankState;
+
+  MoeConfig cfg_;
+  BufferLayout layout_;
+  bool debug_zeroing_ = false;
+  std::vector<std::unique_ptr<RankState>> ranks_;
+  DeviceBuffer<uint8_t> rank_ptrs_;  // [R] per-rank device pointers for the kernels
+};
+
+}  // namespace moefq::cuda

@@ -1,0 +1,85 @@
+// Fake quantization of MoE dispatch and combine (fake_quant.md) around the CUDA engine, all on the
+// device: dispatch QDQ out of place, combine QDQ + exact re-sum in one kernel that reads the rows
+// once, max calibration on the device (MAX over the simulated ranks at the end), and the layout
+// check: eager (one host synchronisation, once per buffer, on the first call with routed rows) or,
+// when a CUDA graph is captured before a buffer was checked, recorded in the graph: every replay
+// compares on the device and a mismatch sets the buffer's error record, which synchronize() turns
+// into the eager check's error (or, opt-in, traps and kills the context).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cuda/combine_kernels.cuh"
+#include "cuda/cuda_engine.cuh"
+#include "cuda/device_buffer.h"
+#include "moefq/moe_quantizers.h"
+
+namespace moefq::cuda {
+
+// Max calibration state of one quantizer replica on the device. max: the largest |x| over non-NaN
+// elements seen (its bits compare as unsigned since it is >= 0); seen: any data; nonfinite: count
+// of NaN or inf elements.
+struct DeviceAmax {
+  float max;
+  unsigned seen, nonfinite, pad;
+};
+
+class CudaFakeQuantMoe {
+ public:
+  CudaFakeQuantMoe(std::unique_ptr<CudaEngine> engine, int64_t layer);
+  ~CudaFakeQuantMoe();
+
+  std::vector<std::string> quantizer_names() const { return q_.names(); }
+  // As FakeQuantMoe::configure (the same errors), then the amax values go to the device.
+  void configure(const std::map<std::string, QuantizerConfig>& configs);
+  // Calibration starts and finishes on the host (both synchronise the device); the forwards in
+  // between collect on the device.
+  void start_calibration();
+  void finish_calibration();
+  void load_calibration_file(const std::string& path);
+
+  // One call of every rank, enqueued on `stream`; batches[r].y receives rank r's output. No host
+  // synchronisation, except the eager layout check (once per buffer).
+  void forward(std::span<const DeviceBatch> batches, cudaStream_t stream);
+  // The quantizers' own work in forward() without the engine call (dispatch QDQ, combine QDQ +
+  // re-sum over the rows the last forward left): what the benchmarks time as their cost.
+  void quantizers_only(std::span<const DeviceBatch> batches, cudaStream_t stream);
+  // Synchronises `stream` and raises (kFailedCheck, the eager check's message) the first mismatch
+  // a device-side layout check recorded since the last call.
+  void synchronize(cudaStream_t stream);
+  // Opt-in: a device-side mismatch traps (the CUDA context is lost) instead of being recorded.
+  // Also set by MOEFQ_LAYOUT_CHECK_TRAP=1. Applies to checks enqueued or captured afterwards.
+  void set_trap_on_mismatch(bool trap) { trap_ = trap; }
+
+  CudaEngine& engine() { return *engine_; }
+  const MoeQuantizers& quantizers() const { return q_; }
+  bool layout_checked(int64_t rank) const { return checked_[size_t(rank)]; }
+  // Where the combine rows are read: the engine layout's combine offset. Changing it simulates a
+  // back-end whose layout changed (the layout check's own tests use this).
+  size_t combine_offset() const { return combine_offset_; }
+  void set_combine_offset(size_t offset) { combine_offset_ = offset; }
+
+ private:
+  void run(std::span<const DeviceBatch> batches, cudaStream_t stream, bool with_engine);
+  void upload_amax();
+  void raise_recorded(int64_t rank, cudaStream_t stream);
+
+  std::unique_ptr<CudaEngine> engine_;
+  MoeQuantizers q_;
+  DeviceBuffer<bf16> xq_;            // [R][T][H] dispatch-quantized tokens
+  DeviceBuffer<DeviceAmax> calib_;   // [2][R]: dispatch, combine
+  DeviceBuffer<DeviceAmax> dynamic_; // [R]: per-call dispatch amax
+  DeviceBuffer<float> amax_;         // [2][R]: the global amax each QDQ reads
+  DeviceBuffer<CheckRecord> records_;  // [R]
+  std::vector<bool> checked_, pending_;
+  size_t combine_offset_ = 0;
+  bool trap_ = false;
+};
+
+}  // namespace moefq::cuda

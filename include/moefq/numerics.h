@@ -240,6 +240,20 @@ MOEFQ_HD float e4m3_decode_finite(uint8_t c) {
 MOEFQ_HD float e4m3_decode(uint8_t c) {
   return (c & 0x7Fu) == 0x7Fu ? canonical_nan_f32() : e4m3_decode_finite(c);
 }
+// Two finite e4m3 codes (low byte first) as bf16x2 (lo in bits 0-15), exactly: every e4m3 value is
+// a bf16 value. In kernels one packed conversion decodes both codes.
+MOEFQ_HD uint32_t e4m3x2_to_bf16x2(uint32_t two) {
+#if defined(__CUDA_ARCH__)
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(uint16_t(two & 0xFFFFu)));
+  float lo, hi;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(uint16_t(h2 & 0xFFFFu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(uint16_t(h2 >> 16)));
+  return bf16x2_round(lo, hi);
+#else
+  return bf16x2_round(e4m3_decode_finite(uint8_t(two)), e4m3_decode_finite(uint8_t(two >> 8)));
+#endif
+}
 
 // e5m2 (IEEE-like): round to nearest even; overflow past 57344 (rounded) becomes inf.
 // With saturate, it becomes +-57344 instead (inf too). NaN becomes 0x7F.

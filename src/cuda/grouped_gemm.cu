@@ -109,16 +109,6 @@ __device__ __forceinline__ Tile decode_tile(int t, const int* prefix, int num_gr
   return {lo, (local / n_tiles) * bm, local % n_tiles};
 }
 
-// Two e4m3 codes (low byte first) -> bf16x2, exactly (e4m3 -> f16 -> f32 -> bf16, all exact).
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
-  uint32_t h2;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(uint16_t(two & 0xFFFFu)));
-  float lo, hi;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(uint16_t(h2 & 0xFFFFu)));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(uint16_t(h2 >> 16)));
-  return bf16x2_round(lo, hi);
-}
-
 __device__ __forceinline__ uint32_t pick4(const uint32_t (&v)[4], int i) {
   return i == 0 ? v[0] : (i == 1 ? v[1] : (i == 2 ? v[2] : v[3]));
 }

@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(kThreads) masked_amax_kernel(const bf16* rows,
   auto fold = [&](const bf16* row) {
     for (int h = threadIdx.x; h < H; h += blockDim.x) {
       const float v = bf16_to_f32(row[h].bits);
-      if (!is_nan(v)) m = fmaxf(m, fabsf(v));
+      m = max_ignore_nan(m, abs_f32(v));  // amax over non-NaN values (numerics.h)
       if (!is_finite(v)) ++nonfinite;
     }
   };

@@ -12,12 +12,9 @@
 #include "cuda/cuda_engine.cuh"
 #include "cuda/device_buffer.h"
 #include "cuda/host_api.h"
+#include "gpu_test.h"
 #include "moe_test_util.h"
 
-// Skips the calling test when no CUDA device is visible (GPU tests are built whenever nvcc is
-// present).
-#define SKIP_WITHOUT_GPU() \
-  if (::moefq::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device"
 
 namespace moefq::test {
 

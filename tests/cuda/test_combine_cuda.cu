@@ -18,6 +18,7 @@
 #include "cuda/device_buffer.h"
 #include "cuda/qdq_rules.cuh"
 #include "engine/expert_cpu.h"
+#include "gpu_test.h"
 #include "moefq/qdq.h"
 #include "test_util.h"
 
@@ -27,9 +28,6 @@ namespace moefq {
 namespace {
 
 using cuda::DeviceBuffer;
-
-#define SKIP_WITHOUT_GPU() \
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device"
 
 constexpr uint16_t kPoison = 0x7F7F;  // rows nobody wrote: a huge finite value that no sum absorbs
 

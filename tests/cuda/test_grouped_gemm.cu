@@ -18,6 +18,7 @@
 #include "cuda/device_buffer.h"
 #include "cuda/grouped_gemm.cuh"
 #include "cuda/host_api.h"
+#include "gpu_test.h"
 #include "engine/expert_cpu.h"
 #include "engine/gemm_cpu.h"
 #include "moefq/numerics.h"
@@ -310,7 +311,7 @@ const std::vector<int32_t> kEdgeCounts = {0, 1, 63, 64, 65, 300};
 }  // namespace
 
 TEST(GroupedGemm, BitExactE4m3AllTileShapesAndClamp) {
-  if (moefq::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   for (bool bulk : {true, false})
   for (int tile : {64, 128})
     for (bool clamp : {false, true}) {
@@ -327,7 +328,7 @@ TEST(GroupedGemm, BitExactE4m3AllTileShapesAndClamp) {
 }
 
 TEST(GroupedGemm, BitExactAutomaticTileChoice) {
-  if (moefq::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   for (bool bulk : {true, false}) {
     SCOPED_TRACE(bulk ? "TMA" : "cp.async");
     Case c;
@@ -343,7 +344,7 @@ TEST(GroupedGemm, BitExactAutomaticTileChoice) {
 }
 
 TEST(GroupedGemm, BitExactBf16Weights) {
-  if (moefq::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   for (bool bulk : {true, false})
   for (int tile : {64, 128}) {
     SCOPED_TRACE(testing::Message() << (bulk ? "TMA, " : "cp.async, ") << "tile_rows " << tile);
@@ -359,7 +360,7 @@ TEST(GroupedGemm, BitExactBf16Weights) {
 }
 
 TEST(GroupedGemm, AllGroupsEmptyWritesNothing) {
-  if (moefq::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   for (bool bulk : {true, false}) {
     Case c;
     c.bulk = bulk;
@@ -413,7 +414,7 @@ RowErrors row_errors(const std::vector<float>& a, const float* as, const std::ve
 //   e4m3 code by one step, so per row the relative L2 difference of the dequantized h is at most
 //   3e-2, at most 5% of codes differ, and h_scale differs by at most 2e-2 relative.
 TEST(GroupedGemm, RandomDataWithinTolerance) {
-  if (moefq::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   for (bool bulk : {true, false})
   for (int tile : {64, 128}) {
     SCOPED_TRACE(testing::Message() << (bulk ? "TMA, " : "cp.async, ") << "tile_rows " << tile);
@@ -521,7 +522,7 @@ TEST(GroupedGemm, RandomDataWithinTolerance) {
 }
 
 TEST(GroupedGemm, GraphReplayReadsCountsOnTheDevice) {
-  if (moefq::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   Case c;
   c.counts = {70, 0, 5, 130};
   c.capacity = {200, 200, 200, 200};

@@ -8,6 +8,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/qdq_kernels.cuh"
+#include "gpu_test.h"
 #include "moefq/qdq.h"
 #include "test_util.h"
 
@@ -15,9 +16,6 @@ namespace moefq {
 namespace {
 
 using cuda::DeviceBuffer;
-
-#define SKIP_WITHOUT_GPU() \
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device"
 
 // For every binary32 bit pattern u (in slices of 2^28), compares the hardware-backed conversion
 // with the software one; counts mismatches and records the first.

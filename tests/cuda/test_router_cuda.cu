@@ -14,6 +14,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/host_api.h"
+#include "gpu_test.h"
 #include "cuda/router_kernels.cuh"
 #include "moefq/errors.h"
 #include "moefq/moe_config.h"
@@ -96,7 +97,7 @@ void check_case(const MoeConfig& c, const Inputs& in, int64_t T, bool use_pad, c
 }
 
 TEST(CudaRouter, EveryPresetMatchesTheCpuRouter) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   // deepseek-v3 (sigmoid, noaux_tc, 8 groups / top-4), deepseek-v4-flash and -pro (sqrtsoftplus),
   // kimi-k3 (896 experts, K = 16), tiny; at full H.
   for (const std::string& name : preset_names()) {
@@ -117,7 +118,7 @@ TEST(CudaRouter, EveryPresetMatchesTheCpuRouter) {
 }
 
 TEST(CudaRouter, EveryRuleCombinationMatchesTheCpuRouter) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   // E = 64 (whole expert tiles) and E = 40 (a partial tile), every scoring function, with and
   // without groups, noaux_tc and normalisation.
   for (int64_t E : {64, 40})
@@ -134,7 +135,7 @@ TEST(CudaRouter, EveryRuleCombinationMatchesTheCpuRouter) {
 }
 
 TEST(CudaRouter, ExactTiesGoToTheLowerIdOnBothSides) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   // Duplicate gate rows give bit-equal logits: experts 8..15 copy 0..7 (group 1 = group 0, so the
   // group scores tie too), and within group 2 every expert copies expert 16.
   for (ScoringFunc s : {ScoringFunc::kSigmoid, ScoringFunc::kSoftmax, ScoringFunc::kSqrtSoftplus}) {
@@ -164,7 +165,7 @@ TEST(CudaRouter, ExactTiesGoToTheLowerIdOnBothSides) {
 }
 
 TEST(CudaRouter, NanAndInfInXMatchTheCpuRouter) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   for (ScoringFunc s : {ScoringFunc::kSigmoid, ScoringFunc::kSoftmax, ScoringFunc::kSqrtSoftplus}) {
     for (int64_t groups : {1, 4}) {
       const MoeConfig c = router_config(64, 384, 8, s, groups, groups > 1 ? 2 : 1, true, true, 1.5f);
@@ -196,7 +197,7 @@ TEST(CudaRouter, NanAndInfInXMatchTheCpuRouter) {
 }
 
 TEST(CudaRouter, ZeroTokensLaunchNothing) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   const MoeConfig c = preset("tiny");
   EXPECT_EQ(cuda::route_workspace_bytes(c, 0), 0u);
   EXPECT_NO_THROW(cuda::launch_route(c, nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr));
@@ -204,7 +205,7 @@ TEST(CudaRouter, ZeroTokensLaunchNothing) {
 }
 
 TEST(CudaRouter, BadPointersAreRejected) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   const MoeConfig c = preset("tiny");
   const Inputs in = random_inputs(c, 7, 5);
   DeviceBuffer<bf16> x(in.x);
@@ -224,7 +225,7 @@ TEST(CudaRouter, BadPointersAreRejected) {
 }
 
 TEST(CudaRouter, GraphCaptureReplaysWithNewInputs) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   const MoeConfig c = preset("deepseek-v3");
   const int64_t T = 300, K = c.top_k;
   const Inputs a = random_inputs(c, T, 21);
@@ -269,7 +270,7 @@ TEST(CudaRouter, GraphCaptureReplaysWithNewInputs) {
 }
 
 TEST(CudaRouter, DeepSeekV3At4096Tokens) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_GPU();
   // The full-size call, its first and last 128 tokens checked against the CPU router (a token's
   // result does not depend on the others). Timing belongs to the benchmarks, not to this test.
   const MoeConfig c = preset("deepseek-v3");

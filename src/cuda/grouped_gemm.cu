@@ -4,25 +4,30 @@
 // Design (after DeepGEMM's Hopper FP8 grouped GEMM, "masked" layout: per-group counts on the
 // device):
 // - CTA = 1 producer warpgroup + kMathWG (1 or 2) consumer warpgroups; tile = BM = 64 * kMathWG
-//   rows x 128 columns, k walked in 128-blocks (one activation scale and one weight scale per
-//   block). SwiGLU tiles run two passes over k, gate columns [n0, n0+128) then up columns
-//   [I+n0, I+n0+128), so a row's 128 h values (one staging block) end up in one quad of lanes.
+//   rows x two 128-column blocks, k walked in 128-blocks (one activation scale and one weight
+//   scale per block). SwiGLU tiles pair gate columns [n0, n0+128) with up columns [I+n0, I+n0+128),
+//   so a row's 128 h values (one staging block) end up in one quad of lanes; 128-row store tiles
+//   pair two adjacent blocks (the second is absent in the last tile when n / 128 is odd). A stage
+//   holds the A block once for both column blocks: 48 KB per 8.4 MFLOP with 128-row tiles instead
+//   of 32 KB per 4.2 MFLOP, and the load pipeline, not the tensor cores, bounds the kernel
+//   (H200, 2026-12-02: the loads alone take 62% of the gate/up time at 4096 tokens). 64-row
+//   store tiles (decode) keep one block: more tiles for the SMs, more stages in flight.
 // - Tile list: every CTA builds the prefix of ceil(count_g / BM) * n_tiles over the groups in
 //   shared memory and walks tiles blockIdx.x, +gridDim.x, ... (n fastest inside an m-tile).
 // - Producer, bulk tensor path (args.b_all and args.a_rows given): one thread issues TMA loads
 //   (cp.async.bulk.tensor.2d, 128-byte swizzle, K-major) of the A tile ([BM rows][128 k] of the
 //   [a_rows, k] activations; rows past a_rows are zero-filled, rows past the group's count are
-//   loaded but never stored) and of the B tile ([128 rows][128 k] of the [G * n, k] weights of
+//   loaded but never stored) and of the B tiles ([128 rows][128 k] of the [G * n, k] weights of
 //   all groups), completing on the stage's `full` mbarrier (expect_tx); the 4-byte scales go
 //   through cp.async with mbarrier arrival on the same barrier. Only the producer's first warp
 //   works. bf16 weights: B by TMA, A converted e4m3 -> bf16 (exact) by the whole producer
 //   warpgroup on the way to shared memory, and the bf16 wgmma is used.
 // - Producer, fallback path (no b_all): cp.async (16-byte, zero fill for rows past the group's
 //   count, so those rows are never read) into the same stages; weight pointers from args.b.
-// - Consumers: per 128-block, 4 wgmma m64n128k32 (8 x k16 for bf16) into a fresh accumulator,
-//   wait, then promote: acc += partial * (a_scale * b_scale) with separate RN multiply and add
-//   (the CPU reference's order, engine/gemm_cpu.h), blocks ascending. Only the order inside a
-//   block differs from the CPU; the epilogues are bit-exact given the same accumulators.
+// - Consumers: per 128-block and column block, 4 wgmma m64n128k32 (8 x k16 for bf16) into a
+//   fresh accumulator, wait, then promote: sum += partial * (a_scale * b_scale) with separate RN
+//   multiply and add (the CPU reference's order, engine/gemm_cpu.h), blocks ascending. Only the
+//   order inside a block differs from the CPU; the epilogues are bit-exact given the same sums.
 #include "cuda/grouped_gemm.cuh"
 
 #include <cuda.h>  // CUtensorMap and its encoder's types only: the encoder comes from the runtime
@@ -39,7 +44,7 @@ namespace {
 
 using namespace sm90;
 
-constexpr int kBN = 128;  // output columns per pass (one 128 x 128 weight-scale block)
+constexpr int kBN = 128;  // columns of one column block (one 128 x 128 weight-scale block)
 constexpr int kMaxStagesCpAsync = 8;  // cp.async path, as measured (H200, 2026-12-02)
 constexpr int kMaxStagesTma = 12;
 constexpr int kSmemLimit = 227 * 1024;  // sm_90 dynamic shared memory per block
@@ -50,12 +55,13 @@ struct KernelParams {
   CUtensorMap tmap_a;  // TMA path, e4m3 A: [a_rows, k] e4m3, box [BM rows][128]
   CUtensorMap tmap_b;  // TMA path: B of all groups, [G * n, k] e4m3 (box [128][128]) or bf16 (box [128][64])
   int num_groups = 0;
-  int n_tiles = 0;  // 128-column tiles per m-tile (SwiGLU: I / 128)
+  int n_tiles = 0;  // tiles (column pairs) per m-tile
   int num_kb = 0;   // k / 128
   int stages = 0;
   int64_t k = 0;
-  int64_t inter = 0;  // SwiGLU: I, where the up rows of B start
-  int64_t n = 0;      // rows of one group's B
+  int64_t n = 0;           // rows of one group's B
+  int64_t tile_step = 0;   // columns from one tile's first block to the next tile's (SwiGLU 128, store 256)
+  int64_t pair_step = 0;   // columns from a tile's first block to its second (SwiGLU I, store 128)
   const int32_t* counts = nullptr;
   const int32_t* row_offset = nullptr;
   const uint8_t* a = nullptr;
@@ -69,15 +75,15 @@ struct KernelParams {
   StoreEpilogue store;
 };
 
-template <int kMathWG, bool kBf16>
+template <int kMathWG, bool kBf16, int kBlocks>
 struct Layout {
   static constexpr int kBM = 64 * kMathWG;
   static constexpr int kThreads = 128 * (kMathWG + 1);
   static constexpr int kRowBytes = kBf16 ? 256 : 128;  // one row's 128-k block in shared memory
   static constexpr int kABytes = kBM * kRowBytes;      // [k half][kBM rows][128 B] (bf16: 2 halves)
-  static constexpr int kBBytes = kBN * kRowBytes;
-  static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kScaleFloats = kBM + 4;  // the rows' a scales, then the block's b scale
+  static constexpr int kBBytes = kBN * kRowBytes;      // one column block
+  static constexpr int kStageBytes = kABytes + kBlocks * kBBytes;
+  static constexpr int kScaleFloats = kBM + 4;  // the rows' a scales, then the column blocks' b scales
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzle atoms need 1024-byte bases");
 
   static size_t smem_bytes(int stages, int num_groups) {
@@ -91,13 +97,18 @@ struct Layout {
   }
 };
 
+// A CTA's tile: group, first row, the two column blocks' first columns (inside the group's n),
+// whether the second block exists.
 struct Tile {
-  int g, m0, nb;
+  int g, m0;
+  int64_t n0, n1;
+  bool has1;
 };
 
-// The tile's group: the largest g with prefix[g] <= t (empty groups have prefix[g] == prefix[g+1]).
-__device__ __forceinline__ Tile decode_tile(int t, const int* prefix, int num_groups, int n_tiles, int bm) {
-  int lo = 0, hi = num_groups - 1;
+// Tile t of the list. The group is the largest g with prefix[g] <= t (empty groups have
+// prefix[g] == prefix[g+1]).
+__device__ __forceinline__ Tile decode_tile(const KernelParams& p, int t, const int* prefix, int bm) {
+  int lo = 0, hi = p.num_groups - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (prefix[mid] <= t)
@@ -106,7 +117,8 @@ __device__ __forceinline__ Tile decode_tile(int t, const int* prefix, int num_gr
       hi = mid - 1;
   }
   const int local = t - prefix[lo];
-  return {lo, (local / n_tiles) * bm, local % n_tiles};
+  const int64_t n0 = int64_t(local % p.n_tiles) * p.tile_step;
+  return {lo, (local / p.n_tiles) * bm, n0, n0 + p.pair_step, n0 + p.pair_step < p.n};
 }
 
 __device__ __forceinline__ uint32_t pick4(const uint32_t (&v)[4], int i) {
@@ -130,13 +142,13 @@ __device__ __forceinline__ void quad_transpose(const uint32_t (&in)[4], uint32_t
 }
 
 // The TMA producer for e4m3 weights, run by the producer warpgroup's first warp: lane 0 loads
-// the A and B tiles and the block's weight scale, every lane loads the a scales of BM / 32 rows
-// (zero for rows past the group's count); each lane's cp.async arrival plus lane 0's expect_tx
-// complete the stage's phase with the bytes.
-template <int kBM, int kPasses>
+// the A and B tiles, lanes 0 and 1 the column blocks' weight scales, every lane the a scales of
+// BM / 32 rows (zero for rows past the group's count); each lane's cp.async arrival plus lane 0's
+// expect_tx complete the stage's phase with the bytes.
+template <int kBM, int kStageBytes>
 __device__ __forceinline__ void tma_producer_e4m3(const KernelParams& p, uint8_t* smem, float* scales, uint64_t* full,
                                                   uint64_t* empty, const int* tile_prefix, int num_tiles) {
-  constexpr int kABytes = kBM * 128, kBBytes = kBN * 128, kStageBytes = kABytes + kBBytes, kScaleFloats = kBM + 4;
+  constexpr int kABytes = kBM * 128, kBBytes = kBN * 128, kScaleFloats = kBM + 4;
   const int lane = threadIdx.x;
   if (lane == 0) {
     prefetch_tensormap(&p.tmap_a);
@@ -145,47 +157,48 @@ __device__ __forceinline__ void tma_producer_e4m3(const KernelParams& p, uint8_t
   int s = 0;
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const Tile tl = decode_tile(tile, tile_prefix, p.num_groups, p.n_tiles, kBM);
+    const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
     const int rows = min(kBM, p.counts[tl.g] - tl.m0);
     const int64_t row0 = int64_t(p.row_offset[tl.g]) + tl.m0;
     const float* bs = p.b_scale_all ? p.b_scale_all + int64_t(tl.g) * (p.n / 128) * p.num_kb : p.b_scale[tl.g];
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int64_t n0 = pass * p.inter + int64_t(tl.nb) * kBN;
-      const int32_t brow = int32_t(int64_t(tl.g) * p.n + n0);
-      const float* bsrow = bs + (n0 / 128) * p.num_kb;
-      for (int kb = 0; kb < p.num_kb; ++kb) {
-        mbar_wait(smem_addr(&empty[s]), phase ^ 1);
-        const uint32_t sa = smem_addr(smem + size_t(s) * kStageBytes);
-        const uint32_t sc = smem_addr(scales + s * kScaleFloats);
-        const uint32_t fb = smem_addr(&full[s]);
-        if (lane == 0) {
-          mbar_arrive_expect_tx(fb, kABytes + kBBytes);
-          tma_load_2d(sa, &p.tmap_a, kb * 128, int32_t(row0), fb);
-          tma_load_2d(sa + kABytes, &p.tmap_b, kb * 128, brow, fb);
-          cp_async_4(sc + kBM * 4, bsrow + kb, 4);
-        }
+    const int32_t brow0 = int32_t(int64_t(tl.g) * p.n + tl.n0), brow1 = int32_t(int64_t(tl.g) * p.n + tl.n1);
+    const float* bsrow = bs + (lane == 0 ? tl.n0 : tl.n1) / 128 * p.num_kb;  // lanes 0 and 1
+    for (int kb = 0; kb < p.num_kb; ++kb) {
+      mbar_wait(smem_addr(&empty[s]), phase ^ 1);
+      const uint32_t sa = smem_addr(smem + size_t(s) * kStageBytes);
+      const uint32_t sc = smem_addr(scales + s * kScaleFloats);
+      const uint32_t fb = smem_addr(&full[s]);
+      if (lane == 0) {
+        mbar_arrive_expect_tx(fb, kABytes + (tl.has1 ? 2 : 1) * kBBytes);
+        tma_load_2d(sa, &p.tmap_a, kb * 128, int32_t(row0), fb);
+        tma_load_2d(sa + kABytes, &p.tmap_b, kb * 128, brow0, fb);
+        if (tl.has1) tma_load_2d(sa + kABytes + kBBytes, &p.tmap_b, kb * 128, brow1, fb);
+      }
+      if (lane < (tl.has1 ? 2 : 1)) cp_async_4(sc + (kBM + lane) * 4, bsrow + kb, 4);
 #pragma unroll
-        for (int r = lane; r < kBM; r += 32) {
-          const bool v = r < rows;
-          cp_async_4(sc + r * 4, v ? p.a_scale + (row0 + r) * p.lda_scale + kb : p.a_scale, v ? 4 : 0);
-        }
-        cp_async_arrive_noinc(fb);
-        if (++s == p.stages) {
-          s = 0;
-          phase ^= 1;
-        }
+      for (int r = lane; r < kBM; r += 32) {
+        const bool v = r < rows;
+        cp_async_4(sc + r * 4, v ? p.a_scale + (row0 + r) * p.lda_scale + kb : p.a_scale, v ? 4 : 0);
+      }
+      cp_async_arrive_noinc(fb);
+      if (++s == p.stages) {
+        s = 0;
+        phase ^= 1;
       }
     }
   }
   cp_async_wait_all();
 }
 
+// Column blocks per tile: two, except for 64-row store tiles (decode: more tiles, more stages).
+template <int kMathWG, Epi kEpi>
+constexpr int kBlocksPerTile = kEpi == Epi::kStore && kMathWG == 1 ? 1 : 2;
+
 template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
-__global__ void __launch_bounds__(Layout<kMathWG, kBf16>::kThreads, 1)
+__global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ KernelParams p) {
-  using L = Layout<kMathWG, kBf16>;
+  using L = Layout<kMathWG, kBf16, kBlocksPerTile<kMathWG, kEpi>>;
   constexpr int kBM = L::kBM;
-  constexpr int kPasses = kEpi == Epi::kSwiglu ? 2 : 1;
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + (((smem_addr(smem_raw) + 1023u) & ~1023u) - smem_addr(smem_raw));
@@ -216,59 +229,71 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16>::kThreads, 1)
   const int num_tiles = tile_prefix[p.num_groups];
   const int wg = threadIdx.x / 128;
 
+  // Two consumer warpgroups: 384 threads enter with 168 registers each; the producer gives its
+  // share to the consumers, which hold one accumulator set and two sums (192 registers). 56 is
+  // the least the producers need without spilling (ptxas -v, CUDA 13.0: no spills in the e4m3
+  // kernels; the bf16-weight store kernels spill up to 8 bytes).
+  constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs == 384 * 168, "the CTA's registers, redistributed");
+  constexpr bool kOneWarpProducer = kTma && !kBf16;
+
   if (wg == 0) {
     // ------------------------------------------------------------------ producer warpgroup
-    if constexpr (kMathWG == 2) setmaxnreg_dec<56>();
-    if constexpr (kTma && !kBf16) {
-      if (threadIdx.x < 32) tma_producer_e4m3<kBM, kPasses>(p, smem, scales, full, empty, tile_prefix, num_tiles);
-      return;
-    }
-    const int t = threadIdx.x;
-    if (kTma && t == 0) prefetch_tensormap(&p.tmap_b);
-    int s = 0;
-    uint32_t phase = 0;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const Tile tl = decode_tile(tile, tile_prefix, p.num_groups, p.n_tiles, kBM);
-      const int rows = min(kBM, p.counts[tl.g] - tl.m0);
-      const int64_t row0 = int64_t(p.row_offset[tl.g]) + tl.m0;
-      const uint8_t* bw = kTma ? nullptr : static_cast<const uint8_t*>(p.b[tl.g]);
-      const float* bs = kBf16 ? nullptr : p.b_scale[tl.g];
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const int64_t n0 = pass * p.inter + int64_t(tl.nb) * kBN;
+    if constexpr (kMathWG == 2) setmaxnreg_dec<kProducerRegs>();
+    if constexpr (kOneWarpProducer) {
+      if (threadIdx.x < 32) tma_producer_e4m3<kBM, L::kStageBytes>(p, smem, scales, full, empty, tile_prefix, num_tiles);
+    } else {
+      const int t = threadIdx.x;
+      if (kTma && t == 0) prefetch_tensormap(&p.tmap_b);
+      int s = 0;
+      uint32_t phase = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
+        const int rows = min(kBM, p.counts[tl.g] - tl.m0);
+        const int64_t row0 = int64_t(p.row_offset[tl.g]) + tl.m0;
+        const uint8_t* bw = kTma ? nullptr : static_cast<const uint8_t*>(p.b[tl.g]);
+        const float* bs = kBf16 ? nullptr : p.b_scale[tl.g];
+        const int nblk = tl.has1 ? 2 : 1;
         for (int kb = 0; kb < p.num_kb; ++kb) {
           mbar_wait(smem_addr(&empty[s]), phase ^ 1);
           const uint32_t sa = smem_addr(smem + size_t(s) * L::kStageBytes);
-          const uint32_t sb = sa + L::kABytes;
           const uint32_t sc = smem_addr(scales + s * L::kScaleFloats);
           const int64_t kbyte = int64_t(kb) * 128;  // e4m3 bytes of A (and of e4m3 B) before the block
+          for (int c = 0; c < nblk; ++c) {
+            const int64_t n0 = c ? tl.n1 : tl.n0;
+            const uint32_t sb = sa + L::kABytes + c * L::kBBytes;
+            if constexpr (!kBf16) {
+              const int ch = t & 7;
+#pragma unroll 4
+              for (int r = t >> 3; r < kBN; r += 16)
+                cp_async_16(sb + r * 128 + ((ch ^ (r & 7)) << 4), bw + (n0 + r) * p.k + kbyte + ch * 16, 16);
+              if (t == c) cp_async_4(sc + (kBM + c) * 4, bs + (n0 / 128) * p.num_kb + kb, 4);
+            } else if constexpr (kTma) {
+              // B: two boxes of [128 rows][64 bf16], one per swizzle atom along k ([half][row][128 B]).
+              if (t == 0) {
+                const uint32_t fb = smem_addr(&full[s]);
+                const int32_t brow = int32_t(int64_t(tl.g) * p.n + n0);
+                if (c == 0) mbar_arrive_expect_tx(fb, nblk * L::kBBytes);  // one arrival for both blocks
+                tma_load_2d(sb, &p.tmap_b, int32_t(kb * 128), brow, fb);
+                tma_load_2d(sb + kBN * 128, &p.tmap_b, int32_t(kb * 128 + 64), brow, fb);
+              }
+            } else {
+              // B: bf16 rows of 256 bytes = two swizzle atoms along k ([half][row][128 B]).
+              const int ch = t & 15;
+#pragma unroll 4
+              for (int r = t >> 4; r < kBN; r += 8)
+                cp_async_16(sb + (ch >> 3) * (kBN * 128) + r * 128 + (((ch & 7) ^ (r & 7)) << 4),
+                            bw + ((n0 + r) * p.k + kbyte) * 2 + ch * 16, 16);
+            }
+          }
           if constexpr (!kBf16) {
-            const int c = t & 7;
+            const int ch = t & 7;
 #pragma unroll 4
             for (int r = t >> 3; r < kBM; r += 16) {
               const bool v = r < rows;
-              cp_async_16(sa + r * 128 + ((c ^ (r & 7)) << 4), v ? p.a + (row0 + r) * p.lda + kbyte + c * 16 : p.a,
+              cp_async_16(sa + r * 128 + ((ch ^ (r & 7)) << 4), v ? p.a + (row0 + r) * p.lda + kbyte + ch * 16 : p.a,
                           v ? 16 : 0);
             }
-#pragma unroll 4
-            for (int r = t >> 3; r < kBN; r += 16)
-              cp_async_16(sb + r * 128 + ((c ^ (r & 7)) << 4), bw + (n0 + r) * p.k + kbyte + c * 16, 16);
-            if (t == 0) cp_async_4(sc + kBM * 4, bs + (n0 / 128) * p.num_kb + kb, 4);
-          } else if constexpr (kTma) {
-            // B: two boxes of [128 rows][64 bf16], one per swizzle atom along k ([half][row][128 B]).
-            if (t == 0) {
-              const uint32_t fb = smem_addr(&full[s]);
-              const int32_t brow = int32_t(int64_t(tl.g) * p.n + n0);
-              mbar_arrive_expect_tx(fb, L::kBBytes);
-              tma_load_2d(sb, &p.tmap_b, int32_t(kb * 128), brow, fb);
-              tma_load_2d(sb + kBN * 128, &p.tmap_b, int32_t(kb * 128 + 64), brow, fb);
-            }
-          } else {
-            // B: bf16 rows of 256 bytes = two swizzle atoms along k ([half][row][128 B]).
-            const int c = t & 15;
-#pragma unroll 4
-            for (int r = t >> 4; r < kBN; r += 8)
-              cp_async_16(sb + (c >> 3) * (kBN * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4),
-                          bw + ((n0 + r) * p.k + kbyte) * 2 + c * 16, 16);
           }
           if (t < kBM) {
             const bool v = t < rows;
@@ -277,16 +302,16 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16>::kThreads, 1)
           cp_async_arrive_noinc(smem_addr(&full[s]));
           if constexpr (kBf16) {
             // A: 16 e4m3 of a row -> 32 bytes of bf16, two 16-byte chunks of the same k half.
-            const int c = t & 7;
+            const int ch = t & 7;
             for (int r = t >> 3; r < kBM; r += 16) {
               uint4 v = make_uint4(0, 0, 0, 0);
-              if (r < rows) v = __ldg(reinterpret_cast<const uint4*>(p.a + (row0 + r) * p.lda + kbyte + c * 16));
+              if (r < rows) v = __ldg(reinterpret_cast<const uint4*>(p.a + (row0 + r) * p.lda + kbyte + ch * 16));
               const uint4 o0 = make_uint4(e4m3x2_to_bf16x2(v.x), e4m3x2_to_bf16x2(v.x >> 16), e4m3x2_to_bf16x2(v.y),
                                           e4m3x2_to_bf16x2(v.y >> 16));
               const uint4 o1 = make_uint4(e4m3x2_to_bf16x2(v.z), e4m3x2_to_bf16x2(v.z >> 16), e4m3x2_to_bf16x2(v.w),
                                           e4m3x2_to_bf16x2(v.w >> 16));
-              const uint32_t row = sa + (c >> 2) * (kBM * 128) + r * 128;
-              const int a0 = (2 * c) & 7;
+              const uint32_t row = sa + (ch >> 2) * (kBM * 128) + r * 128;
+              const int a0 = (2 * ch) & 7;
               asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row + ((a0 ^ (r & 7)) << 4)), "r"(o0.x),
                            "r"(o0.y), "r"(o0.z), "r"(o0.w)
                            : "memory");
@@ -303,104 +328,130 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16>::kThreads, 1)
           }
         }
       }
+      cp_async_wait_all();
     }
-    cp_async_wait_all();
   } else {
     // ------------------------------------------------------------------ consumer warpgroups
-    if constexpr (kMathWG == 2) setmaxnreg_inc<224>();
+    if constexpr (kMathWG == 2) setmaxnreg_inc<kConsumerRegs>();
     const int wgc = wg - 1;
     const int lane = threadIdx.x & 31, q = lane & 3;
     const int r0 = wgc * 64 + ((threadIdx.x / 32) & 3) * 16 + lane / 4;  // tile row of i = 0 (i = 1: +8)
-    float acc[64], sum[64];
-    uint32_t gate[32];  // SwiGLU: bf16x2 of the gate pass, [j][i]
+    float acc[64], sum0[64], sum1[64];
     int s = 0;
     uint32_t phase = 0;
+    // The block's wgmmas on column block c of stage s into a fresh `acc`, waited for.
+    auto mma = [&](uint32_t sa, uint32_t sb) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+      wgmma_fence();
+      if constexpr (!kBf16) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n128k32_e4m3(acc, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32), kk > 0 ? 1u : 0u);
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+          wgmma_m64n128k16_bf16(acc, sw128_desc(sa + (kk >> 2) * (kBM * 128) + (kk & 3) * 32),
+                                sw128_desc(sb + (kk >> 2) * (kBN * 128) + (kk & 3) * 32), kk > 0 ? 1u : 0u);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+    };
+    // sum += acc * f (rows i = 0 and 1 of the thread: f0, f1).
+    auto promote = [&](float(&sum)[64], float f0, float f1) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) sum[i] = __fadd_rn(sum[i], __fmul_rn(acc[i], (i & 2) ? f1 : f0));
+    };
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const Tile tl = decode_tile(tile, tile_prefix, p.num_groups, p.n_tiles, kBM);
+      const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
       const int rows = min(kBM, p.counts[tl.g] - tl.m0);
       const int64_t row0 = int64_t(p.row_offset[tl.g]) + tl.m0;
 #pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
+      for (int i = 0; i < 64; ++i) sum0[i] = sum1[i] = 0.0f;
+      // The epilogue's per-row operands, loaded now so that their latency hides behind the k loop.
+      const bool valid[2] = {r0 < rows, r0 + 8 < rows};
+      bf16* out_row[2] = {nullptr, nullptr};
+      float weight[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int i = 0; i < 64; ++i) sum[i] = 0.0f;
-        for (int kb = 0; kb < p.num_kb; ++kb) {
-          mbar_wait(smem_addr(&full[s]), phase);
-          if constexpr (!kTma) fence_proxy_async();  // cp.async data (generic proxy) -> wgmma
-          const uint32_t sa = smem_addr(smem + size_t(s) * L::kStageBytes) + wgc * 64 * 128;
-          const uint32_t sb = smem_addr(smem + size_t(s) * L::kStageBytes + L::kABytes);
-#pragma unroll
-          for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
-          wgmma_fence();
-          if constexpr (!kBf16) {
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-              wgmma_m64n128k32_e4m3(acc, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32), kk > 0 ? 1u : 0u);
-          } else {
-#pragma unroll
-            for (int kk = 0; kk < 8; ++kk)
-              wgmma_m64n128k16_bf16(acc, sw128_desc(sa + (kk >> 2) * (kBM * 128) + (kk & 3) * 32),
-                                    sw128_desc(sb + (kk >> 2) * (kBN * 128) + (kk & 3) * 32), kk > 0 ? 1u : 0u);
-          }
-          wgmma_commit();
-          wgmma_wait_all();
-#pragma unroll
-          for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
-          const float* sc = scales + s * L::kScaleFloats;
-          const float sbv = kBf16 ? 1.0f : sc[kBM];
-          const float f0 = __fmul_rn(sc[r0], sbv), f1 = __fmul_rn(sc[r0 + 8], sbv);
+      for (int i = 0; i < 2; ++i) {
+        if (!valid[i]) continue;
+        if constexpr (kEpi == Epi::kStore)
+          out_row[i] = p.store.row_out[row0 + r0 + 8 * i];
+        else
+          weight[i] = p.swiglu.row_weight[row0 + r0 + 8 * i];
+      }
+      for (int kb = 0; kb < p.num_kb; ++kb) {
+        mbar_wait(smem_addr(&full[s]), phase);
+        if constexpr (!kTma) fence_proxy_async();  // cp.async data (generic proxy) -> wgmma
+        const uint32_t sa = smem_addr(smem + size_t(s) * L::kStageBytes) + wgc * 64 * 128;
+        const uint32_t sb = smem_addr(smem + size_t(s) * L::kStageBytes + L::kABytes);
+        const float* sc = scales + s * L::kScaleFloats;
+        const float a0 = sc[r0], a1 = sc[r0 + 8];
+        const float b0 = kBf16 ? 1.0f : sc[kBM], b1 = kBf16 ? 1.0f : sc[kBM + 1];
+        const float f00 = __fmul_rn(a0, b0), f01 = __fmul_rn(a1, b0);
+        const float f10 = __fmul_rn(a0, b1), f11 = __fmul_rn(a1, b1);
+        // The stage is free once its wgmmas are done and its scales read.
+        const auto release = [&, empty_bar = smem_addr(&empty[s])] {
           __syncwarp();
-          if (lane == 0) mbar_arrive(smem_addr(&empty[s]));
-          if (++s == num_stages) {
-            s = 0;
-            phase ^= 1;
-          }
-#pragma unroll
-          for (int i = 0; i < 64; ++i) sum[i] = __fadd_rn(sum[i], __fmul_rn(acc[i], (i & 2) ? f1 : f0));
+          if (lane == 0) mbar_arrive(empty_bar);
+        };
+        mma(sa, sb);
+        if (!tl.has1) release();
+        promote(sum0, f00, f01);
+        if (tl.has1) {
+          mma(sa, sb + L::kBBytes);
+          release();
+          promote(sum1, f10, f11);
         }
-        if (kEpi == Epi::kSwiglu && pass == 0) {
-#pragma unroll
-          for (int j = 0; j < 16; ++j)
-#pragma unroll
-            for (int i = 0; i < 2; ++i) gate[2 * j + i] = bf16x2_round(sum[4 * j + 2 * i], sum[4 * j + 2 * i + 1]);
+        if (++s == num_stages) {
+          s = 0;
+          phase ^= 1;
         }
       }
 
-      const bool valid[2] = {r0 < rows, r0 + 8 < rows};
       if constexpr (kEpi == Epi::kStore) {
+        // Column block n_first's rows, rounded once to bf16, 16 bytes per lane after a quad transpose.
+        auto store_block = [&](const float(&sum)[64], int64_t n_first) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          bf16* out = valid[i] ? p.store.row_out[row0 + r0 + 8 * i] + int64_t(tl.nb) * kBN : nullptr;
+          for (int i = 0; i < 2; ++i) {
+            bf16* out = valid[i] ? out_row[i] + n_first : nullptr;
 #pragma unroll
-          for (int jb = 0; jb < 4; ++jb) {
-            uint32_t in[4], o[4];
+            for (int jb = 0; jb < 4; ++jb) {
+              uint32_t in[4], o[4];
 #pragma unroll
-            for (int jj = 0; jj < 4; ++jj) {
-              const int j = 4 * jb + jj;
-              in[jj] = bf16x2_round(sum[4 * j + 2 * i], sum[4 * j + 2 * i + 1]);
+              for (int jj = 0; jj < 4; ++jj) {
+                const int j = 4 * jb + jj;
+                in[jj] = bf16x2_round(sum[4 * j + 2 * i], sum[4 * j + 2 * i + 1]);
+              }
+              quad_transpose(in, o, q);
+              if (valid[i]) *reinterpret_cast<uint4*>(out + 32 * jb + 8 * q) = make_uint4(o[0], o[1], o[2], o[3]);
             }
-            quad_transpose(in, o, q);
-            if (valid[i]) *reinterpret_cast<uint4*>(out + 32 * jb + 8 * q) = make_uint4(o[0], o[1], o[2], o[3]);
           }
-        }
+        };
+        store_block(sum0, tl.n0);
+        if (tl.has1) store_block(sum1, tl.n1);
       } else {
+        // h into sum0: gate from sum0, up from sum1 (both rounded to bf16 first).
         const SwigluEpilogue& e = p.swiglu;
         float amax[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const float w = valid[i] ? e.row_weight[row0 + r0 + 8 * i] : 0.0f;
+          const float w = weight[i];
 #pragma unroll
           for (int j = 0; j < 16; ++j)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
               const int idx = 4 * j + 2 * i + c;
-              float gv = bf16_to_f32(uint16_t(c ? gate[2 * j + i] >> 16 : gate[2 * j + i] & 0xFFFFu));
-              float uv = bf16_to_f32(bf16_round(sum[idx]));
+              float gv = bf16_to_f32(bf16_round(sum0[idx]));
+              float uv = bf16_to_f32(bf16_round(sum1[idx]));
               if (e.has_clamp) {
                 gv = gv < e.clamp ? gv : e.clamp;
                 uv = uv < -e.clamp ? -e.clamp : (uv > e.clamp ? e.clamp : uv);
               }
               const float h = mul_rn(mul_rn(silu_f32(gv), uv), w);
-              sum[idx] = h;
+              sum0[idx] = h;
               amax[i] = max_ignore_nan(amax[i], abs_f32(h));
             }
         }
@@ -412,21 +463,21 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16>::kThreads, 1)
           const float sf = stage_scale(amax[i]);
           const float inv = div_rn(1.0f, sf);
           const int64_t row = row0 + r0 + 8 * i;
-          uint8_t* h8 = valid[i] ? e.h8 + row * e.ldh + int64_t(tl.nb) * kBN : nullptr;
+          uint8_t* h8 = valid[i] ? e.h8 + row * e.ldh + tl.n0 : nullptr;
 #pragma unroll
           for (int jb = 0; jb < 4; ++jb) {
             uint32_t in[4], o[4];
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
               const int j = 4 * jb + jj;
-              in[jj] = uint32_t(stage_encode(sum[4 * j + 2 * i], inv)) |
-                       (uint32_t(stage_encode(sum[4 * j + 2 * i + 1], inv)) << 8);
+              in[jj] = uint32_t(stage_encode(sum0[4 * j + 2 * i], inv)) |
+                       (uint32_t(stage_encode(sum0[4 * j + 2 * i + 1], inv)) << 8);
             }
             quad_transpose(in, o, q);
             if (valid[i])
               *reinterpret_cast<uint2*>(h8 + 32 * jb + 8 * q) = make_uint2(o[0] | (o[1] << 16), o[2] | (o[3] << 16));
           }
-          if (valid[i] && q == 0) e.h_scale[row * e.ldh_scale + tl.nb] = sf;
+          if (valid[i] && q == 0) e.h_scale[row * e.ldh_scale + tl.n0 / 128] = sf;
         }
       }
     }
@@ -516,7 +567,7 @@ bool use_tma(const GroupedGemmArgs& a) {
 
 template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
 void launch_kernel(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStream_t stream) {
-  using L = Layout<kMathWG, kBf16>;
+  using L = Layout<kMathWG, kBf16, kBlocksPerTile<kMathWG, kEpi>>;
   kp.stages = L::stages_for(kp.num_groups, kTma ? kMaxStagesTma : kMaxStagesCpAsync);
   MOEFQ_CHECK(kp.stages >= 2, "grouped GEMM: ", kp.num_groups, " groups leave too little shared memory");
   if constexpr (kTma) {
@@ -537,7 +588,12 @@ void launch_kernel(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStrea
 }
 
 template <int kMathWG, bool kBf16, Epi kEpi>
-void launch_path(const KernelParams& kp, const GroupedGemmArgs& a, int dev, cudaStream_t stream) {
+void launch_path(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStream_t stream) {
+  if (kBlocksPerTile<kMathWG, kEpi> == 1) {  // one 128-column block per tile
+    kp.n_tiles = int(a.n / kBN);
+    kp.tile_step = kBN;
+    kp.pair_step = a.n;
+  }
   if (use_tma(a))
     launch_kernel<kMathWG, kBf16, kEpi, true>(kp, a, dev, stream);
   else
@@ -597,8 +653,9 @@ void launch_gemm_swiglu(const GroupedGemmArgs& args, const SwigluEpilogue& epi, 
   MOEFQ_CHECK(epi.ldh % 8 == 0 && epi.ldh >= args.n / 2 && epi.ldh_scale >= args.n / 256,
               "launch_gemm_swiglu: ldh must be a multiple of 8 and at least I; ldh_scale at least I / 128");
   if (args.max_total_rows <= 0) return;
-  kp.inter = args.n / 2;
-  kp.n_tiles = int(kp.inter / kBN);
+  kp.n_tiles = int(args.n / 2 / kBN);
+  kp.tile_step = kBN;
+  kp.pair_step = args.n / 2;  // gate block n0, up block I + n0
   kp.swiglu = epi;
   launch_any<Epi::kSwiglu>(args, kp, stream);
 }
@@ -607,7 +664,9 @@ void launch_gemm_store(const GroupedGemmArgs& args, const StoreEpilogue& epi, cu
   KernelParams kp = common_params(args, "launch_gemm_store");
   MOEFQ_CHECK(epi.row_out, "launch_gemm_store: null row_out");
   if (args.max_total_rows <= 0) return;
-  kp.n_tiles = int(args.n / kBN);
+  kp.n_tiles = int((args.n / kBN + 1) / 2);
+  kp.tile_step = 2 * kBN;
+  kp.pair_step = kBN;  // two adjacent blocks (the last tile's second one is absent when n / 128 is odd)
   kp.store = epi;
   launch_any<Epi::kStore>(args, kp, stream);
 }

@@ -700,4 +700,148 @@ MOEFQ_HD float mx_qdq_sum_unscaled(float x, MxBounds b) {
   return copysign_f32(kFp8 ? round_on_mid<20>(a, c) : round_on_mid<22>(a, c), x);
 }
 
+// Signed forms. The rounding cores above are sign-symmetric (RN is), so they round a signed value
+// as they round its magnitude when C carries the value's sign. That drops the magnitude forms' |x|
+// and copysign: the saturation and the floor each take one instruction that keeps the sign
+// (min/max with .xorsign.abs, sm_86+: |result| = min/max(|x|, |m|), sign = sign(x) XOR sign(m),
+// with m > 0).
+
+// sign(x) * min(|x|, m) for m > 0; NaN for NaN x.
+MOEFQ_HD float clamp_abs_nan(float x, float m) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("min.NaN.xorsign.abs.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(m));
+  return r;
+#else
+  return is_nan(x) ? canonical_nan_f32() : copysign_f32(abs_f32(x) < m ? abs_f32(x) : m, x);
+#endif
+}
+// sign(x) * max(|x|, floor) for non-NaN x and floor > 0. A NaN x gives a value every caller feeds
+// to an FMA whose addend is the same NaN, so the result is NaN whatever it is (the host: floor).
+MOEFQ_HD float max_abs_signed(float x, float floor) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("max.xorsign.abs.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(floor));
+  return r;
+#else
+  return is_nan(x) ? floor : copysign_f32(abs_f32(x) > floor ? abs_f32(x) : floor, x);
+#endif
+}
+// (u & mask) | set as one LOP3 (the compiler splits two immediates into two; here set sits in a
+// register, materialised once).
+MOEFQ_HD uint32_t and_or(uint32_t u, uint32_t mask, uint32_t set) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(u), "r"(mask), "r"(set));  // 0xEA: (a & b) | c
+  return r;
+#else
+  return (u & mask) | set;
+#endif
+}
+// sign(v) * binade_mid(|v|).
+MOEFQ_HD float binade_mid_signed(float v) { return f32_from_bits(and_or(f32_bits(v), 0xFF800000u, 0x00400000u)); }
+
+// fp8_qdq_sum, signed: x * s rounds as |x| * s does up to sign, the saturation keeps the sign, and
+// the rounding core with a signed C rounds the signed value (C = +-1.5 * 2^(E + 20), E floored at
+// -6). Same value as fp8_qdq_sum for every x (a zero may differ in sign).
+MOEFQ_HD float fp8_qdq_sum_signed(float x, Fp8Params p) {
+  const float v = clamp_abs_nan(mul_rn(x, p.s), kE4m3Max);
+  return mul_rn(round_on_mid<20>(v, max_abs_signed(binade_mid_signed(v), 0.0234375f)), p.si);
+}
+// int8_qdq_sum with the clamp to [-127, 127] as one signed saturation.
+MOEFQ_HD float int8_qdq_sum_signed(float x, Int8Params p, float rcp) {
+  const float v = clamp_abs_nan(mul_rn(x, p.s), 127.0f);
+  return div_rn_recip(add_rn(add_rn(v, 12582912.0f), -12582912.0f), p.s, rcp);
+}
+// nvfp4 blocks whose maximum keeps every quotient small: bmax * rcp < 6.5 (rcp = RN(1 / scale)).
+// Then every |x| of the block has RN(|x| * rcp) < 6.5 (RN is monotone), so RN(|x| / scale) < 7:
+// no clamp of the quotient is needed (nvfp4_block_needs_clamp is false), and the e2m1 rounding of a
+// value below 7 cannot pass 6 (6 <= q < 7 rounds to 6), so the saturation can be left out. Blocks of
+// calibrated data are tame; a NaN scale or an infinite bmax is not.
+MOEFQ_HD bool nvfp4_block_is_tame(float bmax, float rcp) { return mul_rn(bmax, rcp) < 6.5f; }
+// nvfp4_qdq_sum<false> for an element of a tame block, signed: the quotient RN(x / scale) by
+// div_rn_recip on x itself, rounded to e2m1 with a signed C (floor 1.5: the e2m1 step is 0.5 below 2).
+MOEFQ_HD float nvfp4_qdq_sum_tame(float x, float scale, float rcp) {
+  const float q = div_rn_recip(x, scale, rcp);
+  return mul_rn(round_on_mid<22>(q, max_abs_signed(binade_mid_signed(q), 1.5f)), scale);
+}
+// ---------------------------------------------------------------------------------------------
+// Packed bf16x2 rules: two bf16 in one 32-bit word (lo in bits 0-15), as a combine row holds them.
+// Kernels use the bf16x2 instructions (max.xorsign.abs, sm_86+; fma.rn, one rounding of the exact
+// a * b + c); the host versions apply the scalar rules to each half.
+
+// Per half, max(|a|, |b|) over the non-NaN of the two (NaN only when both are NaN); the sign bit of
+// each half is unspecified (max.xorsign.abs.bf16x2 sets it to the XOR of the operands' signs).
+// Reduces a block's max |x| over packed words with one instruction per word.
+MOEFQ_HD uint32_t bf16x2_max_abs(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  uint32_t r = 0;
+  for (int h = 0; h < 32; h += 16) {
+    const uint32_t x = (a >> h) & 0x7FFFu, y = (b >> h) & 0x7FFFu;
+    const bool xn = x > 0x7F80u, yn = y > 0x7F80u;
+    const uint32_t m = xn && yn ? kCanonicalNanBf16 : (xn ? y : (yn ? x : (x > y ? x : y)));
+    r |= (m | (((a ^ b) >> h) & 0x8000u)) << h;
+  }
+  return r;
+#endif
+}
+
+// The unscaled mx rule on both halves at once (the MX element grid scaled by 2^e is the grid of x
+// itself): for |x| <= M * 2^e, mid = sign(x) * 1.5 * 2^E (E: x's exponent; +-2^-127 for a zero or
+// subnormal x, NaN for NaN); c = sign(x) * max(|mid|, floor); C = c * 2^k lies in binade
+// max(E, E_floor) + k, whose bf16 step 2^(max(E, E_floor) + k - 7) is the element step (k = 4:
+// e4m3's 2^(E - 3); k = 6: e2m1's 2^(E - 1)); x + C stays in that binade, so fma(c, 2^k, x) rounds
+// x on the element grid (ties to even: C's mantissa is even) and fma(c, -2^k, t) is exact. No
+// saturation: every |x| of the block is <= M * 2^e, and M * 2^e is on the grid. NaN stays NaN
+// (the addend). The result is mx_qdq_sum_unscaled's value, a bf16 value; floor2: the floor
+// (mx_unscaled_bounds) in both halves, from mx_packed_block.
+template <bool kFp8>
+MOEFQ_HD uint32_t mx_qdq_sum_unscaled_x2(uint32_t w, uint32_t floor2) {
+#if defined(__CUDA_ARCH__)
+  constexpr uint32_t kPos = kFp8 ? 0x41804180u : 0x42804280u;  // 2^k: 16 or 64 in both halves
+  constexpr uint32_t kNeg = kPos | 0x80008000u;
+  const uint32_t mid = and_or(w, 0xFF80FF80u, 0x00400040u);
+  uint32_t c, t, r;
+  asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(c) : "r"(mid), "r"(floor2));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(c), "r"(kPos), "r"(w));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(c), "r"(kNeg), "r"(t));
+  return r;
+#else
+  const MxBounds b{f32_from_bits(0x7F800000u), bf16_to_f32(uint16_t(floor2))};
+  return uint32_t(bf16_round(mx_qdq_sum_unscaled<kFp8>(bf16_to_f32(uint16_t(w)), b))) |
+         (uint32_t(bf16_round(mx_qdq_sum_unscaled<kFp8>(bf16_to_f32(uint16_t(w >> 16)), b))) << 16);
+#endif
+}
+
+// Where the packed rule applies: block exponents in [-110, 99]. Above, C would overflow for the
+// largest elements. Below (blocks of max |x| < 2^-100, which real rows do not have) the floor would
+// come near bf16's subnormal range; inside the range the element step is at least 2^-119, so a
+// subnormal x rounds to 0 and a subnormal mid loses to the floor whether or not the hardware
+// flushes them, and the floor, C and every nonzero result are normal. Other blocks take the scalar
+// rules.
+inline constexpr int kMxPackedMinExp = -110;
+inline constexpr int kMxPackedMaxExp = 99;
+struct MxPacked {
+  bool ok;          // mx_qdq_sum_unscaled_x2 applies to the block
+  uint32_t floor2;  // its floor, in both halves
+};
+// The block exponent of mx_block_exponent_bf16 from the bits of a bf16 maximum (bits 0-14 = |bmax|;
+// bit 15 and bits 16-31 are ignored), in integer operations: e = E(bmax) - E(M) + (mantissa(bmax) >
+// mantissa(M)), where adding 0x7F - mantissa(M) carries into the exponent field exactly when the
+// mantissa is larger. A zero maximum (e = 0 there) and an infinite or NaN one are not ok.
+template <bool kFp8>
+MOEFQ_HD MxPacked mx_packed_block(uint32_t bits) {
+  constexpr uint32_t kCarry = kFp8 ? 0x1Fu : 0x3Fu;         // 0x7F - 0x60 (1.75), 0x7F - 0x40 (1.5)
+  constexpr int kBias = 127 + (kFp8 ? 8 : 2);               // exponent bias + E(M)
+  constexpr int kFloorBias = kFp8 ? 127 - 6 : 127;          // floor 1.5 * 2^(e - 6) or 1.5 * 2^e
+  const uint32_t u = bits & 0x7FFFu;
+  const int e = int((u + kCarry) >> 7) - kBias;
+  const uint32_t floor = (uint32_t(e + kFloorBias) << 7) | 0x40u;
+  return {u != 0 && e >= kMxPackedMinExp && e <= kMxPackedMaxExp, floor | (floor << 16)};
+}
+
 }  // namespace moefq

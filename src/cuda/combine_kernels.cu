@@ -1,5 +1,6 @@
 #include "cuda/combine_kernels.cuh"
 
+#include <algorithm>
 #include <type_traits>
 
 #include "cuda/cuda_check.h"
@@ -10,27 +11,33 @@ namespace {
 
 using namespace rules;
 
-// One CTA covers kThreads 16-byte chunks (8 bf16) of one token's H; each thread sums its chunk
-// over the token's active rows. 128 is also what Rule<kNvfp4> needs to fill its table.
+// One CTA covers kThreads 16-byte chunks (8 bf16) of a token's H; each thread sums its chunk over
+// the token's active rows. A CTA loops over a few tokens (grid-stride along grid.x, see
+// launch_rule), so a rule's per-CTA setup (its divisions, the nvfp4 table) is paid once for them.
+// 128 threads is also what Rule<kNvfp4> needs to fill its table.
 constexpr int kThreads = 128;
-// Routed row chunks a thread loads before it uses the first: the K = 8 routed rows of the DeepSeek
-// presets in one batch (with the fused shared row, loaded first), so every load of a token is in
+// Routed slots handled per batch: all loads of a batch are issued before the first is used, so
+// the K = 8 routed rows of the DeepSeek presets (and the fused shared row, loaded first) are in
 // flight together.
 constexpr int kSlotBatch = 8;
-constexpr int kChunkElems = 8;
+constexpr int kChunkElems = kCombineElems;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 static_assert(kThreads >= 128 && kThreads % 32 == 0);
 
 // The rule of the unquantized sum (the plain combine, or quantize = false).
 struct NoQdq {
   using Shared = NoShared;
+  static constexpr int kBlock = 0;
   __device__ NoQdq(const float*, Shared&) {}
+  template <int kLanes>
+  __device__ void combine_chunk(const CombineWords& w, float (&v)[kChunkElems]) const { unpack(w, v); }
 };
 
 struct Params {
   const uint8_t* rows;      // buffer + combine_offset: [K + fused][T][H] bf16
   uint64_t slot_stride;     // T * H * 2: bytes from one slot's rows to the next
   int64_t hidden;           // H
+  int64_t num_tokens;
   int chunks_per_row;       // H / 8
   int top_k;                // K
   bool fused;
@@ -43,7 +50,7 @@ struct Params {
 };
 
 // The rows are read once and never written during the kernel: non-coherent path, no L1 allocation.
-__device__ __forceinline__ int4 load_row_chunk(const int4* p) {
+__device__ __forceinline__ int4 load_row_chunk(const uint8_t* p) {
   int4 v;
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -51,48 +58,35 @@ __device__ __forceinline__ int4 load_row_chunk(const int4* p) {
   return v;
 }
 
-__device__ __forceinline__ void unpack(int4 raw, float (&v)[kChunkElems]) {
-  const uint32_t w[4] = {uint32_t(raw.x), uint32_t(raw.y), uint32_t(raw.z), uint32_t(raw.w)};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = f32_from_bits(w[i] << 16);
-    v[2 * i + 1] = f32_from_bits(w[i] & 0xFFFF0000u);
-  }
-}
-
 __device__ __forceinline__ uint16_t half_word(int4 raw, int i) {
   const uint32_t w[4] = {uint32_t(raw.x), uint32_t(raw.y), uint32_t(raw.z), uint32_t(raw.w)};
   return uint16_t(w[i / 2] >> (16 * (i % 2)));
 }
 
-// QDQ of one 16-byte chunk of a bf16 row, with the block handling of qdq_vec_kernel: a block of
-// the format spans kLanes consecutive lanes, which exchange their partial maxima. Blocks are whole
-// because H is a multiple of the block and each warp starts on a multiple of 32 chunks of the row.
-// The elements use the rule's sum-exact functions (qdq_rules.cuh): equal, as far as the fp32 sum
-// can tell, to the QDQ of the CPU quantizer, which writes a bf16 row; so each result is rounded
-// to bf16 unless the rule says it already is a bf16 value.
-template <typename R>
-__device__ __forceinline__ void qdq_chunk(const R& rule, float (&v)[kChunkElems]) {
+// Adds one routed row's chunk to the sum: the rule's combine_chunk gives the values of the QDQ the
+// CPU quantizer applies (a bf16 row), blocks spanning kLanes consecutive lanes (whole, because H
+// is a multiple of the block and each warp starts on a multiple of 32 chunks of the row). With a
+// check, the unquantized values go into `plain` as well.
+template <typename R, bool kCheck>
+__device__ __forceinline__ void add_routed(const R& rule, int4 raw, float (&acc)[kChunkElems],
+                                           float (&plain)[kChunkElems]) {
   constexpr int kLanes = R::kBlock ? R::kBlock / kChunkElems : 1;
-  static_assert(kLanes >= 1 && kLanes <= 32 && (32 % kLanes) == 0);
-  float m = 0.0f;
+  const CombineWords w = {uint32_t(raw.x), uint32_t(raw.y), uint32_t(raw.z), uint32_t(raw.w)};
+  float v[kChunkElems];
+  if constexpr (kCheck && !std::is_same_v<R, NoQdq>) {
+    unpack(w, v);
 #pragma unroll
-  for (int i = 0; i < kChunkElems; ++i) m = rule.reduce(m, v[i]);
-#pragma unroll
-  for (int o = 1; o < kLanes; o <<= 1) m = max_ignore_nan(m, __shfl_xor_sync(kFullMask, m, o));
-  const auto param = rule.sum_block_param(m);
-  if constexpr (requires { rule.apply_chunk_sum(v, param); }) {
-    rule.apply_chunk_sum(v, param);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kChunkElems; ++i) v[i] = rule.apply_sum(v[i], param);
+    for (int i = 0; i < kChunkElems; ++i) plain[i] = add_rn(plain[i], v[i]);
   }
-  if (rule.sum_needs_bf16_round(param)) unpack(pack(v), v);
+  rule.template combine_chunk<kLanes>(w, v);
+#pragma unroll
+  for (int i = 0; i < kChunkElems; ++i) acc[i] = add_rn(acc[i], v[i]);
 }
 
-// grid = (num_tokens, ceil(H / 8 / kThreads)). All lanes of a warp belong to one token, so the
-// active-slot mask is warp-uniform: every branch on it is taken by the whole warp, and lanes past
-// the row's end still take part in the shuffles (on zeros) but neither compare nor store.
+// grid = (tokens looped over, ceil(H / 8 / kThreads)). All lanes of a warp belong to one token, so
+// the active-slot mask is warp-uniform: every branch on it is taken by the whole warp. Lanes past
+// the row's end read the row's first chunk instead (real data, so their blocks and the warp's
+// votes stay well defined) and take part in the shuffles, but neither compare nor store.
 template <typename R, bool kCheck>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
   constexpr bool kQuant = !std::is_same_v<R, NoQdq>;
@@ -100,96 +94,90 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
   const R rule(p.amax, shared);
   if constexpr (!std::is_same_v<typename R::Shared, NoShared>) __syncthreads();
 
-  const int64_t t = blockIdx.x;
   const int c = int(blockIdx.y) * kThreads + int(threadIdx.x);
   const bool in_row = c < p.chunks_per_row;
+  const int c_read = in_row ? c : 0;
   const int lane = int(threadIdx.x) & 31;
-  const int64_t chunk = t * p.chunks_per_row + c;  // this thread's chunk of y (and of a slot's rows)
+  const bool slot_lane = lane < p.top_k;  // lane k reads slot k's expert index
+  const uint64_t stride = p.slot_stride;
 
-  // Bit k: routed slot k is active (one lane per slot). The fused shared slot K is read last.
-  const int32_t expert = lane < p.top_k ? __ldg(p.topk_idx + t * p.top_k + lane) : -1;
-  uint32_t pending = __ballot_sync(kFullMask, expert >= 0);
+  int64_t t = blockIdx.x;
+  int32_t expert = slot_lane && t < p.num_tokens ? __ldg(p.topk_idx + t * p.top_k + lane) : -1;
+  for (; t < p.num_tokens; t += gridDim.x) {
+    // Bit k: routed slot k is active. The next token's indices are read now, under this token's rows.
+    const uint32_t active = __ballot_sync(kFullMask, expert >= 0);
+    const int64_t next = t + gridDim.x;
+    expert = slot_lane && next < p.num_tokens ? __ldg(p.topk_idx + next * p.top_k + lane) : -1;
 
-  int4 engine = make_int4(0, 0, 0, 0);
-  if constexpr (kCheck) {
-    // Read before y_out is written (they may alias); plain loads, as the array may be written.
-    if (in_row) engine = __ldcs(reinterpret_cast<const int4*>(p.y_engine) + chunk);
-  }
-
-  const uint8_t* row0 = p.rows + chunk * int64_t(sizeof(int4));
-  const int4 zero = make_int4(0, 0, 0, 0);
-  const int4 shared_raw = p.fused && in_row ? load_row_chunk(reinterpret_cast<const int4*>(row0 + uint32_t(p.top_k) * p.slot_stride)) : zero;
-  // engine.md's order: fp32 from +0, active routed slots ascending, then the shared slot; no fma.
-  float acc[kChunkElems] = {}, plain[kChunkElems] = {};
-  while (pending != 0) {
-    int4 raw[kSlotBatch];
-    int num = 0;  // slots of this batch (warp-uniform)
-#pragma unroll
-    for (int j = 0; j < kSlotBatch; ++j) {
-      const uint32_t slot = uint32_t(__ffs(int(pending))) - 1u;  // ~0u when none is left
-      num += pending != 0 ? 1 : 0;
-      raw[j] = pending != 0 && in_row ? load_row_chunk(reinterpret_cast<const int4*>(row0 + slot * p.slot_stride)) : zero;
-      pending &= pending - 1u;
+    const int64_t chunk = t * p.chunks_per_row + c;  // this thread's chunk of y
+    int4 engine = make_int4(0, 0, 0, 0);
+    if constexpr (kCheck) {
+      // Read before y_out is written (they may alias); plain loads, as the array may be written.
+      if (in_row) engine = __ldcs(reinterpret_cast<const int4*>(p.y_engine) + chunk);
     }
+    const uint8_t* row = p.rows + (t * p.chunks_per_row + c_read) * int64_t(sizeof(int4));
+    int4 shared_raw = make_int4(0, 0, 0, 0);
+    if (p.fused) shared_raw = load_row_chunk(row + uint32_t(p.top_k) * stride);
+
+    // engine.md's order: fp32 from +0, active routed slots ascending, then the shared slot; no fma.
+    // Slots are visited by index in batches (no compaction): an inactive slot costs one uniform
+    // branch, an active one a pointer add and its load.
+    float acc[kChunkElems] = {}, plain[kChunkElems] = {};
+    for (uint32_t pending = active; pending != 0; pending >>= kSlotBatch, row += kSlotBatch * stride) {
+      int4 raw[kSlotBatch];
 #pragma unroll
-    for (int j = 0; j < kSlotBatch; ++j) {
-      if (j >= num) break;
+      for (int j = 0; j < kSlotBatch; ++j)
+        if (pending & (1u << j)) raw[j] = load_row_chunk(row + j * stride);
+#pragma unroll
+      for (int j = 0; j < kSlotBatch; ++j)
+        if (pending & (1u << j)) add_routed<R, kCheck>(rule, raw[j], acc, plain);
+    }
+    if (p.fused) {  // the shared row is not quantized
       float v[kChunkElems];
-      unpack(raw[j], v);
-      if constexpr (kQuant) {
-        if constexpr (kCheck) {
+      const CombineWords w = {uint32_t(shared_raw.x), uint32_t(shared_raw.y), uint32_t(shared_raw.z),
+                              uint32_t(shared_raw.w)};
+      unpack(w, v);
 #pragma unroll
-          for (int i = 0; i < kChunkElems; ++i) plain[i] = add_rn(plain[i], v[i]);
-        }
-        qdq_chunk(rule, v);
+      for (int i = 0; i < kChunkElems; ++i) {
+        acc[i] = add_rn(acc[i], v[i]);
+        if constexpr (kCheck && kQuant) plain[i] = add_rn(plain[i], v[i]);
       }
-#pragma unroll
-      for (int i = 0; i < kChunkElems; ++i) acc[i] = add_rn(acc[i], v[i]);
     }
-  }
-  if (p.fused) {  // the shared row is not quantized
-    float v[kChunkElems];
-    unpack(shared_raw, v);
-#pragma unroll
-    for (int i = 0; i < kChunkElems; ++i) {
-      acc[i] = add_rn(acc[i], v[i]);
-      if constexpr (kCheck && kQuant) plain[i] = add_rn(plain[i], v[i]);
-    }
-  }
-  const int4 out = pack(acc);
+    const int4 out = pack(acc);
 
-  if constexpr (kCheck) {
-    const int4 resum = kQuant ? pack(plain) : out;
-    unsigned long long first = ~0ull, count = 0;
-    if (in_row) {
+    if constexpr (kCheck) {
+      const int4 resum = kQuant ? pack(plain) : out;
+      unsigned long long first = ~0ull, count = 0;
+      if (in_row) {
 #pragma unroll
-      for (int i = kChunkElems - 1; i >= 0; --i) {
-        const uint16_t r = half_word(resum, i), e = half_word(engine, i);
-        if (r != e) {
-          ++count;
-          first = (uint64_t(t * p.hidden + int64_t(c) * kChunkElems + i) << 32) | (uint64_t(e) << 16) | r;
+        for (int i = kChunkElems - 1; i >= 0; --i) {
+          const uint16_t r = half_word(resum, i), e = half_word(engine, i);
+          if (r != e) {
+            ++count;
+            first = (uint64_t(t * p.hidden + int64_t(c) * kChunkElems + i) << 32) | (uint64_t(e) << 16) | r;
+          }
+        }
+      }
+      // Mismatches are the rare path: one pair of atomics per warp that has any.
+      if (__any_sync(kFullMask, count != 0)) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          const unsigned long long f = __shfl_xor_sync(kFullMask, first, o);
+          first = f < first ? f : first;
+          count += __shfl_xor_sync(kFullMask, count, o);
+        }
+        if (lane == 0) {
+          atomicMin(&p.record->first, first);
+          atomicAdd(&p.record->mismatches, count);
+        }
+        if (p.trap) {
+          __threadfence_system();
+          __trap();
         }
       }
     }
-    // Mismatches are the rare path: one pair of atomics per warp that has any.
-    if (__any_sync(kFullMask, count != 0)) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long f = __shfl_xor_sync(kFullMask, first, o);
-        first = f < first ? f : first;
-        count += __shfl_xor_sync(kFullMask, count, o);
-      }
-      if (lane == 0) {
-        atomicMin(&p.record->first, first);
-        atomicAdd(&p.record->mismatches, count);
-      }
-      if (p.trap) {
-        __threadfence_system();
-        __trap();
-      }
-    }
+    if (in_row) __stcs(reinterpret_cast<int4*>(p.y_out) + chunk, out);
   }
-  if (in_row) __stcs(reinterpret_cast<int4*>(p.y_out) + chunk, out);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -213,6 +201,7 @@ Params make_params(const CombineRows& r, bf16* y) {
   p.rows = r.buffer + r.combine_offset;
   p.slot_stride = uint64_t(r.max_tokens * r.hidden) * sizeof(bf16);
   p.hidden = r.hidden;
+  p.num_tokens = r.num_tokens;
   p.chunks_per_row = int(r.hidden / kChunkElems);
   p.top_k = int(r.top_k);
   p.fused = r.fused_shared;
@@ -221,9 +210,20 @@ Params make_params(const CombineRows& r, bf16* y) {
   return p;
 }
 
+// Tokens per CTA: up to kMaxTokensPerCta, so a rule's per-CTA setup is paid once for several
+// tokens, while the grid keeps about kCtasPerSm CTAs per SM (several waves, so the last, partial
+// one costs little; one token per CTA for small calls, which need every CTA they can get).
+constexpr int64_t kMaxTokensPerCta = 4;
+constexpr int64_t kCtasPerSm = 32;
+
 template <typename R>
 void launch_rule(const Params& p, int64_t num_tokens, bool check, cudaStream_t stream) {
-  const dim3 grid(unsigned(num_tokens), unsigned((p.chunks_per_row + kThreads - 1) / kThreads));
+  int device = 0, sms = 0;
+  MOEFQ_CUDA_CHECK(cudaGetDevice(&device));
+  MOEFQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t groups = (p.chunks_per_row + kThreads - 1) / kThreads;
+  const int64_t per_cta = std::clamp<int64_t>(num_tokens * groups / (kCtasPerSm * sms), 1, kMaxTokensPerCta);
+  const dim3 grid{unsigned((num_tokens + per_cta - 1) / per_cta), unsigned(groups)};
   if (check)
     combine_kernel<R, true><<<grid, kThreads, 0, stream>>>(p);
   else

@@ -1,7 +1,8 @@
 // The per-format rules of the QDQ kernels (numerics.md), shared by every kernel that QDQs rows on
 // the device (qdq_kernels.cu, combine_kernels.cu), so each rule is written once. All numerics come
-// from moefq/numerics.h (the combine's sum-exact element rules included). Rule<F>'s constructor may fill a per-CTA table in shared memory with the
-// CTA's first 128 threads: kernels launch at least 128 threads and __syncthreads() after it.
+// from moefq/numerics.h (the combine's sum-exact element rules included). Rule<F>'s constructor may
+// fill a per-CTA table in shared memory with the CTA's first 128 threads: kernels launch at least
+// 128 threads and __syncthreads() after it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,6 +19,56 @@ union Chunk {
   int4 raw;
   T v[kN];
 };
+
+// 16 bytes of outputs: bf16 pairs with one packed conversion each, fp32 as is (NaN canonical).
+__device__ __forceinline__ int4 pack(const float (&v)[8]) {
+  return make_int4(int(bf16x2_round(v[0], v[1])), int(bf16x2_round(v[2], v[3])),
+                   int(bf16x2_round(v[4], v[5])), int(bf16x2_round(v[6], v[7])));
+}
+__device__ __forceinline__ int4 pack(const float (&v)[4]) {
+  Chunk<float> out;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) store_out(&out.v[i], v[i]);
+  return out.raw;
+}
+
+// The combine's unit: one 16-byte chunk of a bf16 row as 4 words of bf16x2 (lo = even element).
+constexpr int kCombineElems = 8;
+using CombineWords = uint32_t[4];
+
+// The chunk's 8 bf16 as fp32 (exact): lo = w << 16, hi = w with the low half cleared.
+__device__ __forceinline__ void unpack(const CombineWords& w, float (&v)[kCombineElems]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = f32_from_bits(w[i] << 16);
+    v[2 * i + 1] = f32_from_bits(w[i] & 0xFFFF0000u);
+  }
+}
+// Each value rounded to bf16 as the CPU quantizer stores it, kept as fp32: one conversion per
+// value, whose packed form with a zero low half is the fp32 bit pattern itself (no unpack).
+__device__ __forceinline__ void round_to_bf16(float (&v)[kCombineElems]) {
+#pragma unroll
+  for (int i = 0; i < kCombineElems; ++i) v[i] = f32_from_bits(bf16x2_round(0.0f, v[i]));
+}
+
+// Bits 0-14 of the result: the max |x| over a block of the combine's rows as a bf16 (sign bit and
+// bits 16-31 unspecified; NaN only when every element is NaN), for a block spanning kLanes
+// consecutive lanes' chunks. The chunk is reduced as packed words (one bf16x2_max_abs per word),
+// then across the lanes, then the two halves.
+template <int kLanes>
+__device__ __forceinline__ uint32_t combine_block_max_bits(const CombineWords& w) {
+  static_assert(kLanes >= 1 && kLanes <= 32 && (32 % kLanes) == 0);
+  uint32_t m = bf16x2_max_abs(bf16x2_max_abs(w[0], w[1]), bf16x2_max_abs(w[2], w[3]));
+#pragma unroll
+  for (int o = 1; o < kLanes; o <<= 1) m = bf16x2_max_abs(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  return bf16x2_max_abs(m, __byte_perm(m, 0u, 0x1032u));
+}
+// The same maximum as fp32, with an all-NaN block giving 0 (the fmaxf reduction from 0 of the
+// scalar kernels, which the block rules were written for).
+template <int kLanes>
+__device__ __forceinline__ float combine_block_max(const CombineWords& w) {
+  return max_ignore_nan(0.0f, abs_mod(f32_from_bits(combine_block_max_bits<kLanes>(w) << 16)));
+}
 
 // Per-format rule: the per-tensor parameters (from the device amax), the per-block reduction and
 // parameter, and the element function. All numerics come from numerics.h. A rule may keep a
@@ -37,10 +88,15 @@ struct Rule<Format::kFp8> {
   __device__ float reduce(float m, float) const { return m; }
   __device__ int block_param(float) const { return 0; }
   __device__ float apply(float x, int) const { return fp8_qdq(x, p); }
-  // The combine's sum-exact counterparts (numerics.h, "Sum-exact element rules").
-  __device__ int sum_block_param(float) const { return 0; }
-  __device__ float apply_sum(float x, int) const { return fp8_qdq_sum(x, p); }
-  __device__ bool sum_needs_bf16_round(int) const { return true; }
+  // The combine's chunk (numerics.h, "Sum-exact element rules"): the 8 values its fp32 sum adds,
+  // each the value of the CPU quantizer's bf16 result. kLanes: lanes per block (none here).
+  template <int kLanes>
+  __device__ void combine_chunk(const CombineWords& w, float (&v)[kCombineElems]) const {
+    unpack(w, v);
+#pragma unroll
+    for (int i = 0; i < kCombineElems; ++i) v[i] = fp8_qdq_sum_signed(v[i], p);
+    round_to_bf16(v);
+  }
 };
 
 template <>
@@ -57,19 +113,19 @@ struct Rule<Format::kInt8> {
   __device__ float apply(float x, int) const {
     return recip ? int8_qdq_recip(x, p, rcp) : int8_qdq(x, p);
   }
-  __device__ int sum_block_param(float) const { return 0; }
   // One (uniform) branch per chunk: the sum-exact path wherever int8_qdq_recip applies.
-  template <int kN>
-  __device__ void apply_chunk_sum(float (&v)[kN], int) const {
+  template <int kLanes>
+  __device__ void combine_chunk(const CombineWords& w, float (&v)[kCombineElems]) const {
+    unpack(w, v);
     if (recip && !p.zero) {
 #pragma unroll
-      for (int i = 0; i < kN; ++i) v[i] = int8_qdq_sum(v[i], p, rcp);
+      for (int i = 0; i < kCombineElems; ++i) v[i] = int8_qdq_sum_signed(v[i], p, rcp);
     } else {
 #pragma unroll
-      for (int i = 0; i < kN; ++i) v[i] = int8_qdq(v[i], p);
+      for (int i = 0; i < kCombineElems; ++i) v[i] = int8_qdq(v[i], p);
     }
+    round_to_bf16(v);
   }
-  __device__ bool sum_needs_bf16_round(int) const { return true; }
 };
 
 struct Nvfp4Block {
@@ -79,10 +135,10 @@ struct Nvfp4Block {
 template <>
 struct Rule<Format::kNvfp4> {
   static constexpr int kBlock = kNvfp4Block;
-  // Every block scale the tensor can have, and its RN reciprocal, by e4m3 code: two divisions
-  // per CTA instead of one per block.
+  // Every block scale the tensor can have and its RN reciprocal ({scale, rcp}, one 8-byte load), by
+  // e4m3 code: two divisions per CTA instead of one per block.
   struct Shared {
-    float scale[128], rcp[128];
+    float2 entry[128];
   };
   float gs, rcp6;
   const Shared& table;
@@ -90,15 +146,14 @@ struct Rule<Format::kNvfp4> {
       : gs(nvfp4_global_scale(*amax)), rcp6(div_rn(1.0f, mul_rn(6.0f, gs))), table(sh) {
     if (threadIdx.x < 128) {
       const float scale = nvfp4_scale_from_code(uint8_t(threadIdx.x), gs);
-      sh.scale[threadIdx.x] = scale;
-      sh.rcp[threadIdx.x] = div_rn(1.0f, scale);
+      sh.entry[threadIdx.x] = make_float2(scale, div_rn(1.0f, scale));
     }
   }
   __device__ float reduce(float m, float x) const { return max_ignore_nan(m, abs_f32(x)); }
   __device__ Nvfp4Block block_param(float bmax) const {
     const uint8_t sf = nvfp4_block_code_recip(bmax, gs, rcp6);  // 0..0x7F (bmax >= 0)
-    const float rcp = table.rcp[sf];
-    return {table.scale[sf], rcp, nvfp4_block_needs_clamp(bmax, rcp)};
+    const float2 e = table.entry[sf];
+    return {e.x, e.y, nvfp4_block_needs_clamp(bmax, e.y)};
   }
   // The clamp is needed only in blocks with |x| far beyond the scale (data above the calibrated
   // amax, or inf).
@@ -117,18 +172,25 @@ struct Rule<Format::kNvfp4> {
       for (int i = 0; i < kN; ++i) v[i] = nvfp4_qdq_recip<false>(v[i], b.scale, b.rcp);
     }
   }
-  __device__ Nvfp4Block sum_block_param(float bmax) const { return block_param(bmax); }
-  template <int kN>
-  __device__ void apply_chunk_sum(float (&v)[kN], Nvfp4Block b) const {
-    if (__any_sync(0xFFFFFFFFu, b.clamp)) {
+  // The combine's chunk. The element rule is chosen per warp (uniform branches): the tame rule when
+  // every block of the warp is tame (calibrated data), else the clamped or unclamped rule.
+  template <int kLanes>
+  __device__ void combine_chunk(const CombineWords& w, float (&v)[kCombineElems]) const {
+    unpack(w, v);
+    const float bmax = combine_block_max<kLanes>(w);
+    const Nvfp4Block b = block_param(bmax);
+    if (__all_sync(0xFFFFFFFFu, nvfp4_block_is_tame(bmax, b.rcp))) {
 #pragma unroll
-      for (int i = 0; i < kN; ++i) v[i] = nvfp4_qdq_sum<true>(v[i], b.scale, b.rcp);
+      for (int i = 0; i < kCombineElems; ++i) v[i] = nvfp4_qdq_sum_tame(v[i], b.scale, b.rcp);
+    } else if (__any_sync(0xFFFFFFFFu, b.clamp)) {
+#pragma unroll
+      for (int i = 0; i < kCombineElems; ++i) v[i] = nvfp4_qdq_sum<true>(v[i], b.scale, b.rcp);
     } else {
 #pragma unroll
-      for (int i = 0; i < kN; ++i) v[i] = nvfp4_qdq_sum<false>(v[i], b.scale, b.rcp);
+      for (int i = 0; i < kCombineElems; ++i) v[i] = nvfp4_qdq_sum<false>(v[i], b.scale, b.rcp);
     }
+    round_to_bf16(v);
   }
-  __device__ bool sum_needs_bf16_round(Nvfp4Block) const { return true; }
 };
 
 // mxfp8 and mxfp4 differ only in the element format.
@@ -171,6 +233,25 @@ struct MxRule {
     }
   }
   __device__ bool sum_needs_bf16_round(SumScale b) const { return kFp8 && b.e < -124; }
+  // The combine's chunk: blocks that mx_packed_block accepts (all but zero, inf or NaN maxima and
+  // extreme exponents) QDQ two elements per instruction on the packed words and only unpack the
+  // results, which are bf16 values; the others take the scalar rules above.
+  // The branch is per block (4 lanes); a warp diverges only where such a block occurs.
+  template <int kLanes>
+  __device__ void combine_chunk(const CombineWords& w, float (&v)[kCombineElems]) const {
+    const uint32_t m = combine_block_max_bits<kLanes>(w);
+    const MxPacked b = mx_packed_block<kFp8>(m);
+    if (b.ok) {
+      const CombineWords r = {mx_qdq_sum_unscaled_x2<kFp8>(w[0], b.floor2), mx_qdq_sum_unscaled_x2<kFp8>(w[1], b.floor2),
+                              mx_qdq_sum_unscaled_x2<kFp8>(w[2], b.floor2), mx_qdq_sum_unscaled_x2<kFp8>(w[3], b.floor2)};
+      unpack(r, v);
+    } else {
+      unpack(w, v);
+      const SumScale s = sum_block_param(max_ignore_nan(0.0f, abs_mod(f32_from_bits(m << 16))));
+      apply_chunk_sum(v, s);
+      if (sum_needs_bf16_round(s)) round_to_bf16(v);
+    }
+  }
 };
 template <>
 struct Rule<Format::kMxfp8> : MxRule<Format::kMxfp8> {
@@ -180,17 +261,5 @@ template <>
 struct Rule<Format::kMxfp4> : MxRule<Format::kMxfp4> {
   using MxRule::MxRule;
 };
-
-// 16 bytes of outputs: bf16 pairs with one packed conversion each, fp32 as is (NaN canonical).
-__device__ __forceinline__ int4 pack(const float (&v)[8]) {
-  return make_int4(int(bf16x2_round(v[0], v[1])), int(bf16x2_round(v[2], v[3])),
-                   int(bf16x2_round(v[4], v[5])), int(bf16x2_round(v[6], v[7])));
-}
-__device__ __forceinline__ int4 pack(const float (&v)[4]) {
-  Chunk<float> out;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) store_out(&out.v[i], v[i]);
-  return out.raw;
-}
 
 }  // namespace moefq::cuda::rules

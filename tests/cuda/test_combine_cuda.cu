@@ -178,11 +178,15 @@ __global__ void sum_rules_kernel(const float* amaxes, int num_amax, unsigned lon
   if (int(blockIdx.y) < num_amax) {
     const float amax = amaxes[blockIdx.y];
     const Fp8Params fp = fp8_params(amax);
-    if (!same_in_sum(bf16_value(fp8_qdq(x, fp)), bf16_value(fp8_qdq_sum(x, fp)))) atomicAdd(&bad[2], 1ull);
+    const float fp8_want = bf16_value(fp8_qdq(x, fp));
+    if (!same_in_sum(fp8_want, bf16_value(fp8_qdq_sum(x, fp)))) atomicAdd(&bad[2], 1ull);
+    if (!same_in_sum(fp8_want, bf16_value(fp8_qdq_sum_signed(x, fp)))) atomicAdd(&bad[2], 1ull);
     const Int8Params ip = int8_params(amax);
-    if (amax < 1.7014118e38f && !ip.zero &&
-        !same_in_sum(bf16_value(int8_qdq(x, ip)), bf16_value(int8_qdq_sum(x, ip, div_rn(1.0f, ip.s)))))
-      atomicAdd(&bad[3], 1ull);
+    if (amax < 1.7014118e38f && !ip.zero) {
+      const float rcp = div_rn(1.0f, ip.s), want = bf16_value(int8_qdq(x, ip));
+      if (!same_in_sum(want, bf16_value(int8_qdq_sum(x, ip, rcp)))) atomicAdd(&bad[3], 1ull);
+      if (!same_in_sum(want, bf16_value(int8_qdq_sum_signed(x, ip, rcp)))) atomicAdd(&bad[3], 1ull);
+    }
     const float gs = nvfp4_global_scale(amax);
     for (int sf = 0; sf < 128; ++sf) {
       const float scale = nvfp4_scale_from_code(uint8_t(sf), gs), r = div_rn(1.0f, scale);
@@ -191,6 +195,9 @@ __global__ void sum_rules_kernel(const float* amaxes, int num_amax, unsigned lon
       if (!same_in_sum(want, bf16_value(nvfp4_qdq_sum<true>(x, scale, r)))) atomicAdd(&bad[4], 1ull);
       if (!nvfp4_block_needs_clamp(abs_f32(x), r) && !same_in_sum(want, bf16_value(nvfp4_qdq_sum<false>(x, scale, r))))
         atomicAdd(&bad[4], 1ull);
+      // The tame rule on every x a tame block can hold (|x| <= bmax, and the test is monotone in bmax).
+      if (nvfp4_block_is_tame(abs_f32(x), r) && !same_in_sum(want, bf16_value(nvfp4_qdq_sum_tame(x, scale, r))))
+        atomicAdd(&bad[9], 1ull);
     }
   } else {
     const int e = int(blockIdx.y) - num_amax - 127;
@@ -210,6 +217,28 @@ __global__ void sum_rules_kernel(const float* amaxes, int num_amax, unsigned lon
     if (mx_unscaled_ok<false>(e) && (is_nan(x) || abs_f32(x) <= b4.sat) &&
         !unscaled_ok(bf16_value(mxfp4_qdq(x, s)), mx_qdq_sum_unscaled<false>(x, b4)))
       atomicAdd(&bad[8], 1ull);
+    // The packed rule (two elements per word), where the combine takes it: every x in the low half
+    // and, in the high half, every x again in another order; a half the block cannot hold (|x| >
+    // M * 2^e) is left 0 and not checked. Results are bf16 values by construction.
+    const uint16_t xb = uint16_t(blockIdx.x * blockDim.x + threadIdx.x), yb = uint16_t(xb * 40503u + 17u);
+    const float y = bf16_to_f32(yb);
+    if (e >= kMxPackedMinExp && e <= kMxPackedMaxExp) {
+      const auto packed_ok = [&](const MxBounds& b, float v, float want, uint16_t got) {
+        return !(is_nan(v) || abs_f32(v) <= b.sat) || same_in_sum(want, bf16_to_f32(got));
+      };
+      const auto fits = [](const MxBounds& b, float v) { return is_nan(v) || abs_f32(v) <= b.sat; };
+      const uint32_t f8 = f32_bits(b8.floor) >> 16, f4 = f32_bits(b4.floor) >> 16;
+      const uint32_t w8 = (fits(b8, x) ? xb : 0u) | ((fits(b8, y) ? uint32_t(yb) : 0u) << 16);
+      const uint32_t w4 = (fits(b4, x) ? xb : 0u) | ((fits(b4, y) ? uint32_t(yb) : 0u) << 16);
+      const uint32_t g8 = mx_qdq_sum_unscaled_x2<true>(w8, f8 | (f8 << 16));
+      const uint32_t g4 = mx_qdq_sum_unscaled_x2<false>(w4, f4 | (f4 << 16));
+      if ((f32_bits(b8.floor) & 0xFFFFu) || (f32_bits(b4.floor) & 0xFFFFu) ||
+          !packed_ok(b8, x, bf16_value(mxfp8_qdq(x, s)), uint16_t(g8)) ||
+          !packed_ok(b8, y, bf16_value(mxfp8_qdq(y, s)), uint16_t(g8 >> 16)) ||
+          !packed_ok(b4, x, bf16_value(mxfp4_qdq(x, s)), uint16_t(g4)) ||
+          !packed_ok(b4, y, bf16_value(mxfp4_qdq(y, s)), uint16_t(g4 >> 16)))
+        atomicAdd(&bad[10], 1ull);
+    }
     // The division-free block exponent, on every bf16 block maximum (and +inf).
     if (e == 0 && x >= 0.0f && !is_nan(x)) {
       if (mx_block_exponent_bf16<true>(x) != mx_block_exponent(x, kE4m3Max)) atomicAdd(&bad[7], 1ull);
@@ -218,14 +247,51 @@ __global__ void sum_rules_kernel(const float* amaxes, int num_amax, unsigned lon
       if (x > mx_unscaled_bounds<true>(exp2i(mx_block_exponent_bf16<true>(x))).sat) atomicAdd(&bad[8], 1ull);
       if (x > mx_unscaled_bounds<false>(exp2i(mx_block_exponent_bf16<false>(x))).sat) atomicAdd(&bad[8], 1ull);
     }
+    // The packed rule's block parameters, on every bf16 maximum bits (sign and upper half ignored):
+    // where accepted, the block exponent is mx_block_exponent_bf16's, inside the packed range, and
+    // the floor is mx_unscaled_bounds' in both halves.
+    if (e == 0) {
+      const float bmax = abs_f32(x);
+      const MxPacked p8 = mx_packed_block<true>(xb | 0xA5A50000u), p4 = mx_packed_block<false>(xb | 0x5A5A8000u);
+      const auto same = [](const MxPacked& p, int pe, float floor) {
+        const uint32_t fb = f32_bits(floor) >> 16;
+        return pe >= kMxPackedMinExp && pe <= kMxPackedMaxExp && p.floor2 == (fb | (fb << 16));
+      };
+      const int e8 = mx_block_exponent_bf16<true>(bmax), e4 = mx_block_exponent_bf16<false>(bmax);
+      if (p8.ok && (is_nan(x) || !same(p8, e8, mx_unscaled_bounds<true>(exp2i(e8)).floor))) atomicAdd(&bad[11], 1ull);
+      if (p4.ok && (is_nan(x) || !same(p4, e4, mx_unscaled_bounds<false>(exp2i(e4)).floor))) atomicAdd(&bad[11], 1ull);
+      // Every maximum of a finite, non-zero block in the packed range is accepted.
+      if (!is_nan(x) && is_finite(x) && bmax > 0.0f) {
+        if (!p8.ok && e8 >= kMxPackedMinExp && e8 <= kMxPackedMaxExp) atomicAdd(&bad[11], 1ull);
+        if (!p4.ok && e4 >= kMxPackedMinExp && e4 <= kMxPackedMaxExp) atomicAdd(&bad[11], 1ull);
+      }
+    }
+  }
+}
+
+// bf16x2_max_abs on every pair of bf16 (a, b) (2^32 pairs, in slices), both halves and both
+// orders: the magnitude is max(|a|, |b|) over the non-NaN of the two, NaN only when both are NaN.
+__global__ void max_abs_kernel(uint32_t base, unsigned long long* bad) {
+  const uint32_t i = base + blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t a = i & 0xFFFFu, b = i >> 16;
+  const uint32_t r = bf16x2_max_abs(a | (b << 16), b | (a << 16));
+  const float fa = abs_f32(bf16_to_f32(uint16_t(a))), fb = abs_f32(bf16_to_f32(uint16_t(b)));
+  const float want = is_nan(fa) ? fb : (is_nan(fb) ? fa : (fa > fb ? fa : fb));
+  for (int h = 0; h < 32; h += 16) {
+    const float got = bf16_to_f32(uint16_t((r >> h) & 0x7FFFu));
+    if (is_nan(want) ? !is_nan(got) : f32_bits(got) != f32_bits(want)) atomicAdd(&bad[12], 1ull);
   }
 }
 
 TEST(CombineCuda, SumExactRulesEqualTheQdqRulesOnEveryInput) {
   SKIP_WITHOUT_GPU();
-  DeviceBuffer<unsigned long long> bad(std::vector<unsigned long long>(9, 0));
+  DeviceBuffer<unsigned long long> bad(std::vector<unsigned long long>(13, 0));
   for (uint64_t base = 0; base < (1ull << 31); base += (1ull << 28)) {
     sum_cores_kernel<<<(1u << 28) / 256, 256>>>(uint32_t(base), bad.get());
+    MOEFQ_CUDA_CHECK_LAUNCH();
+  }
+  for (uint64_t base = 0; base < (1ull << 32); base += (1ull << 28)) {
+    max_abs_kernel<<<(1u << 28) / 256, 256>>>(uint32_t(base), bad.get());
     MOEFQ_CUDA_CHECK_LAUNCH();
   }
   std::vector<float> amaxes = {0.0f, 1e-40f, 1e-30f, 5.9604644775390625e-08f, 6e-8f, 1e-6f, 0.5f, 1.0f, 448.0f,
@@ -238,10 +304,11 @@ TEST(CombineCuda, SumExactRulesEqualTheQdqRulesOnEveryInput) {
                                                                              bad.get());
   MOEFQ_CUDA_CHECK_LAUNCH();
   const auto b = bad.download();
-  const char* names[] = {"e4m3 rounding core", "e2m1 rounding core", "fp8",   "int8",
-                         "nvfp4",              "mxfp8",              "mxfp4", "mx block exponent",
-                         "mx unscaled"};
-  for (int i = 0; i < 9; ++i) EXPECT_EQ(b[size_t(i)], 0u) << names[i] << ": inputs where the sum-exact rule differs";
+  const char* names[] = {"e4m3 rounding core", "e2m1 rounding core", "fp8",          "int8",
+                         "nvfp4",              "mxfp8",              "mxfp4",        "mx block exponent",
+                         "mx unscaled",        "nvfp4 tame",         "mx packed",    "mx packed block",
+                         "bf16x2 max abs"};
+  for (int i = 0; i < 13; ++i) EXPECT_EQ(b[size_t(i)], 0u) << names[i] << ": inputs where the sum-exact rule differs";
 }
 
 TEST(CombineCuda, PlainCombineEqualsCpu) {
@@ -303,6 +370,46 @@ TEST(CombineCuda, QdqCombineEqualsCpuEveryFormat) {
           MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
           EXPECT_TRUE(test::bytes_equal(reference(h, f, amax), y.download()));
         }
+    }
+}
+
+// Blocks of every magnitude the formats' rules branch on, side by side in one warp: each 32-element
+// block of a row gets its own exponent (2^-133 up to near bf16's maximum), and some hold inf, NaN,
+// zeros or one huge outlier. This takes the mx rules' scalar fallback (zero, tiny, huge, inf and NaN
+// maxima) next to the packed rule, and nvfp4's tame, unclamped and clamped rules in the same warp.
+TEST(CombineCuda, QdqCombineEqualsCpuOnExtremeBlocks) {
+  SKIP_WITHOUT_GPU();
+  const Shape s{24, 8, 1024, true, 21};
+  HostRows h = make_rows(s, 77, false);
+  std::mt19937_64 rng(78);
+  for (int64_t t = 0; t < s.num_tokens; ++t)
+    for (int64_t k = 0; k <= s.K; ++k) {
+      if (k < s.K && !h.active(t, k)) continue;
+      bf16* row = h.row(k, t);
+      for (int64_t c0 = 0; c0 < s.H; c0 += 32) {
+        const int kind = int(rng() % 12);
+        const int exp = int(rng() % 262) - 133;  // block magnitude 2^exp, [-133, 128]
+        for (int64_t c = c0; c < c0 + 32; ++c) {
+          float v = std::ldexp(float(rng() % 4096) / 2048.0f - 1.0f, exp - int(rng() % 12));
+          if (kind == 0) v = 0.0f;
+          if (kind == 1 && rng() % 4 == 0) v = (rng() % 2) ? INFINITY : -INFINITY;
+          if (kind == 2 && rng() % 3 != 0) v = std::nanf("");
+          if (kind == 3 && c == c0 + int64_t(rng() % 32)) v = 3e38f;
+          row[c] = bf16{bf16_round(v)};
+        }
+      }
+    }
+  DeviceRows d(h);
+  DeviceBuffer<bf16> y(size_t(s.num_tokens * s.H));
+  const float calibrated = routed_amax(h);
+  for (float amax : {calibrated, calibrated / 1e20f, 1e-30f, 2688.0f, INFINITY})
+    for (Format f : kAllFormats) {
+      if (!format_has_global_amax(f) && amax != calibrated) continue;
+      SCOPED_TRACE(std::string(format_name(f)) + " amax " + std::to_string(amax));
+      DeviceBuffer<float> d_amax(std::vector<float>{amax});
+      cuda::launch_combine_qdq(d.rows, true, f, format_has_global_amax(f) ? d_amax.get() : nullptr, {}, y.get(),
+                               nullptr);
+      EXPECT_TRUE(test::bytes_equal(reference(h, f, amax), y.download()));
     }
 }
 

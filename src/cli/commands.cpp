@@ -39,7 +39,7 @@ int run(int argc, char** argv) {
   app.footer("Run 'moefq COMMAND --help' for a command's options and an example.");
   // The main job first: `moefq --help` lists the subcommands in this order.
   std::vector<std::function<int()>> actions = {add_eval_command(app), add_calibrate_command(app), add_qdq_command(app),
-                                               add_bench_command(app)};
+                                               add_bench_command(app), add_launch_command(app)};
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -19,6 +19,7 @@ std::function<int()> add_eval_command(CLI::App& app);
 std::function<int()> add_calibrate_command(CLI::App& app);
 std::function<int()> add_qdq_command(CLI::App& app);
 std::function<int()> add_bench_command(CLI::App& app);
+std::function<int()> add_launch_command(CLI::App& app);
 
 // Device selection shared by commands: "auto" (cuda when a GPU is visible), "cpu" or "cuda".
 // Returns true for cuda; throws a bad-input error for an unknown name or cuda without a GPU.

@@ -97,11 +97,12 @@ struct Layout {
   }
 };
 
-// A CTA's tile: group, first row, the two column blocks' first columns (inside the group's n),
-// whether the second block exists.
+// A CTA's tile: group, its rows (at most BM; fewer or none in a group's last m-tile) starting at
+// global row row0, the two column blocks' first columns (inside the group's n), whether the
+// second block exists.
 struct Tile {
-  int g, m0;
-  int64_t n0, n1;
+  int g, rows;
+  int64_t row0, n0, n1;
   bool has1;
 };
 
@@ -117,8 +118,9 @@ __device__ __forceinline__ Tile decode_tile(const KernelParams& p, int t, const 
       hi = mid - 1;
   }
   const int local = t - prefix[lo];
+  const int m0 = (local / p.n_tiles) * bm;
   const int64_t n0 = int64_t(local % p.n_tiles) * p.tile_step;
-  return {lo, (local / p.n_tiles) * bm, n0, n0 + p.pair_step, n0 + p.pair_step < p.n};
+  return {lo, min(bm, p.counts[lo] - m0), int64_t(p.row_offset[lo]) + m0, n0, n0 + p.pair_step, n0 + p.pair_step < p.n};
 }
 
 __device__ __forceinline__ uint32_t pick4(const uint32_t (&v)[4], int i) {
@@ -158,8 +160,8 @@ __device__ __forceinline__ void tma_producer_e4m3(const KernelParams& p, uint8_t
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
-    const int rows = min(kBM, p.counts[tl.g] - tl.m0);
-    const int64_t row0 = int64_t(p.row_offset[tl.g]) + tl.m0;
+    const int rows = tl.rows;
+    const int64_t row0 = tl.row0;
     const float* bs = p.b_scale_all ? p.b_scale_all + int64_t(tl.g) * (p.n / 128) * p.num_kb : p.b_scale[tl.g];
     const int32_t brow0 = int32_t(int64_t(tl.g) * p.n + tl.n0), brow1 = int32_t(int64_t(tl.g) * p.n + tl.n1);
     const float* bsrow = bs + (lane == 0 ? tl.n0 : tl.n1) / 128 * p.num_kb;  // lanes 0 and 1
@@ -249,8 +251,8 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
       uint32_t phase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
-        const int rows = min(kBM, p.counts[tl.g] - tl.m0);
-        const int64_t row0 = int64_t(p.row_offset[tl.g]) + tl.m0;
+        const int rows = tl.rows;
+        const int64_t row0 = tl.row0;
         const uint8_t* bw = kTma ? nullptr : static_cast<const uint8_t*>(p.b[tl.g]);
         const float* bs = kBf16 ? nullptr : p.b_scale[tl.g];
         const int nblk = tl.has1 ? 2 : 1;
@@ -366,8 +368,8 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
     };
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
-      const int rows = min(kBM, p.counts[tl.g] - tl.m0);
-      const int64_t row0 = int64_t(p.row_offset[tl.g]) + tl.m0;
+      const int rows = tl.rows;
+      const int64_t row0 = tl.row0;
 #pragma unroll
       for (int i = 0; i < 64; ++i) sum0[i] = sum1[i] = 0.0f;
       // The epilogue's per-row operands, loaded now so that their latency hides behind the k loop.

@@ -569,7 +569,7 @@ MOEFQ_HD float stage_decode(uint8_t x8, float scale) { return mul_rn(e4m3_decode
 // combine compute-bound). Used by src/cuda/qdq_rules.cuh;
 // tests/cuda/test_combine_cuda.cu proves each on every input it can get.
 
-// min / max that return NaN when an operand is NaN (fminf/fmaxf drop it).
+// min that returns NaN when an operand is NaN (fminf drops it).
 MOEFQ_HD float min_nan(float a, float b) {
 #if defined(__CUDA_ARCH__)
   float r;
@@ -577,15 +577,6 @@ MOEFQ_HD float min_nan(float a, float b) {
   return r;
 #else
   return is_nan(a) || is_nan(b) ? canonical_nan_f32() : (b < a ? b : a);
-#endif
-}
-MOEFQ_HD float max_nan(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return is_nan(a) || is_nan(b) ? canonical_nan_f32() : (b > a ? b : a);
 #endif
 }
 // max(c, floor) for a c that may be NaN: the floor then (fmaxf's rule; the host spells it out).
@@ -633,17 +624,6 @@ MOEFQ_HD float e2m1_round_sat_mag(float v) {
   return round_on_mid<22>(v, max_or_floor(binade_mid(v), 1.5f));
 }
 
-// fp8_qdq: the same product |x| * s, rounded as above, times si, with x's sign.
-MOEFQ_HD float fp8_qdq_sum(float x, Fp8Params p) {
-  return copysign_f32(mul_rn(e4m3_round_sat_mag(mul_rn(abs_mod(x), p.s)), p.si), x);
-}
-// int8_qdq_recip (for an amax with !zero and amax < 2^127): clamping to +-127 before rounding
-// gives the same integer (the bounds are integers), and adding then subtracting 1.5 * 2^23 rounds
-// |v| <= 127 to an integer, ties to even, as rint does; NaN stays NaN through the clamps.
-MOEFQ_HD float int8_qdq_sum(float x, Int8Params p, float rcp) {
-  const float v = max_nan(min_nan(mul_rn(x, p.s), 127.0f), -127.0f);
-  return div_rn_recip(add_rn(add_rn(v, 12582912.0f), -12582912.0f), p.s, rcp);
-}
 // nvfp4_qdq_recip<kClamp> without its +0 rule.
 template <bool kClamp>
 MOEFQ_HD float nvfp4_qdq_sum(float x, float scale, float rcp) {
@@ -741,15 +721,16 @@ MOEFQ_HD uint32_t and_or(uint32_t u, uint32_t mask, uint32_t set) {
 // sign(v) * binade_mid(|v|).
 MOEFQ_HD float binade_mid_signed(float v) { return f32_from_bits(and_or(f32_bits(v), 0xFF800000u, 0x00400000u)); }
 
-// fp8_qdq_sum, signed: x * s rounds as |x| * s does up to sign, the saturation keeps the sign, and
-// the rounding core with a signed C rounds the signed value (C = +-1.5 * 2^(E + 20), E floored at
-// -6). Same value as fp8_qdq_sum for every x (a zero may differ in sign).
-MOEFQ_HD float fp8_qdq_sum_signed(float x, Fp8Params p) {
+// fp8_qdq: the product x * s, saturated at +-448 with its sign kept, rounded by the e4m3 core with
+// a signed C (C = +-1.5 * 2^(E + 20), E floored at -6; RN is sign-symmetric), times si.
+MOEFQ_HD float fp8_qdq_sum(float x, Fp8Params p) {
   const float v = clamp_abs_nan(mul_rn(x, p.s), kE4m3Max);
   return mul_rn(round_on_mid<20>(v, max_abs_signed(binade_mid_signed(v), 0.0234375f)), p.si);
 }
-// int8_qdq_sum with the clamp to [-127, 127] as one signed saturation.
-MOEFQ_HD float int8_qdq_sum_signed(float x, Int8Params p, float rcp) {
+// int8_qdq_recip (for an amax with !zero and amax < 2^127): clamping to +-127 (one signed
+// saturation) before rounding gives the same integer (the bounds are integers), and adding then
+// subtracting 1.5 * 2^23 rounds |v| <= 127 to an integer, ties to even, as rint does; NaN stays NaN.
+MOEFQ_HD float int8_qdq_sum(float x, Int8Params p, float rcp) {
   const float v = clamp_abs_nan(mul_rn(x, p.s), 127.0f);
   return div_rn_recip(add_rn(add_rn(v, 12582912.0f), -12582912.0f), p.s, rcp);
 }

@@ -94,7 +94,7 @@ struct Rule<Format::kFp8> {
   __device__ void combine_chunk(const CombineWords& w, float (&v)[kCombineElems]) const {
     unpack(w, v);
 #pragma unroll
-    for (int i = 0; i < kCombineElems; ++i) v[i] = fp8_qdq_sum_signed(v[i], p);
+    for (int i = 0; i < kCombineElems; ++i) v[i] = fp8_qdq_sum(v[i], p);
     round_to_bf16(v);
   }
 };
@@ -119,7 +119,7 @@ struct Rule<Format::kInt8> {
     unpack(w, v);
     if (recip && !p.zero) {
 #pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) v[i] = int8_qdq_sum_signed(v[i], p, rcp);
+      for (int i = 0; i < kCombineElems; ++i) v[i] = int8_qdq_sum(v[i], p, rcp);
     } else {
 #pragma unroll
       for (int i = 0; i < kCombineElems; ++i) v[i] = int8_qdq(v[i], p);

@@ -123,6 +123,14 @@ __device__ __forceinline__ Tile decode_tile(const KernelParams& p, int t, const 
   return {lo, min(bm, p.counts[lo] - m0), int64_t(p.row_offset[lo]) + m0, n0, n0 + p.pair_step, n0 + p.pair_step < p.n};
 }
 
+// The stage ring every role walks: the next of `stages` stages, flipping the phase parity on wrap.
+__device__ __forceinline__ void next_stage(int& s, uint32_t& phase, int stages) {
+  if (++s == stages) {
+    s = 0;
+    phase ^= 1;
+  }
+}
+
 __device__ __forceinline__ uint32_t pick4(const uint32_t (&v)[4], int i) {
   return i == 0 ? v[0] : (i == 1 ? v[1] : (i == 2 ? v[2] : v[3]));
 }
@@ -160,8 +168,6 @@ __device__ __forceinline__ void tma_producer_e4m3(const KernelParams& p, uint8_t
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
-    const int rows = tl.rows;
-    const int64_t row0 = tl.row0;
     const float* bs = p.b_scale_all ? p.b_scale_all + int64_t(tl.g) * (p.n / 128) * p.num_kb : p.b_scale[tl.g];
     const int32_t brow0 = int32_t(int64_t(tl.g) * p.n + tl.n0), brow1 = int32_t(int64_t(tl.g) * p.n + tl.n1);
     const float* bsrow = bs + (lane == 0 ? tl.n0 : tl.n1) / 128 * p.num_kb;  // lanes 0 and 1
@@ -172,21 +178,18 @@ __device__ __forceinline__ void tma_producer_e4m3(const KernelParams& p, uint8_t
       const uint32_t fb = smem_addr(&full[s]);
       if (lane == 0) {
         mbar_arrive_expect_tx(fb, kABytes + (tl.has1 ? 2 : 1) * kBBytes);
-        tma_load_2d(sa, &p.tmap_a, kb * 128, int32_t(row0), fb);
+        tma_load_2d(sa, &p.tmap_a, kb * 128, int32_t(tl.row0), fb);
         tma_load_2d(sa + kABytes, &p.tmap_b, kb * 128, brow0, fb);
         if (tl.has1) tma_load_2d(sa + kABytes + kBBytes, &p.tmap_b, kb * 128, brow1, fb);
       }
       if (lane < (tl.has1 ? 2 : 1)) cp_async_4(sc + (kBM + lane) * 4, bsrow + kb, 4);
 #pragma unroll
       for (int r = lane; r < kBM; r += 32) {
-        const bool v = r < rows;
-        cp_async_4(sc + r * 4, v ? p.a_scale + (row0 + r) * p.lda_scale + kb : p.a_scale, v ? 4 : 0);
+        const bool v = r < tl.rows;
+        cp_async_4(sc + r * 4, v ? p.a_scale + (tl.row0 + r) * p.lda_scale + kb : p.a_scale, v ? 4 : 0);
       }
       cp_async_arrive_noinc(fb);
-      if (++s == p.stages) {
-        s = 0;
-        phase ^= 1;
-      }
+      next_stage(s, phase, p.stages);
     }
   }
   cp_async_wait_all();
@@ -251,8 +254,6 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
       uint32_t phase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
-        const int rows = tl.rows;
-        const int64_t row0 = tl.row0;
         const uint8_t* bw = kTma ? nullptr : static_cast<const uint8_t*>(p.b[tl.g]);
         const float* bs = kBf16 ? nullptr : p.b_scale[tl.g];
         const int nblk = tl.has1 ? 2 : 1;
@@ -292,14 +293,14 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
             const int ch = t & 7;
 #pragma unroll 4
             for (int r = t >> 3; r < kBM; r += 16) {
-              const bool v = r < rows;
-              cp_async_16(sa + r * 128 + ((ch ^ (r & 7)) << 4), v ? p.a + (row0 + r) * p.lda + kbyte + ch * 16 : p.a,
+              const bool v = r < tl.rows;
+              cp_async_16(sa + r * 128 + ((ch ^ (r & 7)) << 4), v ? p.a + (tl.row0 + r) * p.lda + kbyte + ch * 16 : p.a,
                           v ? 16 : 0);
             }
           }
           if (t < kBM) {
-            const bool v = t < rows;
-            cp_async_4(sc + t * 4, v ? p.a_scale + (row0 + t) * p.lda_scale + kb : p.a_scale, v ? 4 : 0);
+            const bool v = t < tl.rows;
+            cp_async_4(sc + t * 4, v ? p.a_scale + (tl.row0 + t) * p.lda_scale + kb : p.a_scale, v ? 4 : 0);
           }
           cp_async_arrive_noinc(smem_addr(&full[s]));
           if constexpr (kBf16) {
@@ -307,7 +308,7 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
             const int ch = t & 7;
             for (int r = t >> 3; r < kBM; r += 16) {
               uint4 v = make_uint4(0, 0, 0, 0);
-              if (r < rows) v = __ldg(reinterpret_cast<const uint4*>(p.a + (row0 + r) * p.lda + kbyte + ch * 16));
+              if (r < tl.rows) v = __ldg(reinterpret_cast<const uint4*>(p.a + (tl.row0 + r) * p.lda + kbyte + ch * 16));
               const uint4 o0 = make_uint4(e4m3x2_to_bf16x2(v.x), e4m3x2_to_bf16x2(v.x >> 16), e4m3x2_to_bf16x2(v.y),
                                           e4m3x2_to_bf16x2(v.y >> 16));
               const uint4 o1 = make_uint4(e4m3x2_to_bf16x2(v.z), e4m3x2_to_bf16x2(v.z >> 16), e4m3x2_to_bf16x2(v.w),
@@ -324,10 +325,7 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
             fence_proxy_async();
             mbar_arrive(smem_addr(&full[s]));
           }
-          if (++s == num_stages) {
-            s = 0;
-            phase ^= 1;
-          }
+          next_stage(s, phase, num_stages);
         }
       }
       cp_async_wait_all();
@@ -368,21 +366,19 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
     };
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
-      const int rows = tl.rows;
-      const int64_t row0 = tl.row0;
 #pragma unroll
       for (int i = 0; i < 64; ++i) sum0[i] = sum1[i] = 0.0f;
       // The epilogue's per-row operands, loaded now so that their latency hides behind the k loop.
-      const bool valid[2] = {r0 < rows, r0 + 8 < rows};
+      const bool valid[2] = {r0 < tl.rows, r0 + 8 < tl.rows};
       bf16* out_row[2] = {nullptr, nullptr};
       float weight[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         if (!valid[i]) continue;
         if constexpr (kEpi == Epi::kStore)
-          out_row[i] = p.store.row_out[row0 + r0 + 8 * i];
+          out_row[i] = p.store.row_out[tl.row0 + r0 + 8 * i];
         else
-          weight[i] = p.swiglu.row_weight[row0 + r0 + 8 * i];
+          weight[i] = p.swiglu.row_weight[tl.row0 + r0 + 8 * i];
       }
       for (int kb = 0; kb < p.num_kb; ++kb) {
         mbar_wait(smem_addr(&full[s]), phase);
@@ -407,10 +403,7 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
           release();
           promote(sum1, f10, f11);
         }
-        if (++s == num_stages) {
-          s = 0;
-          phase ^= 1;
-        }
+        next_stage(s, phase, num_stages);
       }
 
       if constexpr (kEpi == Epi::kStore) {
@@ -464,7 +457,7 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
           amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xFFFFFFFFu, amax[i], 2));
           const float sf = stage_scale(amax[i]);
           const float inv = div_rn(1.0f, sf);
-          const int64_t row = row0 + r0 + 8 * i;
+          const int64_t row = tl.row0 + r0 + 8 * i;
           uint8_t* h8 = valid[i] ? e.h8 + row * e.ldh + tl.n0 : nullptr;
 #pragma unroll
           for (int jb = 0; jb < 4; ++jb) {

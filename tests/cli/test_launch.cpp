@@ -451,12 +451,16 @@ class RankEnvTest : public ::testing::Test {
   std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
 };
 
+void expect_ranks(const RankEnv& env, int rank, int world_size, int local_rank, int local_world_size) {
+  EXPECT_EQ(env.rank, rank);
+  EXPECT_EQ(env.world_size, world_size);
+  EXPECT_EQ(env.local_rank, local_rank);
+  EXPECT_EQ(env.local_world_size, local_world_size);
+}
+
 TEST_F(RankEnvTest, NoVariablesIsRankZeroOfOne) {
   const RankEnv env = rank_env();
-  EXPECT_EQ(env.rank, 0);
-  EXPECT_EQ(env.world_size, 1);
-  EXPECT_EQ(env.local_rank, 0);
-  EXPECT_EQ(env.local_world_size, 1);
+  expect_ranks(env, 0, 1, 0, 1);
   EXPECT_EQ(env.rendezvous, "");
 }
 
@@ -464,20 +468,13 @@ TEST_F(RankEnvTest, AllFourVariables) {
   set({{"RANK", "5"}, {"WORLD_SIZE", "16"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "8"},
        {"MOEFQ_RENDEZVOUS", "/tmp/x"}});
   const RankEnv env = rank_env();
-  EXPECT_EQ(env.rank, 5);
-  EXPECT_EQ(env.world_size, 16);
-  EXPECT_EQ(env.local_rank, 1);
-  EXPECT_EQ(env.local_world_size, 8);
+  expect_ranks(env, 5, 16, 1, 8);
   EXPECT_EQ(env.rendezvous, "/tmp/x");
 }
 
 TEST_F(RankEnvTest, WithoutLocalVariablesOneHost) {
   set({{"RANK", "3"}, {"WORLD_SIZE", "4"}});
-  const RankEnv env = rank_env();
-  EXPECT_EQ(env.rank, 3);
-  EXPECT_EQ(env.world_size, 4);
-  EXPECT_EQ(env.local_rank, 3);
-  EXPECT_EQ(env.local_world_size, 4);
+  expect_ranks(rank_env(), 3, 4, 3, 4);
 }
 
 TEST_F(RankEnvTest, MalformedOrInconsistentValues) {

@@ -5,8 +5,8 @@
 // Numerics (engine.md): A is e4m3 with one fp32 scale per 128 elements of k (1x128); B is e4m3
 // with one fp32 scale per 128x128 block, or bf16 (no scale). For each 128-block b of k the
 // partial dot product is accumulated in fp32 and added to the fp32 result as
-// partial * (a_scale[row][b] * b_scale[n / 128][b]), blocks ascending. Only the order of the
-// additions inside a block may differ from the CPU reference (engine/gemm_cpu.h).
+// fma(partial, a_scale[row][b] * b_scale[n / 128][b], result), blocks ascending. Only the order
+// of the additions inside a block may differ from the CPU reference (engine/gemm_cpu.h).
 #pragma once
 
 #include <cuda_runtime.h>

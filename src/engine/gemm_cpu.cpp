@@ -35,7 +35,8 @@ __attribute__((always_inline)) inline void gemm_tile(const float* const* a, cons
       for (int k = 0; k < kBlock; k += kLanes)
         for (int r = 0; r < kRows; ++r)
           for (int j = 0; j < kLanes; ++j) lane[r][j] = madd<kFma>(a[r][b * kBlock + k + j], wb[k + j], lane[r][j]);
-      for (int r = 0; r < kRows; ++r) acc[r] += reduce_lanes(lane[r]) * (a_scale[r][b] * sn[b]);
+      // The promotion, one rounding: the CUDA GEMMs' form (an FMA per block and output).
+      for (int r = 0; r < kRows; ++r) acc[r] = __builtin_fmaf(reduce_lanes(lane[r]), a_scale[r][b] * sn[b], acc[r]);
     }
     for (int r = 0; r < kRows; ++r) out[r][n] = acc[r];
   }

@@ -10,13 +10,15 @@ inline constexpr int kGemmRows = 4;
 
 // For each row r < num_rows and output n < n_out:
 //   out[r][n] = sum over 128-blocks b of K ascending, from +0, of
-//               dot(a[r] block b, w[n] block b) * (a_scale[r][b] * w_scale[n / 128][b])
+//               dot(a[r] block b, w[n] block b) * (a_scale[r][b] * w_scale[n / 128][b]),
+//   each block added with one rounding: acc = fma(dot, a_scale * w_scale, acc)
 // where dot sums 16 lanes over k mod 16 sequentially, then the lanes pairwise (8, 4, 2, 1).
 // a[r]: [k_dim] element values (e4m3 decoded, unscaled); a_scale[r]: [k_dim / 128];
 // w: [n_out, k_dim] element values; w_scale: [n_out / 128, k_dim / 128]; out[r]: [n_out].
 // Every product a * w is exact in fp32 (e4m3 x e4m3 or e4m3 x bf16 significands), so the lanes
 // use fused multiply-adds (one instruction where the CPU has FMA) with the same bits as a
-// separate multiply and add; the block sums and the scaling stay separate operations.
+// separate multiply and add. The promotion of a block sum is a true fused multiply-add (fmaf from
+// libm without FMA hardware: the same correctly rounded bits), as the CUDA GEMMs promote.
 void gemm_rows(int num_rows, const float* const* a, const float* const* a_scale, const float* w,
                const float* w_scale, int64_t n_out, int64_t k_dim, float* const* out);
 

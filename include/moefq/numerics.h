@@ -624,12 +624,12 @@ MOEFQ_HD float e2m1_round_sat_mag(float v) {
   return round_on_mid<22>(v, max_or_floor(binade_mid(v), 1.5f));
 }
 
-// nvfp4_qdq_recip<kClamp> without its +0 rule.
-template <bool kClamp>
-MOEFQ_HD float nvfp4_qdq_sum(float x, float scale, float rcp) {
+// nvfp4_qdq_recip<true> without its +0 rule: any block (the quotient clamped at 8, so inf and
+// elements far beyond the scale stay finite).
+MOEFQ_HD float nvfp4_qdq_sum_clamped(float x, float scale, float rcp) {
   const float a = abs_f32(x);
   float q0 = mul_rn(a, rcp);
-  if (kClamp) q0 = q0 < 8.0f ? q0 : 8.0f;
+  q0 = q0 < 8.0f ? q0 : 8.0f;
   const float q = e2m1_round_sat_mag(fma_rn(fma_rn(-scale, q0, a), rcp, q0));
   return copysign_f32(mul_rn(q, scale), x);
 }
@@ -740,10 +740,17 @@ MOEFQ_HD float int8_qdq_sum(float x, Int8Params p, float rcp) {
 // value below 7 cannot pass 6 (6 <= q < 7 rounds to 6), so the saturation can be left out. Blocks of
 // calibrated data are tame; a NaN scale or an infinite bmax is not.
 MOEFQ_HD bool nvfp4_block_is_tame(float bmax, float rcp) { return mul_rn(bmax, rcp) < 6.5f; }
-// nvfp4_qdq_sum<false> for an element of a tame block, signed: the quotient RN(x / scale) by
+// nvfp4_qdq_sum_unclamped for an element of a tame block, without the saturation: the quotient RN(x / scale) by
 // div_rn_recip on x itself, rounded to e2m1 with a signed C (floor 1.5: the e2m1 step is 0.5 below 2).
 MOEFQ_HD float nvfp4_qdq_sum_tame(float x, float scale, float rcp) {
   const float q = div_rn_recip(x, scale, rcp);
+  return mul_rn(round_on_mid<22>(q, max_abs_signed(binade_mid_signed(q), 1.5f)), scale);
+}
+// nvfp4_qdq_recip<false> without its +0 rule, for blocks that need no clamp (bmax * rcp < 16): the
+// tame rule with the saturation put back, as one signed min (saturating before the rounding gives
+// the same e2m1 value, as in e2m1_round_sat_mag).
+MOEFQ_HD float nvfp4_qdq_sum_unclamped(float x, float scale, float rcp) {
+  const float q = clamp_abs_nan(div_rn_recip(x, scale, rcp), kE2m1Max);
   return mul_rn(round_on_mid<22>(q, max_abs_signed(binade_mid_signed(q), 1.5f)), scale);
 }
 // ---------------------------------------------------------------------------------------------

@@ -184,10 +184,10 @@ struct Rule<Format::kNvfp4> {
       for (int i = 0; i < kCombineElems; ++i) v[i] = nvfp4_qdq_sum_tame(v[i], b.scale, b.rcp);
     } else if (__any_sync(0xFFFFFFFFu, b.clamp)) {
 #pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) v[i] = nvfp4_qdq_sum<true>(v[i], b.scale, b.rcp);
+      for (int i = 0; i < kCombineElems; ++i) v[i] = nvfp4_qdq_sum_clamped(v[i], b.scale, b.rcp);
     } else {
 #pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) v[i] = nvfp4_qdq_sum<false>(v[i], b.scale, b.rcp);
+      for (int i = 0; i < kCombineElems; ++i) v[i] = nvfp4_qdq_sum_unclamped(v[i], b.scale, b.rcp);
     }
     round_to_bf16(v);
   }

@@ -190,8 +190,8 @@ __global__ void sum_rules_kernel(const float* amaxes, int num_amax, unsigned lon
       const float scale = nvfp4_scale_from_code(uint8_t(sf), gs), r = div_rn(1.0f, scale);
       if (scale == INFINITY) continue;  // unreachable: an infinite gs gives code 0 (a NaN scale)
       const float want = bf16_value(nvfp4_qdq(x, scale));
-      if (!same_in_sum(want, bf16_value(nvfp4_qdq_sum<true>(x, scale, r)))) atomicAdd(&bad[4], 1ull);
-      if (!nvfp4_block_needs_clamp(abs_f32(x), r) && !same_in_sum(want, bf16_value(nvfp4_qdq_sum<false>(x, scale, r))))
+      if (!same_in_sum(want, bf16_value(nvfp4_qdq_sum_clamped(x, scale, r)))) atomicAdd(&bad[4], 1ull);
+      if (!nvfp4_block_needs_clamp(abs_f32(x), r) && !same_in_sum(want, bf16_value(nvfp4_qdq_sum_unclamped(x, scale, r))))
         atomicAdd(&bad[4], 1ull);
       // The tame rule on every x a tame block can hold (|x| <= bmax, and the test is monotone in bmax).
       if (nvfp4_block_is_tame(abs_f32(x), r) && !same_in_sum(want, bf16_value(nvfp4_qdq_sum_tame(x, scale, r))))

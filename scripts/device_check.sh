@@ -4,8 +4,9 @@
 # packed into $OUT/device_run.tar.gz (the device tool returns at most 8 files); a summary is
 # printed and kept in $OUT/summary.txt.
 # Needs .deps/ from scripts/fetch_device_deps.sh (carried along with the working tree).
-# Usage: scripts/device_check.sh [quick|full|bench] [benchmark ...]
-#   quick: build + GPU tests; full: + CPU tests, sanitizers and benchmarks; bench: build + benchmarks
+# Usage: scripts/device_check.sh [quick|gpu|full|bench] [benchmark ...]
+#   quick: build + GPU tests; gpu: + benchmarks; full: + CPU tests, sanitizers and benchmarks;
+#   bench: build + benchmarks. MOEFQ_SASS=1 also saves the SASS of the GEMM and combine kernels.
 #   benchmarks: any of qdq combine gemm moe (default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,11 +34,18 @@ rc=$?
 grep -E "error|warning" "$LOG/build.log" | grep -v "^--" | head -n 20
 [ $rc -eq 0 ] || { tail -n 40 "$LOG/build.log"; echo "BUILD FAILED"; exit 1; }
 
+if [ "${MOEFQ_SASS:-0}" = 1 ]; then
+  for o in grouped_gemm combine_kernels; do
+    obj=$(find build-dev -name "$o.cu.o" | head -n 1)
+    cuobjdump -sass "$obj" > "$LOG/sass_$o.txt" 2>&1 || echo "cuobjdump failed on $obj"
+  done
+fi
+
 test_rc=0
 if [ "$mode" != bench ]; then
   step "tests"
   labels="gpu|cpu"
-  [ "$mode" = quick ] && labels="gpu"
+  [ "$mode" = quick ] || [ "$mode" = gpu ] && labels="gpu"
   ctest --test-dir build-dev -L "$labels" --output-on-failure -j4 > "$LOG/ctest.log" 2>&1
   test_rc=$?
   grep -E "tests passed|tests failed|Failed|\*\*\*|Test +#.*(Failed|Exception)" "$LOG/ctest.log" | tail -n 40

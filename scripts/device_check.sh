@@ -72,6 +72,9 @@ fi
 
 if [ "$mode" != quick ]; then
   step "benchmarks"
+  # The SM clock and power while the benchmarks run (issue-bound kernels slow with the clock).
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 200 > "$LOG/clocks.csv" 2>&1 &
+  clocks_pid=$!
   for name in $benches; do
     args=""
     [ "$name" = qdq ] && args="--rows 4096 32768"
@@ -81,6 +84,7 @@ if [ "$mode" != quick ]; then
       cat "$LOG/bench_$name.txt"
     fi
   done
+  kill "$clocks_pid" 2>/dev/null
   cp "$LOG"/bench_*.json "$OUT/" 2>/dev/null
 fi
 step "done (tests rc=$test_rc)"

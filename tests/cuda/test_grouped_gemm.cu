@@ -521,6 +521,29 @@ TEST(GroupedGemm, RandomDataWithinTolerance) {
   }
 }
 
+// The SwiGLU epilogue reads silu of the bf16 gate from a table the host fills with silu_f32: that
+// is only right if the host's silu_f32 gives the device's bits, on every bf16 value (NaN: any NaN,
+// which the e4m3 re-staging turns into its NaN code whatever the payload).
+__global__ void silu_kernel(float* out) {
+  const uint32_t b = blockIdx.x * blockDim.x + threadIdx.x;
+  out[b] = silu_f32(bf16_to_f32(uint16_t(b)));
+}
+
+TEST(GroupedGemm, HostSiluEqualsDeviceSiluOnEveryBf16) {
+  SKIP_WITHOUT_GPU();
+  DeviceBuffer<float> d(size_t(1) << 16);
+  silu_kernel<<<256, 256>>>(d.get());
+  MOEFQ_CUDA_CHECK_LAUNCH();
+  const std::vector<float> got = d.download();
+  int64_t bad = 0, first = -1;
+  for (uint32_t b = 0; b < got.size(); ++b) {
+    const float want = silu_f32(bf16_to_f32(uint16_t(b)));
+    const bool same = is_nan(want) ? is_nan(got[b]) : f32_bits(want) == f32_bits(got[b]);
+    if (!same && bad++ == 0) first = b;
+  }
+  EXPECT_EQ(bad, 0) << "first at bf16 0x" << std::hex << first;
+}
+
 TEST(GroupedGemm, GraphReplayReadsCountsOnTheDevice) {
   SKIP_WITHOUT_GPU();
   Case c;

@@ -23,6 +23,7 @@ constexpr int kSlotBatch = 8;
 constexpr int kChunkElems = kCombineElems;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 static_assert(kThreads >= 128 && kThreads % 32 == 0);
+static_assert(kSlotBatch % 2 == 0, "slots are paired within a batch");
 
 // The rule of the unquantized sum (the plain combine, or quantize = false).
 struct NoQdq {
@@ -83,6 +84,30 @@ __device__ __forceinline__ void add_routed(const R& rule, int4 raw, float (&acc)
   for (int i = 0; i < kChunkElems; ++i) acc[i] = add_rn(acc[i], v[i]);
 }
 
+// Rules that QDQ two routed rows' chunks at once (Rule<kNvfp4>::combine_chunk_pair).
+template <typename R>
+concept PairRule = requires(const R& r, const CombineWords& w, float (&v)[kChunkElems]) {
+  r.combine_chunk_pair(w, w, v, v);
+};
+
+// add_routed for two rows a, b (consecutive active slots, a first), their QDQ done together.
+template <typename R, bool kCheck>
+__device__ __forceinline__ void add_routed_pair(const R& rule, int4 raw_a, int4 raw_b, float (&acc)[kChunkElems],
+                                                float (&plain)[kChunkElems]) {
+  const CombineWords wa = {uint32_t(raw_a.x), uint32_t(raw_a.y), uint32_t(raw_a.z), uint32_t(raw_a.w)};
+  const CombineWords wb = {uint32_t(raw_b.x), uint32_t(raw_b.y), uint32_t(raw_b.z), uint32_t(raw_b.w)};
+  float va[kChunkElems], vb[kChunkElems];
+  if constexpr (kCheck) {
+    unpack(wa, va);
+    unpack(wb, vb);
+#pragma unroll
+    for (int i = 0; i < kChunkElems; ++i) plain[i] = add_rn(add_rn(plain[i], va[i]), vb[i]);
+  }
+  rule.combine_chunk_pair(wa, wb, va, vb);
+#pragma unroll
+  for (int i = 0; i < kChunkElems; ++i) acc[i] = add_rn(add_rn(acc[i], va[i]), vb[i]);
+}
+
 // grid = (tokens looped over, ceil(H / 8 / kThreads)). All lanes of a warp belong to one token, so
 // the active-slot mask is warp-uniform: every branch on it is taken by the whole warp. Lanes past
 // the row's end read the row's first chunk instead (real data, so their blocks and the warp's
@@ -128,9 +153,23 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
 #pragma unroll
       for (int j = 0; j < kSlotBatch; ++j)
         if (pending & (1u << j)) raw[j] = load_row_chunk(row + j * stride);
+      if constexpr (PairRule<R>) {
+        // Slots j and j + 1 together when both are active (the usual case), else one by one.
 #pragma unroll
-      for (int j = 0; j < kSlotBatch; ++j)
-        if (pending & (1u << j)) add_routed<R, kCheck>(rule, raw[j], acc, plain);
+        for (int j = 0; j < kSlotBatch; j += 2) {
+          const bool a = pending & (1u << j), b = pending & (2u << j);
+          if (a && b) {
+            add_routed_pair<R, kCheck>(rule, raw[j], raw[j + 1], acc, plain);
+          } else {
+            if (a) add_routed<R, kCheck>(rule, raw[j], acc, plain);
+            if (b) add_routed<R, kCheck>(rule, raw[j + 1], acc, plain);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kSlotBatch; ++j)
+          if (pending & (1u << j)) add_routed<R, kCheck>(rule, raw[j], acc, plain);
+      }
     }
     if (p.fused) {  // the shared row is not quantized
       float v[kChunkElems];

@@ -191,6 +191,51 @@ struct Rule<Format::kNvfp4> {
     }
     round_to_bf16(v);
   }
+  // The chunks of two routed rows a and b of a token (the combine's slots k and k + 1) at once, with
+  // the same values as combine_chunk on each. A block is 16 elements, 8 in each of two lanes: the
+  // even lane finishes row a's block maximum and scale, the odd lane row b's, and they swap the
+  // results, so a lane does the per-block work (maximum, scale code, table, tame test; about 35
+  // instructions) once for two rows. The element rule is chosen per warp for both rows together:
+  // each is exact wherever it is taken (tame: every block tame; clamped: any block; unclamped:
+  // no block needs the clamp).
+  __device__ void combine_chunk_pair(const CombineWords& wa, const CombineWords& wb, float (&va)[kCombineElems],
+                                     float (&vb)[kCombineElems]) const {
+    static_assert(kBlock == 2 * kCombineElems, "two lanes per block");
+    constexpr unsigned kAll = 0xFFFFFFFFu;
+    const bool odd = threadIdx.x & 1u;
+    const uint32_t ma = bf16x2_max_abs(bf16x2_max_abs(wa[0], wa[1]), bf16x2_max_abs(wa[2], wa[3]));
+    const uint32_t mb = bf16x2_max_abs(bf16x2_max_abs(wb[0], wb[1]), bf16x2_max_abs(wb[2], wb[3]));
+    uint32_t m = bf16x2_max_abs(odd ? mb : ma, __shfl_xor_sync(kAll, odd ? ma : mb, 1));
+    m = bf16x2_max_abs(m, __byte_perm(m, 0u, 0x1032u));
+    const float bmax = max_ignore_nan(0.0f, abs_mod(f32_from_bits(m << 16)));  // as combine_block_max
+    const Nvfp4Block own = block_param(bmax);
+    const float other_scale = __shfl_xor_sync(kAll, own.scale, 1), other_rcp = __shfl_xor_sync(kAll, own.rcp, 1);
+    const float sa = odd ? other_scale : own.scale, ra = odd ? other_rcp : own.rcp;
+    const float sb = odd ? own.scale : other_scale, rb = odd ? own.rcp : other_rcp;
+    unpack(wa, va);
+    unpack(wb, vb);
+    if (__all_sync(kAll, nvfp4_block_is_tame(bmax, own.rcp))) {
+#pragma unroll
+      for (int i = 0; i < kCombineElems; ++i) {
+        va[i] = nvfp4_qdq_sum_tame(va[i], sa, ra);
+        vb[i] = nvfp4_qdq_sum_tame(vb[i], sb, rb);
+      }
+    } else if (__any_sync(kAll, own.clamp)) {
+#pragma unroll
+      for (int i = 0; i < kCombineElems; ++i) {
+        va[i] = nvfp4_qdq_sum_clamped(va[i], sa, ra);
+        vb[i] = nvfp4_qdq_sum_clamped(vb[i], sb, rb);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kCombineElems; ++i) {
+        va[i] = nvfp4_qdq_sum_unclamped(va[i], sa, ra);
+        vb[i] = nvfp4_qdq_sum_unclamped(vb[i], sb, rb);
+      }
+    }
+    round_to_bf16(va);
+    round_to_bf16(vb);
+  }
 };
 
 // mxfp8 and mxfp4 differ only in the element format.

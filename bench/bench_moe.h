@@ -14,6 +14,7 @@ struct MoeBenchOptions {
   std::vector<std::string> configs;                  // quantizer configurations; empty: all
   int calls_per_graph = 3, reps = 7;
   std::string json;
+  bool real_ranks = false;  // run_bench_moe_ranks: this process is one rank of ep (the job's size)
 };
 
 // Layer time (CUDA graph replays, configurations interleaved) of one EP rank's MoE layer, routed
@@ -22,6 +23,15 @@ struct MoeBenchOptions {
 // cuBLASLt FP8 GEMM rate), and each configuration's overhead over the unquantized layer: the time
 // of the quantizers' own kernels, and the end-to-end difference.
 int run_bench_moe(const MoeBenchOptions& options);
+
+// One real rank of EP = the job's WORLD_SIZE, one process per GPU under `moefq launch` (NCCL
+// builds only): the unquantized layer with the shared expert fused, tokens routed over every
+// rank's experts, for each preset and token count per rank. Per rank: layer time (CUDA graph
+// replays with the two cross-rank barriers inside), bytes sent to peers over NVLink and their rate
+// beside the measured all-to-all store rate, and the time of the same per-GPU work on this GPU
+// alone (E/ep local experts, no peers), which gives the scaling. Rank 0 prints the table (the
+// slowest rank's figures) and writes the JSON.
+int run_bench_moe_ranks(const MoeBenchOptions& options);
 
 // The quantizer configurations run_bench_moe knows, in its order.
 std::vector<std::string> moe_bench_configs();

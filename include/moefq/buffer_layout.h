@@ -42,8 +42,10 @@ class BufferLayout {
   size_t total_bytes() const { return total_; }
 
   // In order. workspace: int32 per-local-expert counters [E/R], per-local-expert entry lists
-  // [E/R][R * T] (entry = (src_rank * T + token) * K + slot), then 16 int32 of barrier state.
-  Region workspace, expert_counts, expert_lists;
+  // [E/R][R * T] (entry = (src_rank * T + token) * K + slot), then rank_state: 16 int32, of which
+  // [0] is the num_tokens of this rank's call, published there for the expert ranks when the
+  // ranks are real processes (a peer's host does not know it); the rest is reserved.
+  Region workspace, expert_counts, expert_lists, rank_state;
   Region staged_x;       // [T, H] e4m3
   Region staged_scales;  // [T, H/128] fp32
   Region topk_idx;       // [T, K] int32

@@ -33,9 +33,10 @@ struct RankBatch {
 
 // The buffer shape of a layer (every engine of the configuration sizes its buffer with this):
 // the shared expert fused as slot K when options.fuse_shared and the config has one; the weight
-// format of rank 0's first expert.
+// format of the first expert of rank_weights (the ranks an engine holds: all of them, or a real
+// rank its own).
 BufferShape engine_buffer_shape(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
-                                const std::vector<LayerWeights>& rank_weights, const EngineOptions& options);
+                                std::span<const LayerWeights> rank_weights, const EngineOptions& options);
 
 class CpuEngine {
  public:

@@ -11,6 +11,7 @@
 #include "bench/bench_gemm.h"
 #include "bench/bench_moe.h"
 #include "cli/commands.h"
+#include "moefq/dist_env.h"
 
 namespace moefq::cli {
 
@@ -56,8 +57,17 @@ std::function<int()> add_bench_command(CLI::App& app) {
   moe->add_option("--calls", mo->calls_per_graph, "layer calls captured per graph (default 3)")->check(CLI::Range(1, 100));
   moe->add_option("--reps", mo->reps, "timed graph replays; the median is reported (default 7)")->check(CLI::Range(1, 1000));
   moe->add_option("--json", mo->json, "also write the results as JSON to this file");
-  moe->footer("Example:\n  moefq bench moe --preset deepseek-v3 --tokens 128 4096 --json bench_moe.json");
-  actions->emplace_back(moe, [mo] { return bench::run_bench_moe(*mo); });
+  moe->add_flag("--real-ranks", mo->real_ranks,
+                "one rank of EP = WORLD_SIZE per process, over NCCL: run under moefq launch -n N (the default when "
+                "WORLD_SIZE > 1); times the unquantized layer, NVLink GB/s and the same work on one GPU alone");
+  moe->footer("Examples:\n  moefq bench moe --preset deepseek-v3 --tokens 128 4096 --json bench_moe.json\n"
+              "  moefq launch -n 8 -- moefq bench moe --preset deepseek-v3 --preset deepseek-v4-pro --json ep8.json");
+  actions->emplace_back(moe, [mo, moe] {
+    const int64_t world = rank_env().world_size;
+    if (!mo->real_ranks && world == 1) return bench::run_bench_moe(*mo);
+    if (moe->count("--ep") == 0) mo->ep = world;  // real ranks: the job's size
+    return bench::run_bench_moe_ranks(*mo);
+  });
 
   auto go = std::make_shared<bench::GemmBenchOptions>();
   CLI::App* gemm = bench->add_subcommand(

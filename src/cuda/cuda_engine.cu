@@ -18,9 +18,13 @@ constexpr int64_t kB = kStageBlock;
 constexpr int kMaxRanks = 64;
 constexpr int kThreads = 256;
 
-// Per-call token counts, passed by value (a graph captures them with the launch).
+// Per-call token counts, passed by value (a graph captures them with the launch). Simulated ranks:
+// the host knows every rank's. Real ranks (published): the host knows only its own rank's; every
+// rank writes its count into its rank_state before the barrier that precedes the dispatch, and
+// the kernels read the others' there.
 struct TokenCounts {
   int32_t n[kMaxRanks];
+  bool published;
 };
 
 // Where a rank's kernels find its buffer and its engine-private per-call arrays (device memory).
@@ -34,15 +38,23 @@ struct RankPtrs {
 
 // Region offsets of the layout, for the kernels.
 struct Offsets {
-  size_t expert_counts, expert_lists, staged_x, staged_scales, topk_idx, topk_weights, pool_x, pool_x_scales, combine;
+  size_t expert_counts, expert_lists, staged_x, staged_scales, topk_idx, topk_weights, pool_x, pool_x_scales, combine,
+      rank_state;
 };
 
-// One CTA per global expert e: appends every (token, slot) of every rank that picked e to e's list
-// in the workspace of e's rank, in (rank, token, slot) order: the list entries and their order are
-// the CPU engine's. Entry = (src_rank * T + token) * K + slot.
+__device__ int32_t tokens_of(const RankPtrs* ranks, const Offsets& off, const TokenCounts& tc, int r) {
+  return tc.published ? *reinterpret_cast<const int32_t*>(ranks[r].buf + off.rank_state) : tc.n[r];
+}
+
+// Every kernel below computes for the ranks first_rank .. first_rank + n - 1 that this process
+// holds (all R simulated ranks, or one real rank) and reads the others' buffers through `ranks`.
+
+// One CTA per global expert e of those ranks: appends every (token, slot) of every rank that
+// picked e to e's list in the workspace of e's rank, in (rank, token, slot) order: the list
+// entries and their order are the CPU engine's. Entry = (src_rank * T + token) * K + slot.
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc,
-                                                            int R, int T, int K, int el) {
-  const int e = blockIdx.x, d = e / el, le = e % el;
+                                                            int R, int T, int K, int el, int first_rank) {
+  const int e = first_rank * el + int(blockIdx.x), d = e / el, le = e % el;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   __shared__ int warp_hits[kThreads / 32];
   __shared__ int base;
@@ -51,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const RankPtrs* rank
   const int64_t cap = int64_t(R) * T;
   int32_t* list = reinterpret_cast<int32_t*>(ranks[d].buf + off.expert_lists) + int64_t(le) * cap;
   for (int r = 0; r < R; ++r) {
-    const int n = tc.n[r] * K;
+    const int n = tokens_of(ranks, off, tc, r) * K;
     const int32_t* idx = reinterpret_cast<const int32_t*>(ranks[r].buf + off.topk_idx);
     for (int s = 0; s < n; s += blockDim.x) {
       const int i = s + int(threadIdx.x);
@@ -74,9 +86,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const RankPtrs* rank
 
 // One thread per rank: pool offsets of the local experts, the counts the GEMMs read, and the
 // dispatch counters reset for the next call (the workspace cleans itself).
-__global__ void plan_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc, int R, int el) {
-  const int d = blockIdx.x * blockDim.x + threadIdx.x;
-  if (d >= R) return;
+__global__ void plan_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc, int first_rank, int num_ranks,
+                            int el) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x, d = first_rank + i;
+  if (i >= num_ranks) return;
   const RankPtrs rp = ranks[d];
   int32_t* counts = reinterpret_cast<int32_t*>(rp.buf + off.expert_counts);
   int32_t run = 0;
@@ -92,11 +105,12 @@ __global__ void plan_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc, 
 }
 
 // Pulls each listed row (e4m3 bytes and scales) from its token rank's staged copy into the expert
-// rank's pool, with the row's router weight and destination combine row. Grid: (E/R, R, splits),
-// one warp per row.
+// rank's pool, with the row's router weight and destination combine row (in the token rank's
+// buffer: for a real peer, a pointer into its memory, so the down GEMM's stores go over NVLink).
+// Grid: (E/R, n, splits), one warp per row.
 __global__ void __launch_bounds__(kThreads) pull_kernel(const RankPtrs* ranks, Offsets off, int R, int T, int K,
-                                                        int el, int H) {
-  const int le = blockIdx.x, d = blockIdx.y;
+                                                        int el, int H, int first_rank) {
+  const int le = blockIdx.x, d = first_rank + int(blockIdx.y);
   const RankPtrs me = ranks[d];
   const int n = me.counts[le], first = me.offsets[le];
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -129,6 +143,9 @@ __global__ void set_count_kernel(int32_t* counts, int32_t n) {
   counts[0] = n;
   counts[1] = 0;
 }
+
+// Real ranks: this call's token count into the rank's own rank_state, for the peers' dispatch.
+__global__ void publish_tokens_kernel(int32_t* rank_state, int32_t n) { rank_state[0] = n; }
 
 bool debug_zeroing_env() {
   const char* v = std::getenv("MOEFQ_COMM_KERNEL_DEBUG");
@@ -181,7 +198,8 @@ struct ExpertSet {
 };
 
 struct CudaEngine::RankState {
-  DeviceBuffer<uint8_t> buffer;
+  uint8_t* buf = nullptr;        // the rank's symmetric buffer
+  DeviceBuffer<uint8_t> buffer;  // its memory, when simulated (a real rank's belongs to the link)
   ExpertSet routed, shared;
   DeviceBuffer<int32_t> counts, offsets;  // [el + 1]
   DeviceBuffer<float> row_weight;         // [pool_rows]
@@ -259,25 +277,46 @@ void run_pass(const ExpertPass& p, int64_t H, std::optional<float> clamp, Weight
 CudaEngine::CudaEngine(const MoeConfig& cfg, int64_t R, int64_t T, const std::vector<LayerWeights>& w,
                        EngineOptions options)
     : cfg_(cfg), layout_(engine_buffer_shape(cfg, R, T, w, options)), debug_zeroing_(debug_zeroing_env()) {
-  const BufferShape& sh = layout_.shape();
-  const int64_t el = sh.local_experts(), P = sh.pool_rows(), H = sh.hidden;
-  MOEFQ_CHECK(R <= kMaxRanks, "cuda engine: at most ", kMaxRanks, " simulated ranks, got ", R);
-  prepare_grouped_gemm();  // kernel attributes now, never during a graph capture
   MOEFQ_CHECK(int64_t(w.size()) == R, "cuda engine: ", w.size(), " ranks of weights given for ", R, " ranks");
-  const int64_t Is = cfg.intermediate * cfg.num_shared;
-  const int64_t imax = std::max(sh.intermediate, sh.shared_intermediate);
-  for (int64_t r = 0; r < R; ++r) {
-    const LayerWeights& lw = w[size_t(r)];
-    MOEFQ_CHECK(lw.first_expert == r * el && int64_t(lw.experts.size()) == el, "cuda engine: rank ", r,
-                " must hold experts [", r * el, ", ", (r + 1) * el, "), got ", lw.experts.size(), " from ", lw.first_expert);
+  init(w);
+}
+
+CudaEngine::CudaEngine(const MoeConfig& cfg, RankLink& link, int64_t T, const LayerWeights& w, EngineOptions options)
+    : cfg_(cfg),
+      layout_(engine_buffer_shape(cfg, link.num_ranks(), T, {&w, 1}, options)),
+      debug_zeroing_(debug_zeroing_env()),
+      link_(&link),
+      first_rank_(link.rank()) {
+  init({&w, 1});
+}
+
+void CudaEngine::init(std::span<const LayerWeights> w) {
+  const BufferShape& sh = layout_.shape();
+  const int64_t R = sh.num_ranks, T = sh.max_tokens, el = sh.local_experts(), P = sh.pool_rows(), H = sh.hidden;
+  MOEFQ_CHECK(R <= kMaxRanks, "cuda engine: at most ", kMaxRanks, " ranks, got ", R);
+  prepare_grouped_gemm();  // kernel attributes now, never during a graph capture
+  const int64_t Is = cfg_.intermediate * cfg_.num_shared;
+  for (size_t i = 0; i < w.size(); ++i) {
+    const int64_t r = first_rank_ + int64_t(i);
+    MOEFQ_CHECK(w[i].first_expert == r * el && int64_t(w[i].experts.size()) == el, "cuda engine: rank ", r,
+                " must hold experts [", r * el, ", ", (r + 1) * el, "), got ", w[i].experts.size(), " from ",
+                w[i].first_expert);
+    MOEFQ_CHECK(cfg_.num_shared == 0 || w[i].shared.size() == 1, "cuda engine: rank ", r, " has no shared expert weights");
+  }
+  // Every rank's buffer as this process addresses it; the simulated ones are allocated below.
+  std::vector<uint8_t*> bufs = link_ ? link_->symmetric_buffers(layout_.total_bytes()) : std::vector<uint8_t*>(size_t(R));
+  MOEFQ_ASSERT(int64_t(bufs.size()) == R, "cuda engine: the link gave ", bufs.size(), " buffers for ", R, " ranks");
+  for (size_t i = 0; i < w.size(); ++i) {
+    const LayerWeights& lw = w[i];
     auto rs = std::make_unique<RankState>();
-    rs->buffer = DeviceBuffer<uint8_t>(layout_.total_bytes());
-    MOEFQ_CUDA_CHECK(cudaMemset(rs->buffer.get(), 0, layout_.total_bytes()));
-    rs->routed = ExpertSet(lw.experts, sh.weight_format, H, cfg.intermediate);
-    if (cfg.num_shared > 0) {
-      MOEFQ_CHECK(lw.shared.size() == 1, "cuda engine: rank ", r, " has no shared expert weights");
-      rs->shared = ExpertSet(lw.shared, sh.weight_format, H, Is);
+    if (!link_) {
+      rs->buffer = DeviceBuffer<uint8_t>(layout_.total_bytes());
+      MOEFQ_CUDA_CHECK(cudaMemset(rs->buffer.get(), 0, layout_.total_bytes()));
+      bufs[size_t(first_rank_) + i] = rs->buffer.get();
     }
+    rs->buf = bufs[size_t(first_rank_) + i];
+    rs->routed = ExpertSet(lw.experts, sh.weight_format, H, cfg_.intermediate);
+    if (cfg_.num_shared > 0) rs->shared = ExpertSet(lw.shared, sh.weight_format, H, Is);
     rs->counts = DeviceBuffer<int32_t>(std::vector<int32_t>(size_t(el + 1), 0));
     rs->offsets = DeviceBuffer<int32_t>(std::vector<int32_t>(size_t(el + 1), 0));
     rs->row_weight = DeviceBuffer<float>(size_t(P));
@@ -285,9 +324,9 @@ CudaEngine::CudaEngine(const MoeConfig& cfg, int64_t R, int64_t T, const std::ve
     rs->ones = DeviceBuffer<float>(std::vector<float>(size_t(T), 1.0f));
     std::vector<bf16*> out(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t)
-      out[size_t(t)] = sh.fused_shared_slots() ? reinterpret_cast<bf16*>(rs->buffer.get() + layout_.combine_row_offset(cfg.top_k, t)) : nullptr;
+      out[size_t(t)] = sh.fused_shared_slots() ? reinterpret_cast<bf16*>(rs->buf + layout_.combine_row_offset(cfg_.top_k, t)) : nullptr;
     rs->shared_out = DeviceBuffer<bf16*>(out);
-    if (cfg.num_shared > 0 && !sh.fused_shared_slots()) {
+    if (cfg_.num_shared > 0 && !sh.fused_shared_slots()) {
       rs->solo_x8 = DeviceBuffer<uint8_t>(size_t(T * H));
       rs->solo_xs = DeviceBuffer<float>(size_t(T * (H / kB)));
       rs->solo_h8 = DeviceBuffer<uint8_t>(size_t(T * Is));
@@ -297,85 +336,112 @@ CudaEngine::CudaEngine(const MoeConfig& cfg, int64_t R, int64_t T, const std::ve
     }
     ranks_.push_back(std::move(rs));
   }
-  std::vector<RankPtrs> ptrs;
-  for (auto& rs : ranks_)
-    ptrs.push_back({rs->buffer.get(), rs->counts.get(), rs->offsets.get(), rs->row_weight.get(), rs->row_out.get()});
+  // A rank this process does not compute is reached only through its buffer.
+  std::vector<RankPtrs> ptrs(size_t(R), RankPtrs{});
+  for (int64_t r = 0; r < R; ++r) ptrs[size_t(r)].buf = bufs[size_t(r)];
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    RankState& rs = *ranks_[i];
+    ptrs[size_t(first_rank_) + i] = {rs.buf, rs.counts.get(), rs.offsets.get(), rs.row_weight.get(), rs.row_out.get()};
+  }
   rank_ptrs_ = DeviceBuffer<uint8_t>(ptrs.size() * sizeof(RankPtrs));
   MOEFQ_CUDA_CHECK(cudaMemcpy(rank_ptrs_.get(), ptrs.data(), rank_ptrs_.bytes(), cudaMemcpyHostToDevice));
-  (void)imax;
 }
 
 CudaEngine::~CudaEngine() = default;
 
 const uint8_t* CudaEngine::buffer(int64_t rank) const {
-  MOEFQ_ASSERT(rank >= 0 && rank < num_ranks(), "buffer: rank out of range");
-  return ranks_[size_t(rank)]->buffer.get();
+  MOEFQ_ASSERT(rank >= first_rank_ && rank < first_rank_ + num_local_ranks(), "buffer: rank ", rank,
+               " is not computed by this process");
+  return ranks_[size_t(rank - first_rank_)]->buf;
+}
+
+void CudaEngine::synchronize(cudaStream_t stream) {
+  MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (link_) link_->check();
 }
 
 void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stream) {
   const BufferShape& sh = layout_.shape();
   const int64_t R = sh.num_ranks, T = sh.max_tokens, K = sh.top_k, H = sh.hidden, el = sh.local_experts();
   const int64_t P = sh.pool_rows(), imax = std::max(sh.intermediate, sh.shared_intermediate);
-  MOEFQ_CHECK(int64_t(batches.size()) == R, "forward: ", batches.size(), " batches for ", R, " ranks");
+  const int64_t nl = num_local_ranks(), r0 = first_rank_;
+  MOEFQ_CHECK(int64_t(batches.size()) == nl, "forward: ", batches.size(), " batches for ", nl, " ranks");
   TokenCounts tc{};
+  tc.published = link_ != nullptr;
   int64_t sent = 0;
-  for (int64_t r = 0; r < R; ++r) {
-    const DeviceBatch& b = batches[size_t(r)];
+  for (int64_t i = 0; i < nl; ++i) {
+    const DeviceBatch& b = batches[size_t(i)];
+    const int64_t r = r0 + i;
     MOEFQ_CHECK(b.num_tokens >= 0 && b.num_tokens <= T, "forward: rank ", r, " has ", b.num_tokens,
                 " tokens; the buffer holds at most ", T);
     MOEFQ_CHECK(b.num_tokens == 0 || (b.x && b.topk_idx && b.topk_weights && b.y), "forward: rank ", r, ": null tensor");
     tc.n[r] = int32_t(b.num_tokens);
     sent += b.num_tokens * std::min(K, el);
   }
+  // The routed GEMMs' row bound sets only their launch shape, never their results. Real ranks:
+  // the peers' token counts are device data, so the pool's size bounds the rows.
+  const int64_t routed_rows = link_ ? P : std::min(P, sent);
   const Offsets off{layout_.expert_counts.offset, layout_.expert_lists.offset, layout_.staged_x.offset,
                     layout_.staged_scales.offset,  layout_.topk_idx.offset,     layout_.topk_weights.offset,
-                    layout_.pool_x.offset,         layout_.pool_x_scales.offset, layout_.combine.offset};
+                    layout_.pool_x.offset,         layout_.pool_x_scales.offset, layout_.combine.offset,
+                    layout_.rank_state.offset};
   const auto* rp = reinterpret_cast<const RankPtrs*>(rank_ptrs_.get());
 
-  // Token side: stage x, publish topk in the rank's own buffer.
-  for (int64_t r = 0; r < R; ++r) {
-    const DeviceBatch& b = batches[size_t(r)];
+  // Token side: stage x, publish topk (and, real ranks, the token count) in the rank's own buffer.
+  for (int64_t i = 0; i < nl; ++i) {
+    const DeviceBatch& b = batches[size_t(i)];
+    uint8_t* buf = ranks_[size_t(i)]->buf;
+    if (link_) {
+      publish_tokens_kernel<<<1, 1, 0, stream>>>(reinterpret_cast<int32_t*>(buf + off.rank_state), int32_t(b.num_tokens));
+      MOEFQ_CUDA_CHECK_LAUNCH();
+    }
     if (b.num_tokens == 0) continue;
-    uint8_t* buf = ranks_[size_t(r)]->buffer.get();
     launch_stage_e4m3(b.x, buf + off.staged_x, reinterpret_cast<float*>(buf + off.staged_scales), b.num_tokens, H, stream);
     MOEFQ_CUDA_CHECK(cudaMemcpyAsync(buf + off.topk_idx, b.topk_idx, size_t(b.num_tokens * K) * 4, cudaMemcpyDeviceToDevice, stream));
     MOEFQ_CUDA_CHECK(cudaMemcpyAsync(buf + off.topk_weights, b.topk_weights, size_t(b.num_tokens * K) * 4,
                                      cudaMemcpyDeviceToDevice, stream));
   }
+  // Every rank's tokens, topk and count are in place before any rank's dispatch reads them.
+  if (link_) link_->barrier("engine: tokens staged, before the dispatch", stream);
   // Dispatch, plan, pull.
-  dispatch_kernel<<<unsigned(sh.num_experts), kThreads, 0, stream>>>(rp, off, tc, int(R), int(T), int(K), int(el));
+  dispatch_kernel<<<unsigned(nl * el), kThreads, 0, stream>>>(rp, off, tc, int(R), int(T), int(K), int(el), int(r0));
   MOEFQ_CUDA_CHECK_LAUNCH();
-  plan_kernel<<<unsigned((R + 31) / 32), 32, 0, stream>>>(rp, off, tc, int(R), int(el));
+  plan_kernel<<<unsigned((nl + 31) / 32), 32, 0, stream>>>(rp, off, tc, int(r0), int(nl), int(el));
   MOEFQ_CUDA_CHECK_LAUNCH();
   static const int sms = sm_count();
-  const unsigned splits = unsigned(std::clamp<int64_t>((2 * sms + R * el - 1) / (R * el), 1, 64));
-  pull_kernel<<<dim3(unsigned(el), unsigned(R), splits), kThreads, 0, stream>>>(rp, off, int(R), int(T), int(K), int(el), int(H));
+  const unsigned splits = unsigned(std::clamp<int64_t>((2 * sms + nl * el - 1) / (nl * el), 1, 64));
+  pull_kernel<<<dim3(unsigned(el), unsigned(nl), splits), kThreads, 0, stream>>>(rp, off, int(R), int(T), int(K),
+                                                                                 int(el), int(H), int(r0));
   MOEFQ_CUDA_CHECK_LAUNCH();
 
   // Expert side of each rank: the routed experts over its pool, the fused shared expert over its
   // own staged tokens (intermediates after the pool, rows into slot K).
-  for (int64_t d = 0; d < R; ++d) {
-    RankState& rs = *ranks_[size_t(d)];
-    uint8_t* buf = rs.buffer.get();
+  for (int64_t i = 0; i < nl; ++i) {
+    RankState& rs = *ranks_[size_t(i)];
+    const int64_t n = batches[size_t(i)].num_tokens;
+    uint8_t* buf = rs.buf;
     auto* h8 = buf + layout_.pool_h.offset;
     auto* hs = reinterpret_cast<float*>(buf + layout_.pool_h_scales.offset);
     run_pass({&rs.routed, rs.counts.get(), rs.offsets.get(), int(el), buf + off.pool_x,
               reinterpret_cast<const float*>(buf + off.pool_x_scales), rs.row_weight.get(), h8, hs, imax,
-              rs.row_out.get(), std::min(P, sent), P},
+              rs.row_out.get(), routed_rows, P},
              H, cfg_.swiglu_clamp, sh.weight_format, stream);
-    if (fused_shared() && batches[size_t(d)].num_tokens > 0)
+    if (fused_shared() && n > 0)
       run_pass({&rs.shared, rs.counts.get() + el, rs.offsets.get() + el, 1, buf + off.staged_x,
                 reinterpret_cast<const float*>(buf + off.staged_scales), rs.ones.get(), h8 + P * imax,
-                hs + P * (imax / kB), imax, rs.shared_out.get(), batches[size_t(d)].num_tokens, T},
+                hs + P * (imax / kB), imax, rs.shared_out.get(), n, T},
                H, cfg_.swiglu_clamp, sh.weight_format, stream);
   }
+  // Every expert rank's rows are in this rank's combine region before the combine reads them, and
+  // no peer still pulls from the staged tokens that the next call overwrites.
+  if (link_) link_->barrier("engine: combine rows written, before the combine", stream);
 
   // Combine on each token rank.
-  for (int64_t r = 0; r < R; ++r) {
-    const DeviceBatch& b = batches[size_t(r)];
+  for (int64_t i = 0; i < nl; ++i) {
+    const DeviceBatch& b = batches[size_t(i)];
     if (b.num_tokens == 0) continue;
     CombineRows rows;
-    rows.buffer = ranks_[size_t(r)]->buffer.get();
+    rows.buffer = ranks_[size_t(i)]->buf;
     rows.combine_offset = off.combine;
     rows.max_tokens = T;
     rows.top_k = K;
@@ -386,16 +452,17 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
     launch_combine(rows, b.y, stream);
   }
   if (debug_zeroing_)
-    for (auto& rs : ranks_) MOEFQ_CUDA_CHECK(cudaMemsetAsync(rs->buffer.get(), 0, rs->buffer.bytes(), stream));
+    for (auto& rs : ranks_) MOEFQ_CUDA_CHECK(cudaMemsetAsync(rs->buf, 0, layout_.total_bytes(), stream));
 }
 
 void CudaEngine::shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y, cudaStream_t stream) {
   MOEFQ_CHECK(cfg_.num_shared > 0, "shared_expert: the config has no shared expert");
   MOEFQ_CHECK(!fused_shared(), "shared_expert: the shared expert is fused into the engine (slot K)");
-  MOEFQ_ASSERT(rank >= 0 && rank < num_ranks(), "shared_expert: rank out of range");
+  MOEFQ_ASSERT(rank >= first_rank_ && rank < first_rank_ + num_local_ranks(), "shared_expert: rank ", rank,
+               " is not computed by this process");
   MOEFQ_CHECK(n >= 0 && n <= max_tokens(), "shared_expert: ", n, " tokens; at most ", max_tokens());
   if (n == 0) return;
-  RankState& rs = *ranks_[size_t(rank)];
+  RankState& rs = *ranks_[size_t(rank - first_rank_)];
   const int64_t H = cfg_.hidden, Is = rs.shared.inter;
   launch_stage_e4m3(x, rs.solo_x8.get(), rs.solo_xs.get(), n, H, stream);
   row_pointers_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(y, n, H, rs.solo_out.get());

@@ -1,12 +1,16 @@
 // The fused MoE layer on a Hopper GPU (engine.md): the same contract and buffer layout as the CPU
-// engine (its reference), R simulated ranks on one GPU, each with its own symmetric buffer in
-// device memory. A forward is a fixed sequence of kernels on one stream with every per-call count
+// engine (its reference). Either R simulated ranks on one GPU, each with its own symmetric buffer
+// in device memory, or one real rank of R, one process per GPU, whose buffer is a symmetric
+// buffer of a RankLink (NCCL) and whose peers' buffers are reached by loads and stores over NVLink.
+// Both run the same kernels, each launch computing for the ranks this process holds, so they give
+// the same bits. A forward is a fixed sequence of kernels on one stream with every per-call count
 // kept on the device, so it does no host synchronisation and can be captured in a CUDA graph:
-//   stage x (e4m3, 1x128) and publish topk -> dispatch (per expert, its (token, slot) entries in
-//   (rank, token, slot) order, the CPU engine's order) -> plan (pool offsets; the dispatch
-//   counters are reset here: the workspace cleans itself) -> pull the staged rows into the expert
-//   rank's pool -> grouped gate/up GEMM with the SwiGLU epilogue -> grouped down GEMM writing bf16
-//   rows into the token rank's combine region -> combine.
+//   stage x (e4m3, 1x128) and publish topk -> [real ranks: barrier] -> dispatch (per expert, its
+//   (token, slot) entries in (rank, token, slot) order, the CPU engine's order) -> plan (pool
+//   offsets; the dispatch counters are reset here: the workspace cleans itself) -> pull the staged
+//   rows into the expert rank's pool -> grouped gate/up GEMM with the SwiGLU epilogue -> grouped
+//   down GEMM writing bf16 rows into the token rank's combine region -> [real ranks: barrier] ->
+//   combine.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,6 +21,7 @@
 #include <vector>
 
 #include "cuda/device_buffer.h"
+#include "cuda/rank_link.h"
 #include "moefq/buffer_layout.h"
 #include "moefq/cpu_engine.h"
 
@@ -33,38 +38,60 @@ struct DeviceBatch {
 
 class CudaEngine {
  public:
-  // Uploads each rank's weights (rank_weights as for CpuEngine) and allocates the buffers.
+  // R simulated ranks on the current GPU: uploads each rank's weights (rank_weights as for
+  // CpuEngine) and allocates the buffers.
   CudaEngine(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
              const std::vector<LayerWeights>& rank_weights, EngineOptions options = {});
+  // One real rank, link.rank() of link.num_ranks(), on the current GPU: rank_weights are its own
+  // experts (first_expert = rank * E/R). Collective: every rank builds its engine of the same
+  // configuration at the same point (the buffers come from link.symmetric_buffers). The link
+  // outlives the engine.
+  CudaEngine(const MoeConfig& cfg, RankLink& link, int64_t max_tokens, const LayerWeights& rank_weights,
+             EngineOptions options = {});
   ~CudaEngine();
   CudaEngine(const CudaEngine&) = delete;
   CudaEngine& operator=(const CudaEngine&) = delete;
 
-  // One call of every rank, enqueued on `stream`. Checks what the host knows (batch count, token
-  // counts, null tensors); expert ids are device data and are not validated here (an id outside
-  // [-1, E) is never dispatched; the host-tensor back-end validates before upload). With
-  // MOEFQ_COMM_KERNEL_DEBUG=1 (read at construction) every buffer is zeroed after the call.
+  // One call of every rank this process computes (batches[i] is rank first_rank() + i's),
+  // enqueued on `stream`; real ranks: every rank calls it, in the same order (it holds two
+  // barriers). Checks what the host knows (batch count, token counts, null tensors); expert ids
+  // are device data and are not validated here (an id outside [-1, E) is never dispatched; the
+  // host-tensor back-end validates before upload). With MOEFQ_COMM_KERNEL_DEBUG=1 (read at
+  // construction) every buffer of this process is zeroed after the call.
   void forward(std::span<const DeviceBatch> batches, cudaStream_t stream);
 
   // The shared expert run on its own (not fused): y = shared(x), [n, H] bf16 device tensors,
   // n <= max_tokens.
   void shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y, cudaStream_t stream);
 
+  // Synchronises `stream`; real ranks: then raises a barrier timeout the link recorded (a peer
+  // that died, hung or skipped a call), before anything reads rows that rank never wrote.
+  void synchronize(cudaStream_t stream);
+
   const MoeConfig& config() const { return cfg_; }
   const BufferLayout& layout() const { return layout_; }
-  int64_t num_ranks() const { return layout_.shape().num_ranks; }
+  int64_t num_ranks() const { return layout_.shape().num_ranks; }  // R, all ranks of the layer
+  // The ranks this process computes: first_rank() .. first_rank() + num_local_ranks() - 1 (all R
+  // when simulated, one when real).
+  int64_t first_rank() const { return first_rank_; }
+  int64_t num_local_ranks() const { return int64_t(ranks_.size()); }
+  RankLink* link() const { return link_; }  // null when the ranks are simulated
   int64_t max_tokens() const { return layout_.shape().max_tokens; }
   bool fused_shared() const { return layout_.shape().fused_shared_slots() > 0; }
-  // Rank r's symmetric buffer (device memory, layout().total_bytes()).
+  // Rank r's symmetric buffer (device memory of this GPU, layout().total_bytes()); r must be a
+  // rank this process computes.
   const uint8_t* buffer(int64_t rank) const;
 
  private:
   struct RankState;
+  void init(std::span<const LayerWeights> rank_weights);
 
   MoeConfig cfg_;
   BufferLayout layout_;
   bool debug_zeroing_ = false;
-  std::vector<std::unique_ptr<RankState>> ranks_;
+  RankLink* link_ = nullptr;
+  int64_t first_rank_ = 0;
+  std::vector<std::unique_ptr<RankState>> ranks_;  // [num_local_ranks]
   DeviceBuffer<uint8_t> rank_ptrs_;  // [R] per-rank device pointers for the kernels
 };
 

@@ -73,8 +73,8 @@ bool env_trap() {
 }  // namespace
 
 CudaFakeQuantMoe::CudaFakeQuantMoe(std::unique_ptr<CudaEngine> engine, int64_t layer)
-    : engine_(std::move(engine)), q_(layer, engine_->num_ranks()), trap_(env_trap()) {
-  const int64_t R = engine_->num_ranks();
+    : engine_(std::move(engine)), q_(layer, engine_->num_local_ranks()), trap_(env_trap()) {
+  const int64_t R = engine_->num_local_ranks();
   xq_ = DeviceBuffer<bf16>(size_t(R * engine_->max_tokens() * engine_->config().hidden));
   calib_ = DeviceBuffer<DeviceAmax>(std::vector<DeviceAmax>(size_t(2 * R), DeviceAmax{}));
   dynamic_ = DeviceBuffer<DeviceAmax>(std::vector<DeviceAmax>(size_t(R), DeviceAmax{}));
@@ -88,7 +88,7 @@ CudaFakeQuantMoe::CudaFakeQuantMoe(std::unique_ptr<CudaEngine> engine, int64_t l
 CudaFakeQuantMoe::~CudaFakeQuantMoe() = default;
 
 void CudaFakeQuantMoe::upload_amax() {
-  const int64_t R = engine_->num_ranks();
+  const int64_t R = engine_->num_local_ranks();
   std::vector<float> v(size_t(2 * R));
   for (int64_t r = 0; r < R; ++r) {
     v[size_t(r)] = q_.dispatch(r).amax().value_or(0.0f);
@@ -109,16 +109,24 @@ void CudaFakeQuantMoe::start_calibration() {
 }
 
 void CudaFakeQuantMoe::finish_calibration() {
-  const int64_t R = engine_->num_ranks();
+  const int64_t R = engine_->num_local_ranks();
   MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
+  engine_->synchronize(nullptr);  // a barrier that timed out during calibration, before the all-reduce
+  RankLink* link = engine_->link();
+  // Real ranks: fake_quant.md's MAX over every expert-parallel rank, here before the replicas
+  // collect (the simulated ones are reduced by q_.finish_calibration). Every word of DeviceAmax
+  // is a non-negative number ordered like its bits (max >= 0), so one MAX over the words reduces
+  // them all: the largest |x|, whether any rank saw data, the largest non-finite count of a rank.
+  if (link) link->all_reduce_max(reinterpret_cast<uint32_t*>(calib_.get()), calib_.bytes() / 4, nullptr);
   const std::vector<DeviceAmax> seen = calib_.download();
   for (int64_t r = 0; r < R; ++r)
     for (int which = 0; which < 2; ++which) {
       Quantizer& q = which == 0 ? q_.dispatch(r) : q_.combine(r);
       const DeviceAmax& s = seen[size_t(which * R + r)];
       if (!q.enabled() || !q.calibrating()) continue;
-      MOEFQ_CHECK(s.nonfinite == 0, q.name(), ": ", s.nonfinite, " NaN or inf values in the calibration data of rank ",
-                  r, " (calibration needs finite data)");
+      MOEFQ_CHECK(s.nonfinite == 0, q.name(), ": ", s.nonfinite, " NaN or inf values in the calibration data of ",
+                  link ? "one of the expert-parallel ranks" : "rank " + std::to_string(r),
+                  " (calibration needs finite data)");
       if (s.seen) q.collect_max(s.max);
     }
   q_.finish_calibration();
@@ -139,7 +147,7 @@ void CudaFakeQuantMoe::quantizers_only(std::span<const DeviceBatch> batches, cud
 }
 
 void CudaFakeQuantMoe::run(std::span<const DeviceBatch> batches, cudaStream_t stream, bool with_engine) {
-  const int64_t R = engine_->num_ranks(), T = engine_->max_tokens(), K = engine_->config().top_k;
+  const int64_t R = engine_->num_local_ranks(), T = engine_->max_tokens(), K = engine_->config().top_k;
   const int64_t H = engine_->config().hidden;
   MOEFQ_CHECK(int64_t(batches.size()) == R, "forward: ", batches.size(), " batches for ", R, " ranks");
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -154,7 +162,7 @@ void CudaFakeQuantMoe::run(std::span<const DeviceBatch> batches, cudaStream_t st
     const size_t end = combine_offset_ + size_t(((slots - 1) * T + n) * H) * 2;
     if (q_.combine(r).enabled() && n > 0 && end > layout.total_bytes())
       MOEFQ_FAIL(ErrorKind::kFailedCheck, q_.combine(r).name(), ": combine rows read at offset ", combine_offset_,
-                 " would run past the end of the ", layout.total_bytes(), "-byte buffer of rank ", r,
+                 " would run past the end of the ", layout.total_bytes(), "-byte buffer of rank ", engine_->first_rank() + r,
                  "; the layout does not match engine.md's [K + shared][T][H]");
   }
 
@@ -186,7 +194,7 @@ void CudaFakeQuantMoe::run(std::span<const DeviceBatch> batches, cudaStream_t st
     const DeviceBatch& b = batches[size_t(r)];
     if (!q.enabled() || b.num_tokens == 0) continue;
     CombineRows rows;
-    rows.buffer = engine_->buffer(r);
+    rows.buffer = engine_->buffer(engine_->first_rank() + r);
     rows.combine_offset = combine_offset_;
     rows.max_tokens = T;
     rows.top_k = K;
@@ -227,13 +235,18 @@ void CudaFakeQuantMoe::run(std::span<const DeviceBatch> batches, cudaStream_t st
 }
 
 void CudaFakeQuantMoe::raise_recorded(int64_t rank, cudaStream_t stream) {
+  // A barrier timeout first: the rows a peer never wrote would otherwise be reported as a layout
+  // mismatch.
+  engine_->synchronize(stream);
   const auto m = read_check(records_.get() + rank, engine_->config().hidden, stream);
-  if (m) q_.fail_layout_check(rank, m->token, m->element, m->engine_bits, m->resum_bits, combine_offset_);
+  if (m)
+    q_.fail_layout_check(engine_->first_rank() + rank, m->token, m->element, m->engine_bits, m->resum_bits,
+                         combine_offset_);
 }
 
 void CudaFakeQuantMoe::synchronize(cudaStream_t stream) {
-  MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream));
-  for (int64_t r = 0; r < engine_->num_ranks(); ++r)
+  engine_->synchronize(stream);
+  for (int64_t r = 0; r < engine_->num_local_ranks(); ++r)
     if (pending_[size_t(r)]) raise_recorded(r, stream);
 }
 

@@ -1,10 +1,12 @@
 // Fake quantization of MoE dispatch and combine (fake_quant.md) around the CUDA engine, all on the
 // device: dispatch QDQ out of place, combine QDQ + exact re-sum in one kernel that reads the rows
-// once, max calibration on the device (MAX over the simulated ranks at the end), and the layout
-// check: eager (one host synchronisation, once per buffer, on the first call with routed rows) or,
-// when a CUDA graph is captured before a buffer was checked, recorded in the graph: every replay
-// compares on the device and a mismatch sets the buffer's error record, which synchronize() turns
-// into the eager check's error (or, opt-in, traps and kills the context).
+// once, max calibration on the device (MAX over the ranks at the end: simulated ones on the host,
+// real ones through the engine's RankLink all-reduce), and the layout check: eager (one host
+// synchronisation, once per buffer, on the first call with routed rows) or, when a CUDA graph is
+// captured before a buffer was checked, recorded in the graph: every replay compares on the
+// device and a mismatch sets the buffer's error record, which synchronize() turns into the eager
+// check's error (or, opt-in, traps and kills the context). It works on the ranks its engine
+// computes; a per-rank index i below is rank engine().first_rank() + i.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,7 +41,7 @@ class CudaFakeQuantMoe {
   // As FakeQuantMoe::configure (the same errors), then the amax values go to the device.
   void configure(const std::map<std::string, QuantizerConfig>& configs);
   // Calibration starts and finishes on the host (both synchronise the device); the forwards in
-  // between collect on the device.
+  // between collect on the device. Real ranks: finish_calibration is collective.
   void start_calibration();
   void finish_calibration();
   void load_calibration_file(const std::string& path);
@@ -50,8 +52,9 @@ class CudaFakeQuantMoe {
   // The quantizers' own work in forward() without the engine call (dispatch QDQ, combine QDQ +
   // re-sum over the rows the last forward left): what the benchmarks time as their cost.
   void quantizers_only(std::span<const DeviceBatch> batches, cudaStream_t stream);
-  // Synchronises `stream` and raises (kFailedCheck, the eager check's message) the first mismatch
-  // a device-side layout check recorded since the last call.
+  // Synchronises `stream` and raises (kFailedCheck) a barrier timeout of real ranks, else the
+  // first mismatch a device-side layout check recorded since the last call (the eager check's
+  // message).
   void synchronize(cudaStream_t stream);
   // Opt-in: a device-side mismatch traps (the CUDA context is lost) instead of being recorded.
   // Also set by MOEFQ_LAYOUT_CHECK_TRAP=1. Applies to checks enqueued or captured afterwards.

@@ -39,7 +39,7 @@ BufferLayout::BufferLayout(const BufferShape& s) : shape_(s) {
   const size_t ws_begin = cursor;
   expert_counts = take(el * 4);
   expert_lists = take(el * R * T * 4);
-  take(16 * 4);  // barrier state
+  rank_state = take(16 * 4);
   workspace = {ws_begin, cursor - ws_begin};
   staged_x = take(T * H);
   staged_scales = take(T * (H / kStageBlock) * 4);

@@ -33,7 +33,7 @@ const T* at(const std::vector<uint8_t>& buf, const Region& r) {
 }  // namespace
 
 BufferShape engine_buffer_shape(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
-                                const std::vector<LayerWeights>& w, const EngineOptions& opt) {
+                                std::span<const LayerWeights> w, const EngineOptions& opt) {
   cfg.validate();
   BufferShape s;
   s.num_ranks = num_ranks;

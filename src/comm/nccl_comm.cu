@@ -125,6 +125,9 @@ NcclComm::NcclComm(const RankEnv& env, CommOptions options)
   // NVLink multicast stays off unless the user asked for it: nothing here uses it, and NCCL's own
   // collectives would otherwise set it up on NVSwitch hosts.
   ::setenv("NCCL_NVLS_ENABLE", "0", 0);
+  // Symmetric windows need NCCL's cuMem allocations, which NCCL 2.28 leaves off on some hosts
+  // (virtual machines among them): the communicator then "does not support symmetric memory".
+  ::setenv("NCCL_CUMEM_ENABLE", "1", 0);
   const int devices = cuda::device_count();
   MOEFQ_CHECK(env.local_rank < devices, "rank ", rank_, ": LOCAL_RANK ", env.local_rank, " needs GPU ", env.local_rank,
               ", but ", devices, " GPUs are visible (one process per GPU: at most as many ranks per host as GPUs)");
@@ -152,20 +155,9 @@ NcclComm::NcclComm(const RankEnv& env, CommOptions options)
     wait_ready("NCCL communicator");
     // The device communicator tells the load/store (LSA) team: its lsaRank and lsaSize are the
     // fields NCCL documents as stable. Nothing else of it is needed (our barrier is our own), so
-    // it asks for no resources, multimem included.
-    ncclDevCommRequirements reqs{};
-#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
-    reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
-#endif
-    ncclDevComm dev{};
-    MOEFQ_NCCL_CHECK(ncclDevCommCreate(comm_, &reqs, &dev));
-    wait_ready("NCCL device communicator");
-    const int lsa_rank = dev.lsaRank, lsa_size = dev.lsaSize;
-    MOEFQ_NCCL_CHECK(ncclDevCommDestroy(comm_, &dev));
-    wait_ready("NCCL device communicator");
-    MOEFQ_CHECK(lsa_size == num_ranks_ && lsa_rank == rank_, "rank ", rank_, ": NCCL reaches ", lsa_size, " of the ",
-                num_ranks_, " ranks by loads and stores (this rank is its rank ", lsa_rank,
-                "); real ranks need every GPU of the job connected peer to peer (one NVLink host)");
+    // it asks for no resources, multimem included. A single rank is its own team and needs no
+    // window (NCCL 2.28.3 gives a 1-rank communicator no symmetric memory: seen on an H200).
+    if (num_ranks_ > 1) check_lsa_team();
     MOEFQ_CUDA_CHECK(cudaMalloc(&sync_word_, sizeof *sync_word_));
     MOEFQ_CUDA_CHECK(cudaMalloc(&state_, sizeof *state_));
     MOEFQ_CUDA_CHECK(cudaMemset(state_, 0, sizeof *state_));
@@ -178,11 +170,28 @@ NcclComm::NcclComm(const RankEnv& env, CommOptions options)
   }
 }
 
+void NcclComm::check_lsa_team() {
+  ncclDevCommRequirements reqs{};
+#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
+  reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+#endif
+  ncclDevComm dev{};
+  MOEFQ_NCCL_CHECK(ncclDevCommCreate(comm_, &reqs, &dev));
+  wait_ready("NCCL device communicator");
+  const int lsa_rank = dev.lsaRank, lsa_size = dev.lsaSize;
+  MOEFQ_NCCL_CHECK(ncclDevCommDestroy(comm_, &dev));
+  wait_ready("NCCL device communicator");
+  MOEFQ_CHECK(lsa_size == num_ranks_ && lsa_rank == rank_, "rank ", rank_, ": NCCL reaches ", lsa_size, " of the ",
+              num_ranks_, " ranks by loads and stores (this rank is its rank ", lsa_rank,
+              "); real ranks need every GPU of the job connected peer to peer (one NVLink host)");
+}
+
 NcclComm::~NcclComm() {
   if (comm_ && !broken_) {
     try {
       MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());  // no kernel of this rank still uses a window
       for (auto w = windows_.rbegin(); w != windows_.rend(); ++w) {
+        if (!w->handle) continue;  // a single rank's plain memory
         MOEFQ_NCCL_CHECK(ncclCommWindowDeregister(comm_, w->handle));
         wait_ready("NCCL window deregistration");
         w->handle = nullptr;
@@ -201,8 +210,10 @@ NcclComm::~NcclComm() {
 void NcclComm::abort() noexcept {
   if (comm_) ncclCommAbort(comm_);
   comm_ = nullptr;
-  for (Window& w : windows_)
-    if (w.local) ncclMemFree(w.local);
+  for (Window& w : windows_) {
+    if (w.local && num_ranks_ == 1) cudaFree(w.local);
+    else if (w.local) ncclMemFree(w.local);
+  }
   windows_.clear();
   cudaFree(inboxes_);
   cudaFree(state_);
@@ -219,6 +230,12 @@ void NcclComm::require_usable() const {
 const NcclComm::Window& NcclComm::register_window(size_t bytes) {
   bytes = (bytes + kWindowAlignment - 1) / kWindowAlignment * kWindowAlignment;
   Window& w = windows_.emplace_back();
+  if (num_ranks_ == 1) {  // no peer: plain device memory, the same pointers for the kernels
+    MOEFQ_CUDA_CHECK(cudaMalloc(&w.local, bytes));
+    MOEFQ_CUDA_CHECK(cudaMemset(w.local, 0, bytes));
+    w.peers = {static_cast<uint8_t*>(w.local)};
+    return w;
+  }
   MOEFQ_NCCL_CHECK(ncclMemAlloc(&w.local, bytes));
   MOEFQ_CUDA_CHECK(cudaMemset(w.local, 0, bytes));
   MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());

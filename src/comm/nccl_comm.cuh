@@ -53,12 +53,14 @@ class NcclComm final : public cuda::RankLink {
 
  private:
   struct Window {
-    void* local = nullptr;  // ncclMemAlloc, this GPU's part
+    void* local = nullptr;  // this GPU's part: ncclMemAlloc (a single rank: cudaMalloc, no handle)
     ncclWindow_t handle = nullptr;
     std::vector<uint8_t*> peers;  // [num_ranks]: load/store pointers; [rank] is `local`
   };
   // Allocates, zeroes and registers one window (collective) and finds every rank's part of it.
   const Window& register_window(size_t bytes);
+  // Checks (collective, more than one rank) that every rank reaches every other by loads and stores.
+  void check_lsa_team();
   void require_usable() const;
   // Whether the communicator's pending operation completed; throws when NCCL reports an error.
   bool comm_done(const char* what);

@@ -167,25 +167,15 @@ TEST(NcclRanks, GraphReplaysEqualEagerCalls) {
     real.synchronize(nullptr);
     eager.push_back(dp.outputs()[0]);
   }
-  cudaStream_t s;
-  MOEFQ_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
   dp.load(inputs[0]);
-  MOEFQ_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  real.forward(dp.batches(), s);
-  MOEFQ_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  MOEFQ_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::CapturedGraph graph([&](cudaStream_t s) { real.forward(dp.batches(), s); });
   for (int rep = 0; rep < 2; ++rep)
     for (size_t i = 0; i < inputs.size(); ++i) {
       dp.load(inputs[i]);
-      MOEFQ_CUDA_CHECK(cudaGraphLaunch(exec, s));
-      real.synchronize(s);
+      graph.launch();
+      real.synchronize(graph.stream());
       EXPECT_TRUE(test::bytes_equal(eager[i], dp.outputs()[0])) << "replay " << rep << " input " << i;
     }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
 }
 
 // The fake-quantized layer on real ranks gives its simulated twin's bits, eagerly and in a graph.
@@ -208,23 +198,13 @@ TEST(NcclRanks, FakeQuantizedLayerMatchesSimulatedRanks) {
     real.synchronize(nullptr);
     const auto want = all.outputs()[size_t(d)];
     EXPECT_TRUE(test::bytes_equal(want, mine.outputs()[0])) << "eager output of rank " << d;
-    cudaStream_t s;
-    MOEFQ_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    MOEFQ_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    real.forward(mine.batches(), s);
-    MOEFQ_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-    MOEFQ_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const test::CapturedGraph graph([&](cudaStream_t s) { real.forward(mine.batches(), s); });
     for (int rep = 0; rep < 2; ++rep) {
       mine.load(rank_part(p, int(d)));
-      MOEFQ_CUDA_CHECK(cudaGraphLaunch(exec, s));
-      real.synchronize(s);
+      graph.launch();
+      real.synchronize(graph.stream());
       EXPECT_TRUE(test::bytes_equal(want, mine.outputs()[0])) << "replay " << rep;
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(s);
   }
 }
 

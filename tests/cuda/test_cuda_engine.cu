@@ -154,28 +154,18 @@ TEST(CudaEngine, RepeatedCallsAndGraphReplaysAreBitIdentical) {
     for (int64_t r = 0; r < R; ++r)
       EXPECT_TRUE(test::bytes_equal(eager.back()[size_t(r)].data(), again[size_t(r)].data(), again[size_t(r)].size(), 2));
   }
-  cudaStream_t s;
-  MOEFQ_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
   dp.load(inputs[0]);
-  MOEFQ_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  gpu.forward(dp.batches(), s);
-  MOEFQ_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  MOEFQ_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::CapturedGraph graph([&](cudaStream_t s) { gpu.forward(dp.batches(), s); });
   for (int rep = 0; rep < 2; ++rep)
     for (size_t i = 0; i < inputs.size(); ++i) {
       dp.load(inputs[i]);
-      MOEFQ_CUDA_CHECK(cudaGraphLaunch(exec, s));
-      MOEFQ_CUDA_CHECK(cudaStreamSynchronize(s));
+      graph.launch();
+      MOEFQ_CUDA_CHECK(cudaStreamSynchronize(graph.stream()));
       const auto got = dp.outputs();
       for (int64_t r = 0; r < R; ++r)
         EXPECT_TRUE(test::bytes_equal(eager[i][size_t(r)].data(), got[size_t(r)].data(), got[size_t(r)].size(), 2))
             << "replay " << rep << " input " << i << " rank " << r;
     }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
 }
 
 // Padding tokens get only the shared row (or zero); ranks with no tokens and all-padding calls

@@ -251,18 +251,12 @@ TEST(CudaFakeQuant, GraphCaptureAfterPaddingOnlyWarmup) {
     DeviceProblem dp(warm, T + 1);
     run(*l.fq, dp);
     ASSERT_FALSE(l.fq->layout_checked(0));
-    cudaStream_t s;
-    MOEFQ_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    MOEFQ_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    l.fq->forward(dp.batches(), s);
-    MOEFQ_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-    MOEFQ_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const test::CapturedGraph graph([&](cudaStream_t s) { l.fq->forward(dp.batches(), s); });
+    const cudaStream_t s = graph.stream();
     for (uint64_t i = 0; i < 3; ++i) {
       const Problem p = make_problem(c, R, T, 91 + i, 4);
       dp.load(p);
-      MOEFQ_CUDA_CHECK(cudaGraphLaunch(exec, s));
+      graph.launch();
       if (corrupt) {
         expect_error([&] { l.fq->synchronize(s); }, ErrorKind::kFailedCheck, {"layout check failed", "rank 0"});
         // The context survives: an eager call of the reference layer still works.
@@ -278,9 +272,6 @@ TEST(CudaFakeQuant, GraphCaptureAfterPaddingOnlyWarmup) {
         EXPECT_TRUE(test::bytes_equal(want[size_t(r)].data(), got[size_t(r)].data(), got[size_t(r)].size(), 2))
             << "replay " << i << " rank " << r;
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(s);
   }
 }
 

@@ -554,31 +554,21 @@ TEST(GroupedGemm, GraphReplayReadsCountsOnTheDevice) {
   Device d;
   upload(c, h, d);
   prepare_grouped_gemm();
-  cudaStream_t s;
-  MOEFQ_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOEFQ_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  launch_both(c, h, d, s);
-  MOEFQ_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  MOEFQ_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::CapturedGraph graph([&](cudaStream_t s) { launch_both(c, h, d, s); });
   for (const std::vector<int32_t>& counts : {std::vector<int32_t>{70, 0, 5, 130}, std::vector<int32_t>{3, 150, 0, 64},
                                              std::vector<int32_t>{200, 1, 199, 65}}) {
     SCOPED_TRACE(testing::Message() << "counts " << counts[0] << " " << counts[1] << " " << counts[2] << " " << counts[3]);
     h.counts = counts;
     d.counts.upload(counts);
     reset_outputs(d);
-    MOEFQ_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    MOEFQ_CUDA_CHECK(cudaStreamSynchronize(s));
+    graph.launch();
+    MOEFQ_CUDA_CHECK(cudaStreamSynchronize(graph.stream()));
     const Outputs want = run_cpu(c, h);
     const Outputs got = download(d);
     expect_same("h8", want.h8, got.h8, c.I);
     expect_same("h_scale", want.h_scale, got.h_scale, c.I / 128);
     expect_same("out", want.out, got.out, c.H);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
 }
 
 }  // namespace moefq::cuda

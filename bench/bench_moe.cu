@@ -7,10 +7,10 @@
 #include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
-#include <random>
 
 #include "bench/bench_cuda_util.cuh"
 #include "bench/ceilings.cuh"
+#include "bench/moe_inputs.h"
 #include "cuda/cuda_fake_quant.cuh"
 #include "cuda/host_api.h"
 #include "moefq/errors.h"
@@ -65,14 +65,6 @@ MoeConfig rank_config(const std::string& name, int64_t ep) {
   return c;
 }
 
-// Timing does not depend on the weight values: expert 0's synthetic weights for every expert.
-LayerWeights bench_weights(const MoeConfig& c) {
-  LayerWeights one = synthetic_weights(c, WeightFormat::kE4m3, 1, 0, 1);
-  LayerWeights w = one;
-  w.experts.assign(size_t(c.num_experts), one.experts[0]);
-  return w;
-}
-
 }  // namespace
 
 std::vector<std::string> moe_bench_configs() {
@@ -113,25 +105,17 @@ int run_bench_moe(const MoeBenchOptions& o) {
                 "wt_GB/s", "floor_us", "of_floor", "overhead", "quant_us", "q_share");
     nlohmann::json pj = {{"preset", name}, {"hidden", H}, {"intermediate", I}, {"local_experts", E}, {"top_k", K},
                          {"cublaslt_fp8_tflops", peak_tflops}};
-    cuda::CudaFakeQuantMoe fq(std::make_unique<cuda::CudaEngine>(c, 1, tmax, std::vector<LayerWeights>{bench_weights(c)},
+    cuda::CudaFakeQuantMoe fq(std::make_unique<cuda::CudaEngine>(c, 1, tmax,
+                                                                 std::vector<LayerWeights>{repeated_weights(c, 0, E)},
                                                                  EngineOptions{false, 0}),
                               0);
     for (int64_t T : o.tokens) {
       // Uniform routing: K distinct local experts per token.
-      std::mt19937_64 rng(static_cast<uint64_t>(T));
-      std::vector<int32_t> idx(size_t(T * K));
-      std::vector<float> wt(size_t(T * K));
+      const Routing routing = uniform_routing(T, K, E, static_cast<uint64_t>(T));
+      const std::vector<int32_t>& idx = routing.idx;
+      const std::vector<float>& wt = routing.wt;
       std::vector<bool> touched(size_t(E), false);
-      for (int64_t t = 0; t < T; ++t) {
-        std::vector<int32_t> perm(static_cast<size_t>(E));
-        for (int64_t e = 0; e < E; ++e) perm[size_t(e)] = int32_t(e);
-        for (int64_t k = 0; k < K; ++k) {
-          std::swap(perm[size_t(k)], perm[size_t(k + int64_t(rng() % uint64_t(E - k)))]);
-          idx[size_t(t * K + k)] = perm[size_t(k)];
-          wt[size_t(t * K + k)] = 0.1f + float(rng() % 1000) * 1e-4f;
-          touched[size_t(perm[size_t(k)])] = true;
-        }
-      }
+      for (int32_t e : idx) touched[size_t(e)] = true;
       const int64_t touched_n = std::count(touched.begin(), touched.end(), true);
       std::vector<bf16> xh(size_t(T * H));
       const std::vector<float> xf = synthetic_activations(T, H, 7);

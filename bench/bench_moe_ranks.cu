@@ -10,11 +10,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
-#include <numeric>
 #include <optional>
-#include <random>
 
 #include "bench/bench_cuda_util.cuh"
+#include "bench/moe_inputs.h"
 #include "comm/nccl_comm.cuh"
 #include "cuda/cuda_engine.cuh"
 #include "cuda/host_api.h"
@@ -29,37 +28,6 @@ namespace moefq::bench {
 namespace {
 
 using cuda::DeviceBuffer;
-
-// Timing does not depend on the weight values: expert 0's synthetic weights for each of the
-// `count` experts from `first` (the shared expert is the same on every rank).
-LayerWeights repeated_weights(const MoeConfig& c, int64_t first, int64_t count) {
-  LayerWeights w = synthetic_weights(c, WeightFormat::kE4m3, 1, 0, 1);
-  w.first_expert = first;
-  const ExpertWeights one = w.experts[0];
-  w.experts.assign(size_t(count), one);
-  return w;
-}
-
-struct Routing {
-  std::vector<int32_t> idx;  // [T, K]
-  std::vector<float> wt;     // [T, K]
-};
-
-// Every token to K distinct experts of [0, E), uniformly.
-Routing uniform_routing(int64_t T, int64_t K, int64_t E, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  Routing r{std::vector<int32_t>(size_t(T * K)), std::vector<float>(size_t(T * K))};
-  std::vector<int32_t> perm(static_cast<size_t>(E));
-  for (int64_t t = 0; t < T; ++t) {
-    std::iota(perm.begin(), perm.end(), 0);
-    for (int64_t k = 0; k < K; ++k) {
-      std::swap(perm[size_t(k)], perm[size_t(k + int64_t(rng() % uint64_t(E - k)))]);
-      r.idx[size_t(t * K + k)] = perm[size_t(k)];
-      r.wt[size_t(t * K + k)] = 0.1f + float(rng() % 1000) * 1e-4f;
-    }
-  }
-  return r;
-}
 
 // Bytes rank d sends its peers in one call: its staged rows (e4m3, 1x128 scales, router weight)
 // that expert ranks pull, the bf16 rows its experts store into the token ranks' combine regions,

@@ -1,5 +1,7 @@
 #include "engine/gemm_cpu.h"
 
+#include "moefq/numerics.h"
+
 namespace moefq {
 namespace {
 
@@ -36,7 +38,7 @@ __attribute__((always_inline)) inline void gemm_tile(const float* const* a, cons
         for (int r = 0; r < kRows; ++r)
           for (int j = 0; j < kLanes; ++j) lane[r][j] = madd<kFma>(a[r][b * kBlock + k + j], wb[k + j], lane[r][j]);
       // The promotion, one rounding: the CUDA GEMMs' form (an FMA per block and output).
-      for (int r = 0; r < kRows; ++r) acc[r] = __builtin_fmaf(reduce_lanes(lane[r]), a_scale[r][b] * sn[b], acc[r]);
+      for (int r = 0; r < kRows; ++r) acc[r] = fma_rn(reduce_lanes(lane[r]), a_scale[r][b] * sn[b], acc[r]);
     }
     for (int r = 0; r < kRows; ++r) out[r][n] = acc[r];
   }

@@ -108,12 +108,19 @@ __device__ __forceinline__ void add_routed_pair(const R& rule, int4 raw_a, int4 
   for (int i = 0; i < kChunkElems; ++i) acc[i] = add_rn(add_rn(acc[i], va[i]), vb[i]);
 }
 
+// CTAs per SM the register budget must allow (0: no bound, the compiler's choice): nvfp4's
+// unchecked kernel is bound by instruction issue, and 7 CTAs (72 registers, 16 bytes of spills)
+// instead of 6 give each scheduler more warps to pick from (H200, 2026-12-03: 0.787 -> 0.797-0.802
+// of copy bandwidth on [8][4096][7168]).
+template <typename R, bool kCheck>
+constexpr int kMinCtas = std::is_same_v<R, Rule<Format::kNvfp4>> && !kCheck ? 7 : 0;
+
 // grid = (tokens looped over, ceil(H / 8 / kThreads)). All lanes of a warp belong to one token, so
 // the active-slot mask is warp-uniform: every branch on it is taken by the whole warp. Lanes past
 // the row's end read the row's first chunk instead (real data, so their blocks and the warp's
 // votes stay well defined) and take part in the shuffles, but neither compare nor store.
 template <typename R, bool kCheck>
-__global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, kMinCtas<R, kCheck>) combine_kernel(const Params p) {
   constexpr bool kQuant = !std::is_same_v<R, NoQdq>;
   __shared__ typename R::Shared shared;
   const R rule(p.amax, shared);

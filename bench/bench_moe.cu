@@ -132,9 +132,17 @@ int run_bench_moe(const MoeBenchOptions& o) {
       // once), then all timed round-robin so drifts of clock and temperature hit them alike.
       // The quantizers' own kernels are timed too: the end-to-end difference also carries the
       // GEMMs' data-dependent clock (quantized tokens change the tensor cores' power draw).
+      // The configurations share one fake quantizer, whose device amax the graphs read at replay:
+      // each graph first copies back its own configuration's values (saved after calibration).
       std::vector<TimedCase> cases;
+      std::vector<DeviceBuffer<float>> saved_amax;
+      saved_amax.reserve(configs.size());  // the graphs keep pointers into these
       for (const std::string& cfg : configs) {
-        auto prepare = [&fq, &batch, cfg] {
+        DeviceBuffer<float>& saved = saved_amax.emplace_back(fq.device_amax().size());
+        const auto restore_amax = [&fq, &saved](cudaStream_t s) {
+          MOEFQ_CUDA_CHECK(cudaMemcpyAsync(fq.device_amax().get(), saved.get(), saved.bytes(), cudaMemcpyDeviceToDevice, s));
+        };
+        auto prepare = [&fq, &batch, &saved, cfg] {
           const BenchConfig& bc = config_recipes().at(cfg);
           fq.configure(apply_recipe(parse_recipe_text(bc.recipe, cfg), fq.quantizer_names()));
           if (bc.calibrate) {
@@ -144,12 +152,17 @@ int run_bench_moe(const MoeBenchOptions& o) {
           }
           fq.forward({&batch, 1}, nullptr);
           fq.synchronize(nullptr);
+          MOEFQ_CUDA_CHECK(cudaMemcpy(saved.get(), fq.device_amax().get(), saved.bytes(), cudaMemcpyDeviceToDevice));
         };
-        cases.push_back({prepare, [&](int, cudaStream_t s) {
+        cases.push_back({prepare, [&, restore_amax](int i, cudaStream_t s) {
+                           if (i == 0) restore_amax(s);
                            fq.forward({&batch, 1}, s);
                            fq.engine().shared_expert(0, x.get(), T, ys.get(), s);
                          }});
-        cases.push_back({prepare, [&](int, cudaStream_t s) { fq.quantizers_only({&batch, 1}, s); }});
+        cases.push_back({prepare, [&, restore_amax](int i, cudaStream_t s) {
+                           if (i == 0) restore_amax(s);
+                           fq.quantizers_only({&batch, 1}, s);
+                         }});
       }
       const std::vector<double> times = interleaved_median_us(cases, o.calls_per_graph, o.reps);
       for (size_t i = 0; i < configs.size(); ++i) {

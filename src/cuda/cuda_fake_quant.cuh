@@ -60,6 +60,11 @@ class CudaFakeQuantMoe {
   // Also set by MOEFQ_LAYOUT_CHECK_TRAP=1. Applies to checks enqueued or captured afterwards.
   void set_trap_on_mismatch(bool trap) { trap_ = trap; }
 
+  // The global amax every QDQ reads on the device ([2][R]: dispatch, combine), which graphs read
+  // at replay, not at capture: a caller that replays graphs captured under different
+  // configurations restores each one's values first (bench moe does).
+  DeviceBuffer<float>& device_amax() { return amax_; }
+
   CudaEngine& engine() { return *engine_; }
   const MoeQuantizers& quantizers() const { return q_; }
   bool layout_checked(int64_t rank) const { return checked_[size_t(rank)]; }

@@ -6,7 +6,8 @@
 # Needs .deps/ from scripts/fetch_device_deps.sh (carried along with the working tree).
 # Usage: scripts/device_check.sh [quick|gpu|full|bench] [benchmark ...]
 #   quick: build + GPU tests; gpu: + benchmarks; full: + CPU tests, sanitizers and benchmarks;
-#   bench: build + benchmarks. MOEFQ_SASS=1 also saves the SASS of the GEMM and combine kernels.
+#   bench: build + benchmarks. MOEFQ_SASS=1 also saves the SASS of the GEMM and combine kernels;
+#   MOEFQ_NCU=1 adds ncu counters of the combine kernels inside the layer benchmark and alone.
 #   benchmarks: any of qdq combine gemm moe (default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +47,7 @@ if [ "$mode" != bench ]; then
   step "tests"
   labels="gpu|cpu"
   [ "$mode" = quick ] || [ "$mode" = gpu ] && labels="gpu"
-  ctest --test-dir build-dev -L "$labels" --output-on-failure -j4 > "$LOG/ctest.log" 2>&1
+  ctest --test-dir build-dev -L "$labels" --output-on-failure -j4 --timeout 300 > "$LOG/ctest.log" 2>&1
   test_rc=$?
   grep -E "tests passed|tests failed|Failed|\*\*\*|Test +#.*(Failed|Exception)" "$LOG/ctest.log" | tail -n 40
   # Figures some tests measure and print (ctest shows output only on failure).
@@ -79,13 +80,27 @@ if [ "$mode" != quick ]; then
     args=""
     [ "$name" = qdq ] && args="--rows 4096 32768"
     if build-dev/moefq bench $name --help > /dev/null 2>&1; then
-      build-dev/moefq bench $name $args --json "$LOG/bench_$name.json" > "$LOG/bench_$name.txt" 2>&1
+      timeout 300 build-dev/moefq bench $name $args --json "$LOG/bench_$name.json" > "$LOG/bench_$name.txt" 2>&1
       echo "-- bench $name rc=$?"
       cat "$LOG/bench_$name.txt"
     fi
   done
   kill "$clocks_pid" 2>/dev/null
   cp "$LOG"/bench_*.json "$OUT/" 2>/dev/null
+fi
+if [ "${MOEFQ_NCU:-0}" = 1 ]; then
+  # Counters of the combine kernels inside the layer benchmark and alone (clocks left alone).
+  step "ncu: combine kernels in the layer and alone"
+  metrics=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,dram__cycles_elapsed.avg.per_second,smsp__inst_executed.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,smsp__thread_inst_executed_per_inst_executed.ratio
+  ncu_run() {  # log name, command...
+    local name=$1
+    shift
+    ncu --clock-control none -k regex:combine_kernel --kernel-name-base demangled --metrics "$metrics" "$@" > "$LOG/ncu_$name.txt" 2>&1
+    echo "-- ncu $name rc=$?"
+    grep -E "combine_kernel|gpu__time|sm__cycles|dram__cycles|inst_executed|dram__bytes|hit_rate" "$LOG/ncu_$name.txt" | tail -n 80
+  }
+  ncu_run layer --launch-skip 0 --launch-count 40 build-dev/moefq bench moe --tokens 4096 --configs none combine-nvfp4 combine-fp8 --calls 1 --reps 1
+  ncu_run alone --launch-count 6 build-dev/moefq bench combine --formats nvfp4 fp8 --reps 1
 fi
 step "done (tests rc=$test_rc)"
 exit $test_rc

@@ -7,6 +7,8 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "moefq/numerics.h"
 #include "moefq/qdq.h"
 
@@ -172,34 +174,49 @@ struct Rule<Format::kNvfp4> {
       for (int i = 0; i < kN; ++i) v[i] = nvfp4_qdq_recip<false>(v[i], b.scale, b.rcp);
     }
   }
-  // The combine's chunk. The element rule is chosen per warp (uniform branches): the tame rule when
-  // every block of the warp is tame (calibrated data), else the clamped or unclamped rule.
+  // The combine's element rules (numerics.h, "Sum-exact element rules"), each exact wherever it is
+  // taken: tame where every block is tame, clamped for any block, unclamped where no block needs
+  // the clamp.
+  enum class SumRule { kTame, kClamped, kUnclamped };
+  template <SumRule kR>
+  __device__ static float sum_elem(float x, float scale, float rcp) {
+    if constexpr (kR == SumRule::kTame) return nvfp4_qdq_sum_tame(x, scale, rcp);
+    if constexpr (kR == SumRule::kClamped) return nvfp4_qdq_sum_clamped(x, scale, rcp);
+    return nvfp4_qdq_sum_unclamped(x, scale, rcp);
+  }
+  // Calls f with the rule for the warp (uniform branches, no divergence) from this lane's blocks:
+  // tame when all of the warp's are, else clamped when any needs the clamp, else unclamped.
+  template <typename F>
+  __device__ static void with_warp_rule(bool tame, bool clamp, F&& f) {
+    if (__all_sync(0xFFFFFFFFu, tame))
+      f(std::integral_constant<SumRule, SumRule::kTame>{});
+    else if (__any_sync(0xFFFFFFFFu, clamp))
+      f(std::integral_constant<SumRule, SumRule::kClamped>{});
+    else
+      f(std::integral_constant<SumRule, SumRule::kUnclamped>{});
+  }
+  // The combine's chunk, the element rule chosen per warp.
   template <int kLanes>
   __device__ void combine_chunk(const CombineWords& w, float (&v)[kCombineElems]) const {
     unpack(w, v);
     const float bmax = combine_block_max<kLanes>(w);
     const Nvfp4Block b = block_param(bmax);
-    if (__all_sync(0xFFFFFFFFu, nvfp4_block_is_tame(bmax, b.rcp))) {
+    with_warp_rule(nvfp4_block_is_tame(bmax, b.rcp), b.clamp, [&](auto rule) {
 #pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) v[i] = nvfp4_qdq_sum_tame(v[i], b.scale, b.rcp);
-    } else if (__any_sync(0xFFFFFFFFu, b.clamp)) {
-#pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) v[i] = nvfp4_qdq_sum_clamped(v[i], b.scale, b.rcp);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) v[i] = nvfp4_qdq_sum_unclamped(v[i], b.scale, b.rcp);
-    }
+      for (int i = 0; i < kCombineElems; ++i) v[i] = sum_elem<decltype(rule)::value>(v[i], b.scale, b.rcp);
+    });
     round_to_bf16(v);
   }
   // The chunks of two routed rows a and b of a token (the combine's slots k and k + 1) at once, with
   // the same values as combine_chunk on each. A block is 16 elements, 8 in each of two lanes: the
   // even lane finishes row a's block maximum and scale, the odd lane row b's, and they swap the
   // results, so a lane does the per-block work (maximum, scale code, table, tame test; about 35
-  // instructions) once for two rows. The element rule is chosen per warp for both rows together:
-  // each is exact wherever it is taken (tame: every block tame; clamped: any block; unclamped:
-  // no block needs the clamp).
-  __device__ void combine_chunk_pair(const CombineWords& wa, const CombineWords& wb, float (&va)[kCombineElems],
-                                     float (&vb)[kCombineElems]) const {
+  // instructions) once for two rows. pair_scales does that work; apply_pair the element rule.
+  struct PairScales {
+    float sa, ra, sb, rb;  // the blocks' scales and reciprocals, rows a and b
+    bool tame, clamp;      // of this lane's own block
+  };
+  __device__ PairScales pair_scales(const CombineWords& wa, const CombineWords& wb) const {
     static_assert(kBlock == 2 * kCombineElems, "two lanes per block");
     constexpr unsigned kAll = 0xFFFFFFFFu;
     const bool odd = threadIdx.x & 1u;
@@ -210,31 +227,27 @@ struct Rule<Format::kNvfp4> {
     const float bmax = max_ignore_nan(0.0f, abs_mod(f32_from_bits(m << 16)));  // as combine_block_max
     const Nvfp4Block own = block_param(bmax);
     const float other_scale = __shfl_xor_sync(kAll, own.scale, 1), other_rcp = __shfl_xor_sync(kAll, own.rcp, 1);
-    const float sa = odd ? other_scale : own.scale, ra = odd ? other_rcp : own.rcp;
-    const float sb = odd ? own.scale : other_scale, rb = odd ? own.rcp : other_rcp;
+    return {odd ? other_scale : own.scale, odd ? other_rcp : own.rcp, odd ? own.scale : other_scale,
+            odd ? own.rcp : other_rcp, nvfp4_block_is_tame(bmax, own.rcp), own.clamp};
+  }
+  template <SumRule kR>
+  __device__ void apply_pair(const CombineWords& wa, const CombineWords& wb, const PairScales& s,
+                             float (&va)[kCombineElems], float (&vb)[kCombineElems]) const {
     unpack(wa, va);
     unpack(wb, vb);
-    if (__all_sync(kAll, nvfp4_block_is_tame(bmax, own.rcp))) {
 #pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) {
-        va[i] = nvfp4_qdq_sum_tame(va[i], sa, ra);
-        vb[i] = nvfp4_qdq_sum_tame(vb[i], sb, rb);
-      }
-    } else if (__any_sync(kAll, own.clamp)) {
-#pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) {
-        va[i] = nvfp4_qdq_sum_clamped(va[i], sa, ra);
-        vb[i] = nvfp4_qdq_sum_clamped(vb[i], sb, rb);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) {
-        va[i] = nvfp4_qdq_sum_unclamped(va[i], sa, ra);
-        vb[i] = nvfp4_qdq_sum_unclamped(vb[i], sb, rb);
-      }
+    for (int i = 0; i < kCombineElems; ++i) {
+      va[i] = sum_elem<kR>(va[i], s.sa, s.ra);
+      vb[i] = sum_elem<kR>(vb[i], s.sb, s.rb);
     }
     round_to_bf16(va);
     round_to_bf16(vb);
+  }
+  // The element rule is chosen per warp for both rows together.
+  __device__ void combine_chunk_pair(const CombineWords& wa, const CombineWords& wb, float (&va)[kCombineElems],
+                                     float (&vb)[kCombineElems]) const {
+    const PairScales s = pair_scales(wa, wb);
+    with_warp_rule(s.tame, s.clamp, [&](auto rule) { apply_pair<decltype(rule)::value>(wa, wb, s, va, vb); });
   }
 };
 

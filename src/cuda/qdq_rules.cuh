@@ -211,12 +211,9 @@ struct Rule<Format::kNvfp4> {
   // the same values as combine_chunk on each. A block is 16 elements, 8 in each of two lanes: the
   // even lane finishes row a's block maximum and scale, the odd lane row b's, and they swap the
   // results, so a lane does the per-block work (maximum, scale code, table, tame test; about 35
-  // instructions) once for two rows. pair_scales does that work; apply_pair the element rule.
-  struct PairScales {
-    float sa, ra, sb, rb;  // the blocks' scales and reciprocals, rows a and b
-    bool tame, clamp;      // of this lane's own block
-  };
-  __device__ PairScales pair_scales(const CombineWords& wa, const CombineWords& wb) const {
+  // instructions) once for two rows. The element rule is chosen per warp for both rows together.
+  __device__ void combine_chunk_pair(const CombineWords& wa, const CombineWords& wb, float (&va)[kCombineElems],
+                                     float (&vb)[kCombineElems]) const {
     static_assert(kBlock == 2 * kCombineElems, "two lanes per block");
     constexpr unsigned kAll = 0xFFFFFFFFu;
     const bool odd = threadIdx.x & 1u;
@@ -227,27 +224,19 @@ struct Rule<Format::kNvfp4> {
     const float bmax = max_ignore_nan(0.0f, abs_mod(f32_from_bits(m << 16)));  // as combine_block_max
     const Nvfp4Block own = block_param(bmax);
     const float other_scale = __shfl_xor_sync(kAll, own.scale, 1), other_rcp = __shfl_xor_sync(kAll, own.rcp, 1);
-    return {odd ? other_scale : own.scale, odd ? other_rcp : own.rcp, odd ? own.scale : other_scale,
-            odd ? own.rcp : other_rcp, nvfp4_block_is_tame(bmax, own.rcp), own.clamp};
-  }
-  template <SumRule kR>
-  __device__ void apply_pair(const CombineWords& wa, const CombineWords& wb, const PairScales& s,
-                             float (&va)[kCombineElems], float (&vb)[kCombineElems]) const {
+    const float sa = odd ? other_scale : own.scale, ra = odd ? other_rcp : own.rcp;
+    const float sb = odd ? own.scale : other_scale, rb = odd ? own.rcp : other_rcp;
     unpack(wa, va);
     unpack(wb, vb);
+    with_warp_rule(nvfp4_block_is_tame(bmax, own.rcp), own.clamp, [&](auto rule) {
 #pragma unroll
-    for (int i = 0; i < kCombineElems; ++i) {
-      va[i] = sum_elem<kR>(va[i], s.sa, s.ra);
-      vb[i] = sum_elem<kR>(vb[i], s.sb, s.rb);
-    }
+      for (int i = 0; i < kCombineElems; ++i) {
+        va[i] = sum_elem<decltype(rule)::value>(va[i], sa, ra);
+        vb[i] = sum_elem<decltype(rule)::value>(vb[i], sb, rb);
+      }
+    });
     round_to_bf16(va);
     round_to_bf16(vb);
-  }
-  // The element rule is chosen per warp for both rows together.
-  __device__ void combine_chunk_pair(const CombineWords& wa, const CombineWords& wb, float (&va)[kCombineElems],
-                                     float (&vb)[kCombineElems]) const {
-    const PairScales s = pair_scales(wa, wb);
-    with_warp_rule(s.tame, s.clamp, [&](auto rule) { apply_pair<decltype(rule)::value>(wa, wb, s, va, vb); });
   }
 };
 

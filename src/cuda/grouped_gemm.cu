@@ -6,7 +6,7 @@
 // - CTA = 1 producer warpgroup + kMathWG (1 or 2) consumer warpgroups; tile = BM = 64 * kMathWG
 //   rows x two 128-column blocks, k walked in 128-blocks (one activation scale and one weight
 //   scale per block). SwiGLU tiles pair gate columns [n0, n0+128) with up columns [I+n0, I+n0+128),
-//   so a row's 128 h values (one staging block) end up in one quad of lanes; 128-row store tiles
+//   so a row's 128 h values (one staging block) are one tile row; 128-row store tiles
 //   pair two adjacent blocks (the second is absent in the last tile when n / 128 is odd). A stage
 //   holds the A block once for both column blocks: 48 KB per 8.4 MFLOP with 128-row tiles instead
 //   of 32 KB per 4.2 MFLOP, and the load pipeline, not the tensor cores, bounds the kernel
@@ -31,6 +31,14 @@
 //   the next (H200, 2026-12-02: the two-rounding promotion took 416 of the down GEMM's 1219 us at
 //   4096 tokens). Only the order inside a block differs from the CPU; the epilogues are bit-exact
 //   given the same sums.
+// - Epilogue through a shared-memory hand-off: the consumers write the tile's sums as bf16 pairs
+//   (SwiGLU: (gate, up) of a column; store: two output columns), the epilogue reads them back a
+//   row per warp (32 lanes x 16 bytes: SwiGLU's row amax is a warp reduction, the stores are
+//   512-byte rows). On the TMA e4m3 path the producer warpgroup's idle warps 1-3 run it from a
+//   whole-tile buffer (64 KB with 128-row tiles: three stages instead of four), so that it overlaps
+//   the next tile's k loop: gate/up 2235 -> 2152-2193 us, down 1096 -> 1040-1066 us at 4096
+//   tokens, 1-token gate_up 62 -> 58-61 us (H200, 2026-12-03). Elsewhere (bf16 weights, cp.async)
+//   each consumer warp runs it on 8 of its rows at a time through its own 4 KB.
 // - SwiGLU epilogue: silu of the bf16-rounded gate is a load from a table of silu_f32 over all
 //   65536 bf16 patterns (g_silu_of_bf16), filled once per device from the host's silu_f32 (the
 //   same portable binary32 operations, so the same bits as calling it here). Computing it (an exp
@@ -59,6 +67,7 @@ constexpr int kMaxStagesTma = 12;
 constexpr int kSmemLimit = 227 * 1024;  // sm_90 dynamic shared memory per block
 
 enum class Epi { kSwiglu, kStore };
+constexpr int kHandoffWords = 128;  // 32-bit words per tile row in the hand-off buffer
 
 struct KernelParams {
   CUtensorMap tmap_a;  // TMA path, e4m3 A: [a_rows, k] e4m3, box [BM rows][128]
@@ -88,8 +97,15 @@ struct KernelParams {
 // silu_f32 of every bf16 value, indexed by its bits (see the design notes above).
 __device__ float g_silu_of_bf16[1 << 16];
 
-template <int kMathWG, bool kBf16, int kBlocks>
+template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
 struct Layout {
+  // Column blocks per tile: two, except for 64-row store tiles (decode: more tiles, more stages).
+  static constexpr int kBlocks = kEpi == Epi::kStore && kMathWG == 1 ? 1 : 2;
+  // Who runs the epilogue: the producer warpgroup's idle warps 1-3 where one warp loads (TMA,
+  // e4m3 weights), overlapping the next tile's k loop, with the whole tile in the hand-off
+  // buffer; else each consumer warp after its k loop, 8 of its rows at a time (16 KB or 32 KB,
+  // so that the 96 KB bf16 stages keep two in flight).
+  static constexpr bool kProducerEpilogue = kTma && !kBf16;
   static constexpr int kBM = 64 * kMathWG;
   static constexpr int kThreads = 128 * (kMathWG + 1);
   static constexpr int kRowBytes = kBf16 ? 256 : 128;  // one row's 128-k block in shared memory
@@ -97,13 +113,17 @@ struct Layout {
   static constexpr int kBBytes = kBN * kRowBytes;      // one column block
   static constexpr int kStageBytes = kABytes + kBlocks * kBBytes;
   static constexpr int kScaleFloats = kBM + 4;  // the rows' a scales, then the column blocks' b scales
+  static constexpr int kHandoffRows = kProducerEpilogue ? kBM : kBM / 2;  // consumer warps: 16 rows each, 8 at a time
+  static constexpr int kHandoffBytes = kHandoffRows * kHandoffWords * 4;
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzle atoms need 1024-byte bases");
 
+  // [stages][hand-off buffer][scales][full, empty per stage][hand-off full, empty][tile prefix]
+  static size_t fixed_bytes(int num_groups) { return 1024 + kHandoffBytes + 16 + 4 * size_t(num_groups + 1); }
   static size_t smem_bytes(int stages, int num_groups) {
-    return 1024 + size_t(stages) * (kStageBytes + kScaleFloats * 4 + 16) + 4 * size_t(num_groups + 1);
+    return fixed_bytes(num_groups) + size_t(stages) * (kStageBytes + kScaleFloats * 4 + 16);
   }
   static int stages_for(int num_groups, int max_stages) {
-    const size_t fixed = 1024 + 4 * size_t(num_groups + 1);
+    const size_t fixed = fixed_bytes(num_groups);
     const size_t per = kStageBytes + kScaleFloats * 4 + 16;
     const int s = fixed >= size_t(kSmemLimit) ? 0 : int((size_t(kSmemLimit) - fixed) / per);
     return s < max_stages ? s : max_stages;
@@ -144,24 +164,84 @@ __device__ __forceinline__ void next_stage(int& s, uint32_t& phase, int stages) 
   }
 }
 
-__device__ __forceinline__ uint32_t pick4(const uint32_t (&v)[4], int i) {
-  return i == 0 ? v[0] : (i == 1 ? v[1] : (i == 2 ? v[2] : v[3]));
+// The hand-off of a tile's results from the consumers to the epilogue (see Layout for who runs
+// it): per tile row, kHandoffWords bf16 pairs in shared memory. SwiGLU: word c
+// = (bf16 gate, bf16 up) of column pair c (gate in the low half); store: word c = output columns
+// 2c, 2c + 1 of the tile's 256 (the first column block, then the second). 16-byte chunks are
+// XOR-swizzled by row % 8, so that the consumers' writes (8 rows per warp instruction) and the
+// epilogue's row reads (lane l: chunk l) are free of bank conflicts.
+__device__ __forceinline__ int handoff_index(int row, int word) {
+  return row * kHandoffWords + ((((word >> 2) ^ (row & 7))) << 2) + (word & 3);
 }
 
-// 4 x 4 transpose inside a quad of lanes (q = lane % 4): out[p] on lane q = in[q] on lane p.
-__device__ __forceinline__ void quad_transpose(const uint32_t (&in)[4], uint32_t (&out)[4], int q) {
-  const uint32_t self = pick4(in, q);
+// The epilogue of the hand-off rows 0 .. rows - 1 in `handoff`, tile rows row0 + 0 .. rows - 1:
+// warp `warp` of `num_warps` takes rows warp, warp + num_warps, ...; lane l owns the row's words
+// 4l .. 4l + 3. The per-row operand (SwiGLU: router weight; store: output row pointer) of 32 rows
+// is loaded at once, one row per lane, and passed by shuffles.
+template <Epi kEpi>
+__device__ __forceinline__ void run_epilogue(const KernelParams& p, const Tile& tl, const uint32_t* handoff, int row0,
+                                             int rows, int warp, int num_warps, int lane) {
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  const int mine = rows > warp ? (rows - warp + num_warps - 1) / num_warps : 0;  // this warp's rows
+  for (int base = 0; base < mine; base += 32) {
+    const int n = min(32, mine - base);
+    const int my_row = row0 + warp + (base + min(lane, n - 1)) * num_warps;  // tile row of this lane's operand
+    if constexpr (kEpi == Epi::kStore) {
+      bf16* const out_lane = p.store.row_out[tl.row0 + my_row];
+      const int words = tl.has1 ? kBN : kBN / 2;
+#pragma unroll 4
+      for (int i = 0; i < n; ++i) {
+        const int r = warp + (base + i) * num_warps;  // hand-off row
+        bf16* const out = reinterpret_cast<bf16*>(__shfl_sync(kAll, reinterpret_cast<uintptr_t>(out_lane), i));
+        const uint4 v = *reinterpret_cast<const uint4*>(handoff + handoff_index(r, 4 * lane));
+        if (4 * lane < words) *reinterpret_cast<uint4*>(out + tl.n0 + 8 * lane) = v;  // n1 = n0 + 128
+      }
+    } else {
+      // h = silu(g) * u * weight per column pair, the row's amax over its 128 values, e4m3 with
+      // the row's new scale (numerics.h, stage_scale / stage_encode): 4 bytes per lane.
+      const SwigluEpilogue& e = p.swiglu;
+      const float w_lane = e.row_weight[tl.row0 + my_row];
+      for (int i = 0; i < n; i += 2) {
+        const int ia[2] = {i, min(i + 1, n - 1)};  // a second row, or the first again (not stored)
+        float h[2][4], amax[2] = {0.0f, 0.0f};
 #pragma unroll
-  for (int d = 1; d < 4; ++d) {
-    const int partner = q ^ d;
-    const uint32_t recv = __shfl_xor_sync(0xFFFFFFFFu, pick4(in, partner), d);
+        for (int a = 0; a < 2; ++a) {
+          const int r = warp + (base + ia[a]) * num_warps;  // hand-off row
+          const float w = __shfl_sync(kAll, w_lane, ia[a]);
+          const uint4 v = *reinterpret_cast<const uint4*>(handoff + handoff_index(r, 4 * lane));
+          const uint32_t gu4[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int p = 0; p < 4; ++p)
-      if (p == partner) out[p] = recv;
+          for (int c = 0; c < 4; ++c) {
+            const uint32_t gu = gu4[c];
+            float silu = __ldg(&g_silu_of_bf16[gu & 0xFFFFu]);
+            float uv = f32_from_bits(gu & 0xFFFF0000u);
+            if (e.has_clamp) {
+              // g = min(g, c) (a NaN g becomes c), then silu(g): silu(c) is precomputed.
+              silu = bf16_to_f32(uint16_t(gu)) < e.clamp ? silu : p.silu_clamp;
+              uv = uv < -e.clamp ? -e.clamp : (uv > e.clamp ? e.clamp : uv);
+            }
+            h[a][c] = mul_rn(mul_rn(silu, uv), w);
+            amax[a] = max_ignore_nan(amax[a], abs_f32(h[a][c]));
+          }
+        }
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+          // fmaxf is exact and order-free: the row's maximum whatever the lanes' order.
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) amax[a] = fmaxf(amax[a], __shfl_xor_sync(kAll, amax[a], o));
+          if (a == 1 && i + 1 >= n) break;
+          const float sf = stage_scale(amax[a]);
+          const float inv = div_rn(1.0f, sf);
+          const int64_t row = tl.row0 + row0 + warp + (base + ia[a]) * num_warps;
+          uint32_t q = 0;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) q |= uint32_t(stage_encode(h[a][c], inv)) << (8 * c);
+          *reinterpret_cast<uint32_t*>(e.h8 + row * e.ldh + tl.n0 + 4 * lane) = q;
+          if (lane == 0) e.h_scale[row * e.ldh_scale + tl.n0 / 128] = sf;
+        }
+      }
+    }
   }
-#pragma unroll
-  for (int p = 0; p < 4; ++p)
-    if (p == q) out[p] = self;
 }
 
 // The TMA producer for e4m3 weights, run by the producer warpgroup's first warp: lane 0 loads
@@ -208,23 +288,21 @@ __device__ __forceinline__ void tma_producer_e4m3(const KernelParams& p, uint8_t
   cp_async_wait_all();
 }
 
-// Column blocks per tile: two, except for 64-row store tiles (decode: more tiles, more stages).
-template <int kMathWG, Epi kEpi>
-constexpr int kBlocksPerTile = kEpi == Epi::kStore && kMathWG == 1 ? 1 : 2;
-
 template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
-__global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
-    grouped_gemm_kernel(const __grid_constant__ KernelParams p) {
-  using L = Layout<kMathWG, kBf16, kBlocksPerTile<kMathWG, kEpi>>;
+__global__ void __launch_bounds__(128 * (kMathWG + 1), 1) grouped_gemm_kernel(const __grid_constant__ KernelParams p) {
+  using L = Layout<kMathWG, kBf16, kEpi, kTma>;
   constexpr int kBM = L::kBM;
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + (((smem_addr(smem_raw) + 1023u) & ~1023u) - smem_addr(smem_raw));
   const int num_stages = p.stages;
-  float* scales = reinterpret_cast<float*>(smem + size_t(num_stages) * L::kStageBytes);
+  uint32_t* handoff = reinterpret_cast<uint32_t*>(smem + size_t(num_stages) * L::kStageBytes);
+  float* scales = reinterpret_cast<float*>(smem + size_t(num_stages) * L::kStageBytes + L::kHandoffBytes);
   uint64_t* full = reinterpret_cast<uint64_t*>(scales + num_stages * L::kScaleFloats);
   uint64_t* empty = full + num_stages;
-  int* tile_prefix = reinterpret_cast<int*>(empty + num_stages);
+  uint64_t* epi_full = empty + num_stages;  // the hand-off buffer holds a tile's results
+  uint64_t* epi_empty = epi_full + 1;       // the epilogue has read them
+  int* tile_prefix = reinterpret_cast<int*>(epi_empty + 1);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < num_stages; ++s) {
@@ -234,6 +312,8 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
       mbar_init(smem_addr(&full[s]), kTma ? (kBf16 ? 257 : 33) : (kBf16 ? 256 : 128));
       mbar_init(smem_addr(&empty[s]), 4 * kMathWG);        // one arrival per consumer warp
     }
+    mbar_init(smem_addr(epi_full), 128 * kMathWG);  // every consumer thread (used with kProducerEpilogue)
+    mbar_init(smem_addr(epi_empty), 96);            // every epilogue thread
     int total = 0;
     tile_prefix[0] = 0;
     for (int g = 0; g < p.num_groups; ++g) {
@@ -249,17 +329,26 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
 
   // Two consumer warpgroups: 384 threads enter with 168 registers each; the producer gives its
   // share to the consumers, which hold one accumulator set and two sums (192 registers). 56 is
-  // the least the producers need without spilling (ptxas -v, CUDA 13.0: no spills in the e4m3
-  // kernels; the bf16-weight store kernels spill up to 8 bytes).
+  // the least the producers (and the TMA path's epilogue warps) need without spilling (ptxas -v,
+  // CUDA 13.0: no spills in the TMA and bf16 kernels; the e4m3 cp.async fallback spills 4 bytes).
   constexpr int kProducerRegs = 56, kConsumerRegs = 224;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs == 384 * 168, "the CTA's registers, redistributed");
-  constexpr bool kOneWarpProducer = kTma && !kBf16;
 
   if (wg == 0) {
     // ------------------------------------------------------------------ producer warpgroup
     if constexpr (kMathWG == 2) setmaxnreg_dec<kProducerRegs>();
-    if constexpr (kOneWarpProducer) {
-      if (threadIdx.x < 32) tma_producer_e4m3<kBM, L::kStageBytes>(p, smem, scales, full, empty, tile_prefix, num_tiles);
+    if constexpr (L::kProducerEpilogue) {
+      if (threadIdx.x < 32) {
+        tma_producer_e4m3<kBM, L::kStageBytes>(p, smem, scales, full, empty, tile_prefix, num_tiles);
+      } else {
+        uint32_t ephase = 0;
+        for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ephase ^= 1) {
+          const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
+          mbar_wait(smem_addr(epi_full), ephase);
+          run_epilogue<kEpi>(p, tl, handoff, 0, tl.rows, threadIdx.x / 32 - 1, 3, threadIdx.x & 31);
+          mbar_arrive(smem_addr(epi_empty));
+        }
+      }
     } else {
       const int t = threadIdx.x;
       if (kTma && t == 0) prefetch_tensormap(&p.tmap_b);
@@ -351,7 +440,7 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
     const int r0 = wgc * 64 + ((threadIdx.x / 32) & 3) * 16 + lane / 4;  // tile row of i = 0 (i = 1: +8)
     float acc[64], sum0[64], sum1[64];
     int s = 0;
-    uint32_t phase = 0;
+    uint32_t phase = 0, ephase = 0;
     // The block's wgmmas on column block c of stage s into a fresh `acc`, waited for.
     auto mma = [&](uint32_t sa, uint32_t sb) {
 #pragma unroll
@@ -381,18 +470,6 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
       const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
 #pragma unroll
       for (int i = 0; i < 64; ++i) sum0[i] = sum1[i] = 0.0f;
-      // The epilogue's per-row operands, loaded now so that their latency hides behind the k loop.
-      const bool valid[2] = {r0 < tl.rows, r0 + 8 < tl.rows};
-      bf16* out_row[2] = {nullptr, nullptr};
-      float weight[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        if (!valid[i]) continue;
-        if constexpr (kEpi == Epi::kStore)
-          out_row[i] = p.store.row_out[tl.row0 + r0 + 8 * i];
-        else
-          weight[i] = p.swiglu.row_weight[tl.row0 + r0 + 8 * i];
-      }
       for (int kb = 0; kb < p.num_kb; ++kb) {
         mbar_wait(smem_addr(&full[s]), phase);
         if constexpr (!kTma) fence_proxy_async();  // cp.async data (generic proxy) -> wgmma
@@ -419,75 +496,38 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, 2>::kThreads, 1)
         next_stage(s, phase, num_stages);
       }
 
-      if constexpr (kEpi == Epi::kStore) {
-        // Column block n_first's rows, rounded once to bf16, 16 bytes per lane after a quad transpose.
-        auto store_block = [&](const float(&sum)[64], int64_t n_first) {
+      // The thread's row i (tile row r0 + 8 i; columns 8 j + 2 q + c of each block) into hand-off row r.
+      const auto hand_off = [&](uint32_t* buf, int r, int i) {
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            bf16* out = valid[i] ? out_row[i] + n_first : nullptr;
-#pragma unroll
-            for (int jb = 0; jb < 4; ++jb) {
-              uint32_t in[4], o[4];
-#pragma unroll
-              for (int jj = 0; jj < 4; ++jj) {
-                const int j = 4 * jb + jj;
-                in[jj] = bf16x2_round(sum[4 * j + 2 * i], sum[4 * j + 2 * i + 1]);
-              }
-              quad_transpose(in, o, q);
-              if (valid[i]) *reinterpret_cast<uint4*>(out + 32 * jb + 8 * q) = make_uint4(o[0], o[1], o[2], o[3]);
-            }
+        for (int j = 0; j < 16; ++j) {
+          const int x = 4 * j + 2 * i;
+          if constexpr (kEpi == Epi::kSwiglu) {
+            // (gate, up) of column pairs 8 j + 2 q and + 1: words 8 j + 2 q, + 1 (one 8-byte store).
+            *reinterpret_cast<uint2*>(buf + handoff_index(r, 8 * j + 2 * q)) =
+                make_uint2(bf16x2_round(sum0[x], sum1[x]), bf16x2_round(sum0[x + 1], sum1[x + 1]));
+          } else {
+            buf[handoff_index(r, 4 * j + q)] = bf16x2_round(sum0[x], sum0[x + 1]);
+            if (tl.has1) buf[handoff_index(r, 64 + 4 * j + q)] = bf16x2_round(sum1[x], sum1[x + 1]);
           }
-        };
-        store_block(sum0, tl.n0);
-        if (tl.has1) store_block(sum1, tl.n1);
-      } else {
-        // h into sum0: gate from sum0, up from sum1 (both rounded to bf16 first).
-        const SwigluEpilogue& e = p.swiglu;
-        float amax[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float w = weight[i];
-#pragma unroll
-          for (int j = 0; j < 16; ++j)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int idx = 4 * j + 2 * i + c;
-              const uint32_t gu = bf16x2_round(sum0[idx], sum1[idx]);  // g in bits 0-15, u above
-              float silu = __ldg(&g_silu_of_bf16[gu & 0xFFFFu]);
-              float uv = f32_from_bits(gu & 0xFFFF0000u);
-              if (e.has_clamp) {
-                // g = min(g, c) (a NaN g becomes c), then silu(g): silu(c) is precomputed.
-                silu = bf16_to_f32(uint16_t(gu)) < e.clamp ? silu : p.silu_clamp;
-                uv = uv < -e.clamp ? -e.clamp : (uv > e.clamp ? e.clamp : uv);
-              }
-              const float h = mul_rn(mul_rn(silu, uv), w);
-              sum0[idx] = h;
-              amax[i] = max_ignore_nan(amax[i], abs_f32(h));
-            }
         }
+      };
+      if constexpr (L::kProducerEpilogue) {
+        // The whole tile, once the epilogue warps have read the previous one.
+        mbar_wait(smem_addr(epi_empty), ephase ^ 1);
+        hand_off(handoff, r0, 0);
+        hand_off(handoff, r0 + 8, 1);
+        mbar_arrive(smem_addr(epi_full));
+        ephase ^= 1;
+      } else {
+        // Each warp its 16 rows, 8 at a time, through its own 8 hand-off rows.
+        const int w = threadIdx.x / 32 - 4;
+        uint32_t* buf = handoff + w * 8 * kHandoffWords;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          // The row's 128 values live in the 4 lanes of a quad; fmaxf is exact and order-free.
-          amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xFFFFFFFFu, amax[i], 1));
-          amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xFFFFFFFFu, amax[i], 2));
-          const float sf = stage_scale(amax[i]);
-          const float inv = div_rn(1.0f, sf);
-          const int64_t row = tl.row0 + r0 + 8 * i;
-          uint8_t* h8 = valid[i] ? e.h8 + row * e.ldh + tl.n0 : nullptr;
-#pragma unroll
-          for (int jb = 0; jb < 4; ++jb) {
-            uint32_t in[4], o[4];
-#pragma unroll
-            for (int jj = 0; jj < 4; ++jj) {
-              const int j = 4 * jb + jj;
-              in[jj] = uint32_t(stage_encode(sum0[4 * j + 2 * i], inv)) |
-                       (uint32_t(stage_encode(sum0[4 * j + 2 * i + 1], inv)) << 8);
-            }
-            quad_transpose(in, o, q);
-            if (valid[i])
-              *reinterpret_cast<uint2*>(h8 + 32 * jb + 8 * q) = make_uint2(o[0] | (o[1] << 16), o[2] | (o[3] << 16));
-          }
-          if (valid[i] && q == 0) e.h_scale[row * e.ldh_scale + tl.n0 / 128] = sf;
+          hand_off(buf, lane / 4, i);
+          __syncwarp();
+          run_epilogue<kEpi>(p, tl, buf, 16 * w + 8 * i, min(8, tl.rows - (16 * w + 8 * i)), 0, 1, lane);
+          __syncwarp();
         }
       }
     }
@@ -580,7 +620,7 @@ bool use_tma(const GroupedGemmArgs& a) {
 
 template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
 void launch_kernel(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStream_t stream) {
-  using L = Layout<kMathWG, kBf16, kBlocksPerTile<kMathWG, kEpi>>;
+  using L = Layout<kMathWG, kBf16, kEpi, kTma>;
   kp.stages = L::stages_for(kp.num_groups, kTma ? kMaxStagesTma : kMaxStagesCpAsync);
   MOEFQ_CHECK(kp.stages >= 2, "grouped GEMM: ", kp.num_groups, " groups leave too little shared memory");
   if constexpr (kTma) {
@@ -602,7 +642,7 @@ void launch_kernel(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStrea
 
 template <int kMathWG, bool kBf16, Epi kEpi>
 void launch_path(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStream_t stream) {
-  if (kBlocksPerTile<kMathWG, kEpi> == 1) {  // one 128-column block per tile
+  if (Layout<kMathWG, kBf16, kEpi, false>::kBlocks == 1) {  // one 128-column block per tile
     kp.n_tiles = int(a.n / kBN);
     kp.tile_step = kBN;
     kp.pair_step = a.n;

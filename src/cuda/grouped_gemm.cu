@@ -194,7 +194,9 @@ __device__ __forceinline__ void run_epilogue(const KernelParams& p, const Tile& 
         const int r = warp + (base + i) * num_warps;  // hand-off row
         bf16* const out = reinterpret_cast<bf16*>(__shfl_sync(kAll, reinterpret_cast<uintptr_t>(out_lane), i));
         const uint4 v = *reinterpret_cast<const uint4*>(handoff + handoff_index(r, 4 * lane));
-        if (4 * lane < words) *reinterpret_cast<uint4*>(out + tl.n0 + 8 * lane) = v;  // n1 = n0 + 128
+        // Streaming stores (evict first): the rows are read only by the combine, after the GEMM,
+        // and should not push the weight blocks other CTAs still read out of L2.
+        if (4 * lane < words) __stcs(reinterpret_cast<uint4*>(out + tl.n0 + 8 * lane), v);  // n1 = n0 + 128
       }
     } else {
       // h = silu(g) * u * weight per column pair, the row's amax over its 128 values, e4m3 with

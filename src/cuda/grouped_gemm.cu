@@ -6,14 +6,15 @@
 // - CTA = 1 producer warpgroup + kMathWG (1 or 2) consumer warpgroups; tile = BM = 64 * kMathWG
 //   rows x two 128-column blocks, k walked in 128-blocks (one activation scale and one weight
 //   scale per block). SwiGLU tiles pair gate columns [n0, n0+128) with up columns [I+n0, I+n0+128),
-//   so a row's 128 h values (one staging block) are one tile row; 128-row store tiles
-//   pair two adjacent blocks (the second is absent in the last tile when n / 128 is odd). A stage
+//   so a row's 128 h values (one staging block) are in one tile row; 128-row store tiles pair
+//   two adjacent blocks (the second is absent in the last tile when n / 128 is odd). A stage
 //   holds the A block once for both column blocks: 48 KB per 8.4 MFLOP with 128-row tiles instead
 //   of 32 KB per 4.2 MFLOP. (H200, 2026-12-03, gate/up at 4096 tokens: the loads with the
 //   promotion alone take 1270 us, about cuBLASLt's time, the loads with the wgmmas alone about
-//   1410 us (2026-12-02), all of it 2176 us before the epilogue: the promotion between a column block's wgmma
-//   wait and the next block's issue is what does not overlap; docs/performance.md.) 64-row
-//   store tiles (decode) keep one block: more tiles for the SMs, more stages in flight.
+//   1410 us (2026-12-02), both 2176 us before the epilogue: what does not overlap is the
+//   promotion between a column block's wgmma wait and the next block's issue; see
+//   docs/performance.md.) 64-row store tiles (decode) keep one block: more tiles for the SMs,
+//   more stages in flight.
 // - Tile list: every CTA builds the prefix of ceil(count_g / BM) * n_tiles over the groups in
 //   shared memory and walks tiles blockIdx.x, +gridDim.x, ... (n fastest inside an m-tile).
 // - Producer, bulk tensor path (args.b_all and args.a_rows given): one thread issues TMA loads
@@ -39,8 +40,8 @@
 //   512-byte rows). On the TMA e4m3 path the producer warpgroup's idle warps 1-3 run it from a
 //   whole-tile buffer (64 KB with 128-row tiles: three stages instead of four), so that it overlaps
 //   the next tile's k loop: gate/up 2235 -> 2150-2193 us, down 1096 -> 1016-1066 us at 4096
-//   tokens (H200, 2026-12-03). Elsewhere (bf16 weights, cp.async)
-//   each consumer warp runs it on 8 of its rows at a time through its own 4 KB.
+//   tokens (H200, 2026-12-03). Elsewhere (bf16 weights, cp.async) each consumer warp runs it on
+//   8 of its rows at a time through its own 4 KB.
 // - SwiGLU epilogue: silu of the bf16-rounded gate is a load from a table of silu_f32 over all
 //   65536 bf16 patterns (g_silu_of_bf16), filled once per device from the host's silu_f32 (the
 //   same portable binary32 operations, so the same bits as calling it here). Computing it (an exp

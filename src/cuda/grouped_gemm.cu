@@ -71,6 +71,7 @@ constexpr int kSmemLimit = 227 * 1024;  // sm_90 dynamic shared memory per block
 
 enum class Epi { kSwiglu, kStore };
 constexpr int kHandoffWords = 128;  // 32-bit words per tile row in the hand-off buffer
+constexpr int kEpilogueWarps = 3;   // the producer warpgroup's warps 1-3, where they run it (Layout)
 
 struct KernelParams {
   CUtensorMap tmap_a;  // TMA path, e4m3 A: [a_rows, k] e4m3, box [BM rows][128]
@@ -118,17 +119,17 @@ struct Layout {
   static constexpr int kScaleFloats = kBM + 4;  // the rows' a scales, then the column blocks' b scales
   static constexpr int kHandoffRows = kProducerEpilogue ? kBM : kBM / 2;  // consumer warps: 16 rows each, 8 at a time
   static constexpr int kHandoffBytes = kHandoffRows * kHandoffWords * 4;
+  static constexpr size_t kPerStageBytes = kStageBytes + kScaleFloats * 4 + 16;  // + full, empty
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzle atoms need 1024-byte bases");
 
   // [stages][hand-off buffer][scales][full, empty per stage][hand-off full, empty][tile prefix]
   static size_t fixed_bytes(int num_groups) { return 1024 + kHandoffBytes + 16 + 4 * size_t(num_groups + 1); }
   static size_t smem_bytes(int stages, int num_groups) {
-    return fixed_bytes(num_groups) + size_t(stages) * (kStageBytes + kScaleFloats * 4 + 16);
+    return fixed_bytes(num_groups) + size_t(stages) * kPerStageBytes;
   }
   static int stages_for(int num_groups, int max_stages) {
     const size_t fixed = fixed_bytes(num_groups);
-    const size_t per = kStageBytes + kScaleFloats * 4 + 16;
-    const int s = fixed >= size_t(kSmemLimit) ? 0 : int((size_t(kSmemLimit) - fixed) / per);
+    const int s = fixed >= size_t(kSmemLimit) ? 0 : int((size_t(kSmemLimit) - fixed) / kPerStageBytes);
     return s < max_stages ? s : max_stages;
   }
 };
@@ -294,7 +295,8 @@ __device__ __forceinline__ void tma_producer_e4m3(const KernelParams& p, uint8_t
 }
 
 template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
-__global__ void __launch_bounds__(128 * (kMathWG + 1), 1) grouped_gemm_kernel(const __grid_constant__ KernelParams p) {
+__global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ KernelParams p) {
   using L = Layout<kMathWG, kBf16, kEpi, kTma>;
   constexpr int kBM = L::kBM;
 
@@ -318,7 +320,7 @@ __global__ void __launch_bounds__(128 * (kMathWG + 1), 1) grouped_gemm_kernel(co
       mbar_init(smem_addr(&empty[s]), 4 * kMathWG);        // one arrival per consumer warp
     }
     mbar_init(smem_addr(epi_full), 128 * kMathWG);  // every consumer thread (used with kProducerEpilogue)
-    mbar_init(smem_addr(epi_empty), 96);            // every epilogue thread
+    mbar_init(smem_addr(epi_empty), 32 * kEpilogueWarps);  // every epilogue thread
     int total = 0;
     tile_prefix[0] = 0;
     for (int g = 0; g < p.num_groups; ++g) {
@@ -350,7 +352,7 @@ __global__ void __launch_bounds__(128 * (kMathWG + 1), 1) grouped_gemm_kernel(co
         for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ephase ^= 1) {
           const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
           mbar_wait(smem_addr(epi_full), ephase);
-          run_epilogue<kEpi>(p, tl, handoff, 0, tl.rows, threadIdx.x / 32 - 1, 3, threadIdx.x & 31);
+          run_epilogue<kEpi>(p, tl, handoff, 0, tl.rows, threadIdx.x / 32 - 1, kEpilogueWarps, threadIdx.x & 31);
           mbar_arrive(smem_addr(epi_empty));
         }
       }

@@ -90,12 +90,15 @@ int run_bench_gemm(const GemmBenchOptions& o) {
   const int64_t gu_elems = 2 * I * H, dn_elems = H * I, gu_sc = 2 * ib * hb, dn_sc = hb * ib;
   DeviceBuffer<uint8_t> gu(size_t(G * gu_elems)), dn(size_t(G * dn_elems));
   DeviceBuffer<float> gus(size_t(G * gu_sc)), dns(size_t(G * dn_sc));
-  DeviceBuffer<uint8_t> x8(size_t(max_rows * H)), h8(size_t(max_rows * I));
+  // The activations hold at least the rows cuBLASLt multiplies (M padded to 16), on the same data.
+  const int64_t op_rows = std::max<int64_t>(16, (max_rows + 15) / 16 * 16);
+  DeviceBuffer<uint8_t> x8(size_t(op_rows * H)), h8(size_t(op_rows * I));
   DeviceBuffer<float> xs(size_t(max_rows * hb)), hs(size_t(max_rows * ib)), rw(static_cast<size_t>(max_rows));
   DeviceBuffer<bf16> out(size_t(max_rows * H));
   fill_e4m3(gu.get(), int64_t(gu.size()), o.seed * 4 + 1);
   fill_e4m3(dn.get(), int64_t(dn.size()), o.seed * 4 + 2);
   fill_e4m3(x8.get(), int64_t(x8.size()), o.seed * 4 + 3);
+  fill_e4m3(h8.get(), int64_t(h8.size()), o.seed * 4 + 4);  // gate/up overwrites its rows before down reads them
   fill_scale(gus.get(), int64_t(gus.size()), o.seed * 8 + 5, -12.0f, -8.0f);
   fill_scale(dns.get(), int64_t(dns.size()), o.seed * 8 + 6, -12.0f, -8.0f);
   fill_scale(xs.get(), int64_t(xs.size()), o.seed * 8 + 7, -8.0f, -6.0f);
@@ -125,8 +128,8 @@ int run_bench_gemm(const GemmBenchOptions& o) {
                            {"top_k", o.top_k}, {"copy_gbs", copy_bw * 1e-9}, {"cases", nlohmann::json::array()}};
   std::mt19937_64 rng(o.seed);
   bool all_ok = true;
-  std::printf("\n%-7s %-7s %-8s %-5s %10s %8s %10s %8s %7s %10s %8s %10s %9s\n", "tokens", "rows", "gemm", "exp", "time_us",
-              "TFLOPS", "cublas_us", "TFLOPS", "ratio", "wread_us", "t/wread", "cpasync_us", "check");
+  std::printf("\n%-7s %-7s %-8s %-5s %10s %8s %10s %8s %7s %10s %10s %8s %10s %9s\n", "tokens", "rows", "gemm", "exp",
+              "time_us", "TFLOPS", "cublas_us", "TFLOPS", "ratio", "cub_c_us", "wread_us", "t/wread", "cpasync_us", "check");
   for (const int64_t tokens : o.tokens) {
     const int64_t rows = tokens * o.top_k;
     const std::vector<int32_t> counts = route_counts(rows, G, rng);
@@ -186,15 +189,16 @@ int run_bench_gemm(const GemmBenchOptions& o) {
       const char* name;
       int64_t n, k;
       std::function<void(cudaStream_t)> launch, launch_cp;
-      const uint8_t* w0;
+      const uint8_t* a;   // activations [rows, k]
+      const uint8_t* w0;  // expert 0's weights [n, k]
       int64_t weight_bytes;
     };
     const Kind kinds[2] = {
         {"gate_up", 2 * I, H, [&](cudaStream_t s) { cuda::launch_gemm_swiglu(up, se, s); },
-         [&](cudaStream_t s) { cuda::launch_gemm_swiglu(up_cp, se, s); }, gu.get(),
+         [&](cudaStream_t s) { cuda::launch_gemm_swiglu(up_cp, se, s); }, x8.get(), gu.get(),
          touched * (gu_elems + 4 * gu_sc)},
         {"down", H, I, [&](cudaStream_t s) { cuda::launch_gemm_store(down, so, s); },
-         [&](cudaStream_t s) { cuda::launch_gemm_store(down_cp, so, s); }, dn.get(),
+         [&](cudaStream_t s) { cuda::launch_gemm_store(down_cp, so, s); }, h8.get(), dn.get(),
          touched * (dn_elems + 4 * dn_sc)},
     };
     for (const Kind& kd : kinds) {
@@ -202,7 +206,9 @@ int run_bench_gemm(const GemmBenchOptions& o) {
       const double us = median_us(kd.launch, o.launches_per_graph, o.reps);  // last: its output is checked
       const double flops = 2.0 * double(rows) * double(kd.n) * double(kd.k);
       const int64_t m_cub = std::max<int64_t>(16, (rows + 15) / 16 * 16);
-      const double cub_us = cublaslt_fp8_gemm_us(m_cub, kd.n, kd.k);
+      // cuBLASLt on this GEMM's own activations and first expert's weights, then on constant ones.
+      const double cub_us = cublaslt_fp8_gemm_us(m_cub, kd.n, kd.k, kd.a, kd.w0);
+      const double cub_const_us = cublaslt_fp8_gemm_us(m_cub, kd.n, kd.k);
       const double tf = flops / (us * 1e-6) * 1e-12;
       const double cub_tf = cub_us > 0 ? 2.0 * double(m_cub) * double(kd.n) * double(kd.k) / (cub_us * 1e-6) * 1e-12 : 0;
       const double wread_us = double(kd.weight_bytes) / copy_bw * 1e6;
@@ -219,7 +225,7 @@ int run_bench_gemm(const GemmBenchOptions& o) {
         const int64_t n = kd.n, k = kd.k, kb = k / 128;
         std::vector<uint8_t> a8(static_cast<size_t>(k)), w8(static_cast<size_t>(n * k));
         std::vector<float> as(static_cast<size_t>(kb)), wsc(static_cast<size_t>((n / 128) * kb));
-        MOEFQ_CUDA_CHECK(cudaMemcpy(a8.data(), (is_up ? x8.get() : h8.get()) + row * k, size_t(k), cudaMemcpyDeviceToHost));
+        MOEFQ_CUDA_CHECK(cudaMemcpy(a8.data(), kd.a + row * k, size_t(k), cudaMemcpyDeviceToHost));
         MOEFQ_CUDA_CHECK(cudaMemcpy(as.data(), (is_up ? xs.get() : hs.get()) + row * kb, size_t(kb) * 4, cudaMemcpyDeviceToHost));
         MOEFQ_CUDA_CHECK(cudaMemcpy(w8.data(), kd.w0 + g * n * k, size_t(n * k), cudaMemcpyDeviceToHost));
         MOEFQ_CUDA_CHECK(cudaMemcpy(wsc.data(), (is_up ? gus.get() + g * gu_sc : dns.get() + g * dn_sc), wsc.size() * 4,
@@ -275,9 +281,10 @@ int run_bench_gemm(const GemmBenchOptions& o) {
       all_ok = all_ok && ok;
       char check[32];
       std::snprintf(check, sizeof(check), "%s %.1e", ok ? "ok" : "FAIL", err);
-      std::printf("%-7lld %-7lld %-8s %-5lld %10.1f %8.1f %10.1f %8.1f %7.2f %10.1f %8.2f %10.1f %9s\n", (long long)tokens,
-                  (long long)rows, kd.name, (long long)touched, us, tf, cub_us, cub_tf, cub_us > 0 ? cub_us / us * double(rows) / double(m_cub) : 0.0,
-                  wread_us, us / wread_us, cp_us, check);
+      std::printf("%-7lld %-7lld %-8s %-5lld %10.1f %8.1f %10.1f %8.1f %7.2f %10.1f %10.1f %8.2f %10.1f %9s\n",
+                  (long long)tokens, (long long)rows, kd.name, (long long)touched, us, tf, cub_us, cub_tf,
+                  cub_us > 0 ? cub_us / us * double(rows) / double(m_cub) : 0.0, cub_const_us, wread_us, us / wread_us,
+                  cp_us, check);
       report["cases"].push_back({{"tokens", tokens},
                                  {"rows", rows},
                                  {"gemm", kd.name},
@@ -290,6 +297,7 @@ int run_bench_gemm(const GemmBenchOptions& o) {
                                  {"cublaslt_rows", m_cub},
                                  {"cublaslt_us", cub_us},
                                  {"cublaslt_tflops", cub_tf},
+                                 {"cublaslt_constant_data_us", cub_const_us},
                                  {"rate_vs_cublaslt", cub_tf > 0 ? tf / cub_tf : 0.0},
                                  {"weight_bytes", kd.weight_bytes},
                                  {"weight_read_us", wread_us},
@@ -298,7 +306,9 @@ int run_bench_gemm(const GemmBenchOptions& o) {
                                  {"check_error", err}});
     }
   }
-  std::printf("\nratio = our TFLOPS / cuBLASLt TFLOPS (same M x N x K; cuBLASLt M padded to 16); wread = touched "
+  std::printf("\nratio = our TFLOPS / cuBLASLt TFLOPS (same M x N x K and the same operands: the activations, expert "
+              "0's weights; cuBLASLt M padded to 16); cub_c_us: cuBLASLt on constant operands (a higher clock: the "
+              "tensor cores' power depends on the data); wread = touched "
               "experts' weight bytes / copy bandwidth; time_us: bulk tensor (TMA) path, as the engine "
               "launches it; cpasync_us: the cp.async fallback. check: relative L2 difference of the last row vs the CPU reference: gate_up "
               "= dequantized h8 (<= 3e-2), down = bf16 output (<= 4e-3)\n");

@@ -7,7 +7,9 @@
 # Usage: scripts/device_check.sh [quick|gpu|full|bench] [benchmark ...]
 #   quick: build + GPU tests; gpu: + benchmarks; full: + CPU tests, sanitizers and benchmarks;
 #   bench: build + benchmarks. MOEFQ_SASS=1 also saves the SASS of the GEMM and combine kernels;
-#   MOEFQ_NCU=1 adds ncu counters of the combine kernels inside the layer benchmark and alone.
+#   MOEFQ_NCU=1 adds ncu counters of the combine kernels inside the layer benchmark and alone;
+#   MOEFQ_NCU_CUBLAS=1 times cuBLASLt's GEMMs of `bench gemm` under ncu at the locked base clock
+#   (real operands, then constant ones: the same work, so a difference outside ncu is the clock).
 #   benchmarks: any of qdq combine gemm moe (default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,6 +103,14 @@ if [ "${MOEFQ_NCU:-0}" = 1 ]; then
   }
   ncu_run layer --launch-skip 0 --launch-count 40 build-dev/moefq bench moe --tokens 4096 --configs none combine-nvfp4 combine-fp8 --calls 1 --reps 1
   ncu_run alone --launch-count 6 build-dev/moefq bench combine --formats nvfp4 fp8 --reps 1
+fi
+if [ "${MOEFQ_NCU_CUBLAS:-0}" = 1 ]; then
+  step "ncu: cuBLASLt at the base clock, real and constant operands"
+  ncu --clock-control base -k regex:nvjet --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second \
+    build-dev/moefq bench gemm --tokens 4096 --reps 1 > "$LOG/ncu_cublas.txt" 2>&1
+  echo "-- ncu cublas rc=$? (launches in order: gate_up real, gate_up constant, down real, down constant)"
+  grep -E "gpu__time_duration" "$LOG/ncu_cublas.txt" | awk '{printf "%s %s, ", $NF, $(NF-1)} END {print ""}'
+  grep -E "per_second" "$LOG/ncu_cublas.txt" | awk '{print $(NF-1), $NF}' | sort | uniq -c
 fi
 step "done (tests rc=$test_rc)"
 exit $test_rc

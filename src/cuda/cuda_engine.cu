@@ -360,12 +360,14 @@ void CudaEngine::synchronize(cudaStream_t stream) {
   if (link_) link_->check();
 }
 
-void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stream) {
+void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stream, const std::vector<bool>& skip_combine) {
   const BufferShape& sh = layout_.shape();
   const int64_t R = sh.num_ranks, T = sh.max_tokens, K = sh.top_k, H = sh.hidden, el = sh.local_experts();
   const int64_t P = sh.pool_rows(), imax = std::max(sh.intermediate, sh.shared_intermediate);
   const int64_t nl = num_local_ranks(), r0 = first_rank_;
   MOEFQ_CHECK(int64_t(batches.size()) == nl, "forward: ", batches.size(), " batches for ", nl, " ranks");
+  MOEFQ_CHECK(skip_combine.empty() || int64_t(skip_combine.size()) == nl, "forward: skip_combine flags for ",
+              skip_combine.size(), " of ", nl, " ranks");
   TokenCounts tc{};
   tc.published = link_ != nullptr;
   int64_t sent = 0;
@@ -436,23 +438,31 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
   // no peer still pulls from the staged tokens that the next call overwrites.
   if (link_) link_->barrier("engine: combine rows written, before the combine", stream);
 
-  // Combine on each token rank.
-  for (int64_t i = 0; i < nl; ++i) {
-    const DeviceBatch& b = batches[size_t(i)];
-    if (b.num_tokens == 0) continue;
+  combine(batches, stream, skip_combine);
+  if (debug_zeroing_)
+    for (auto& rs : ranks_) MOEFQ_CUDA_CHECK(cudaMemsetAsync(rs->buf, 0, layout_.total_bytes(), stream));
+}
+
+void CudaEngine::combine(std::span<const DeviceBatch> batches, cudaStream_t stream, const std::vector<bool>& skip) {
+  MOEFQ_CHECK(int64_t(batches.size()) == num_local_ranks(), "combine: ", batches.size(), " batches for ",
+              num_local_ranks(), " ranks");
+  MOEFQ_CHECK(skip.empty() || skip.size() == batches.size(), "combine: skip flags for ", skip.size(), " of ",
+              batches.size(), " ranks");
+  // On each token rank.
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const DeviceBatch& b = batches[i];
+    if (b.num_tokens == 0 || (!skip.empty() && skip[i])) continue;
     CombineRows rows;
-    rows.buffer = ranks_[size_t(i)]->buf;
-    rows.combine_offset = off.combine;
-    rows.max_tokens = T;
-    rows.top_k = K;
-    rows.hidden = H;
+    rows.buffer = ranks_[i]->buf;
+    rows.combine_offset = layout_.combine.offset;
+    rows.max_tokens = max_tokens();
+    rows.top_k = cfg_.top_k;
+    rows.hidden = cfg_.hidden;
     rows.fused_shared = fused_shared();
-    rows.topk_idx = reinterpret_cast<const int32_t*>(rows.buffer + off.topk_idx);
+    rows.topk_idx = reinterpret_cast<const int32_t*>(rows.buffer + layout_.topk_idx.offset);
     rows.num_tokens = b.num_tokens;
     launch_combine(rows, b.y, stream);
   }
-  if (debug_zeroing_)
-    for (auto& rs : ranks_) MOEFQ_CUDA_CHECK(cudaMemsetAsync(rs->buf, 0, layout_.total_bytes(), stream));
 }
 
 void CudaEngine::shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y, cudaStream_t stream) {

@@ -57,8 +57,14 @@ class CudaEngine {
   // barriers). Checks what the host knows (batch count, token counts, null tensors); expert ids
   // are device data and are not validated here (an id outside [-1, E) is never dispatched; the
   // host-tensor back-end validates before upload). With MOEFQ_COMM_KERNEL_DEBUG=1 (read at
-  // construction) every buffer of this process is zeroed after the call.
-  void forward(std::span<const DeviceBatch> batches, cudaStream_t stream);
+  // construction) every buffer of this process is zeroed after the call. skip_combine (empty or
+  // one per local rank): ranks whose y the caller replaces with its own sum of the combine rows
+  // (the combine quantizer once its layout check passed); their combine is not run and their y
+  // is left as it was (the barrier before the combine still is).
+  void forward(std::span<const DeviceBatch> batches, cudaStream_t stream, const std::vector<bool>& skip_combine = {});
+  // The combine of forward() alone, on the rows the last forward left in the buffers (the
+  // benchmarks time what skip_combine saves).
+  void combine(std::span<const DeviceBatch> batches, cudaStream_t stream, const std::vector<bool>& skip = {});
 
   // The shared expert run on its own (not fused): y = shared(x), [n, H] bf16 device tensors,
   // n <= max_tokens.

@@ -186,7 +186,15 @@ void CudaFakeQuantMoe::run(std::span<const DeviceBatch> batches, cudaStream_t st
     launch_qdq(q.spec().format, DType::kBF16, b.x, xq, b.num_tokens, H, amax, stream);
     sent[size_t(r)].x = xq;
   }
-  if (with_engine) engine_->forward(sent, stream);
+  // A rank whose combine quantizer has passed the layout check replaces y with its own re-sum of
+  // the rows: the engine's combine would be overwritten unread, so it is skipped (the check, while
+  // it is still to come, compares with the engine's y).
+  std::vector<bool> replaced(size_t(R), false);
+  for (int64_t r = 0; r < R; ++r) {
+    const Quantizer& q = q_.combine(r);
+    replaced[size_t(r)] = q.enabled() && !q.calibrating() && checked_[size_t(r)];
+  }
+  if (with_engine) engine_->forward(sent, stream, replaced);
 
   // Combine: the layout check (until the buffer passed one), calibration or QDQ + re-sum.
   for (int64_t r = 0; r < R; ++r) {

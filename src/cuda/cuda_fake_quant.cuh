@@ -47,10 +47,12 @@ class CudaFakeQuantMoe {
   void load_calibration_file(const std::string& path);
 
   // One call of every rank, enqueued on `stream`; batches[r].y receives rank r's output. No host
-  // synchronisation, except the eager layout check (once per buffer).
+  // synchronisation, except the eager layout check (once per buffer). Once a rank's buffer passed
+  // the check, its combine quantizer's re-sum is y's only writer: the engine skips its combine.
   void forward(std::span<const DeviceBatch> batches, cudaStream_t stream);
   // The quantizers' own work in forward() without the engine call (dispatch QDQ, combine QDQ +
-  // re-sum over the rows the last forward left): what the benchmarks time as their cost.
+  // re-sum over the rows the last forward left): with the engine's combine that a checked
+  // combine quantizer skips (CudaEngine::combine), what the benchmarks time as their cost.
   void quantizers_only(std::span<const DeviceBatch> batches, cudaStream_t stream);
   // Synchronises `stream` and raises (kFailedCheck) a barrier timeout of real ranks, else the
   // first mismatch a device-side layout check recorded since the last call (the eager check's

@@ -367,7 +367,7 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
   const int64_t nl = num_local_ranks(), r0 = first_rank_;
   MOEFQ_CHECK(int64_t(batches.size()) == nl, "forward: ", batches.size(), " batches for ", nl, " ranks");
   MOEFQ_CHECK(skip_combine.empty() || int64_t(skip_combine.size()) == nl, "forward: skip_combine flags for ",
-              skip_combine.size(), " of ", nl, " ranks");
+              skip_combine.size(), " of ", nl, " ranks");  // before any work is enqueued (combine() checks again)
   TokenCounts tc{};
   tc.published = link_ != nullptr;
   int64_t sent = 0;

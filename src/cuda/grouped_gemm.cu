@@ -9,12 +9,12 @@
 //   so a row's 128 h values (one staging block) are in one tile row; 128-row store tiles pair
 //   two adjacent blocks (the second is absent in the last tile when n / 128 is odd). A stage
 //   holds the A block once for both column blocks: 48 KB per 8.4 MFLOP with 128-row tiles instead
-//   of 32 KB per 4.2 MFLOP. (H200, 2026-12-03, gate/up at 4096 tokens: the loads with the
-//   promotion alone take 1270 us, about cuBLASLt's time, the loads with the wgmmas alone about
-//   1410 us (2026-12-02), both 2176 us before the epilogue: what does not overlap is the
-//   promotion between a column block's wgmma wait and the next block's issue; see
-//   docs/performance.md.) 64-row store tiles (decode) keep one block: more tiles for the SMs,
-//   more stages in flight.
+//   of 32 KB per 4.2 MFLOP. (H200, 2026-12-03, gate/up at 4096 tokens, 2134 us in all: without
+//   the loads and the promotion the wgmmas, their waits and the epilogue take 1368 us, about two
+//   thirds of the tensor cores' peak, since each block's wgmmas are waited for before the next
+//   block's issue; the loads add about 470 us and the promotion about 360 us, and they barely
+//   overlap; see docs/performance.md.) 64-row store tiles (decode) keep one block: more tiles for
+//   the SMs, more stages in flight.
 // - Tile list: every CTA builds the prefix of ceil(count_g / BM) * n_tiles over the groups in
 //   shared memory and walks tiles blockIdx.x, +gridDim.x, ... (n fastest inside an m-tile).
 // - Producer, bulk tensor path (args.b_all and args.a_rows given): one thread issues TMA loads
@@ -173,7 +173,9 @@ __device__ __forceinline__ void next_stage(int& s, uint32_t& phase, int stages) 
 // = (bf16 gate, bf16 up) of column pair c (gate in the low half); store: word c = output columns
 // 2c, 2c + 1 of the tile's 256 (the first column block, then the second). 16-byte chunks are
 // XOR-swizzled by row % 8, so that the consumers' writes (8 rows per warp instruction) and the
-// epilogue's row reads (lane l: chunk l) are free of bank conflicts.
+// epilogue's row reads (lane l: chunk l) spread over the banks. (ncu, H200, 2026-12-03: the
+// SwiGLU kernel's 8-byte hand-off writes still take 4.3 wavefronts per request on average
+// against 2 ideally, about 1% of the kernel's shared-memory wavefronts.)
 __device__ __forceinline__ int handoff_index(int row, int word) {
   return row * kHandoffWords + ((((word >> 2) ^ (row & 7))) << 2) + (word & 3);
 }

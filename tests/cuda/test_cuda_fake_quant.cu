@@ -137,13 +137,18 @@ TEST(CudaFakeQuant, CombineQuantizationWithAndWithoutFusedShared) {
       Layer l = make_layer(c, R, T, fused, cs.yaml);
       const Problem p = make_problem(c, R, T, 50, 5);
       DeviceProblem dp(p, T);
+      // Each rank's output against the re-sum of the QDQ'd rows the call left in its buffer.
+      const auto expect_resum = [&](const Problem& prob, const std::vector<std::vector<bf16>>& out, const char* call) {
+        for (int64_t r = 0; r < R; ++r) {
+          const auto buf = download_buffer(l.fq->engine(), r);
+          const auto want =
+              test::qdq_resum(buf.data(), l.fq->engine().layout().combine_offset(), T, fused, prob, r, cs.f, cs.amax);
+          EXPECT_TRUE(test::bytes_equal(want.data(), out[size_t(r)].data(), want.size(), 2)) << call << " call, rank " << r;
+        }
+      };
       const auto got = run(*l.fq, dp);
       const auto plain = run(*l.plain, dp);
-      for (int64_t r = 0; r < R; ++r) {
-        const auto buf = download_buffer(l.fq->engine(), r);
-        const auto want = test::qdq_resum(buf.data(), l.fq->engine().layout().combine_offset(), T, fused, p, r, cs.f, cs.amax);
-        EXPECT_TRUE(test::bytes_equal(want.data(), got[size_t(r)].data(), want.size(), 2)) << "rank " << r;
-      }
+      expect_resum(p, got, "first");
       EXPECT_TRUE(l.fq->layout_checked(0) && l.fq->layout_checked(1));
       EXPECT_TRUE(any_differs(got, plain));
       expect_finite(got);
@@ -152,11 +157,7 @@ TEST(CudaFakeQuant, CombineQuantizationWithAndWithoutFusedShared) {
       const Problem p2 = make_problem(c, R, T, 51, 5);
       dp.load(p2);
       const auto got2 = run(*l.fq, dp);
-      for (int64_t r = 0; r < R; ++r) {
-        const auto buf = download_buffer(l.fq->engine(), r);
-        const auto want = test::qdq_resum(buf.data(), l.fq->engine().layout().combine_offset(), T, fused, p2, r, cs.f, cs.amax);
-        EXPECT_TRUE(test::bytes_equal(want.data(), got2[size_t(r)].data(), want.size(), 2)) << "second call, rank " << r;
-      }
+      expect_resum(p2, got2, "second");
       expect_finite(got2);
     }
 }

@@ -16,14 +16,9 @@ using namespace rules;
 // launch_rule), so a rule's per-CTA setup (its divisions, the nvfp4 table) is paid once for them.
 // 128 threads is also what Rule<kNvfp4> needs to fill its table.
 constexpr int kThreads = 128;
-// Routed slots handled per batch: all loads of a batch are issued before the first is used, so
-// the K = 8 routed rows of the DeepSeek presets (and the fused shared row, loaded first) are in
-// flight together.
-constexpr int kSlotBatch = 8;
 constexpr int kChunkElems = kCombineElems;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 static_assert(kThreads >= 128 && kThreads % 32 == 0);
-static_assert(kSlotBatch % 2 == 0, "slots are paired within a batch");
 
 // The rule of the unquantized sum (the plain combine, or quantize = false).
 struct NoQdq {
@@ -108,19 +103,23 @@ __device__ __forceinline__ void add_routed_pair(const R& rule, int4 raw_a, int4 
   for (int i = 0; i < kChunkElems; ++i) acc[i] = add_rn(add_rn(acc[i], va[i]), vb[i]);
 }
 
-// CTAs per SM the register budget must allow (0: no bound, the compiler's choice): nvfp4's
-// unchecked kernel is bound by instruction issue, and 7 CTAs (72 registers, 16 bytes of spills)
-// instead of 6 give each scheduler more warps to pick from (H200, 2026-12-03: 0.787 -> 0.797-0.802
-// of copy bandwidth on [8][4096][7168]).
-template <typename R, bool kCheck>
-constexpr int kMinCtas = std::is_same_v<R, Rule<Format::kNvfp4>> && !kCheck ? 7 : 0;
+// Routed slots handled per batch: all loads of a batch are issued before the first is used, so the
+// K = 8 routed rows of the DeepSeek presets (and the fused shared row, loaded first) are in flight
+// together. nvfp4's kernel is bound by instruction issue instead: with batches of 4 it needs 56
+// registers (against 72 and spills for 8), so 9 CTAs instead of 7 fit an SM and each scheduler has
+// more warps to pick from (H200, 2026-12-03, [8][4096][7168]: 0.80 -> 0.83 of copy bandwidth;
+// the other formats run 0.5-1% slower with 4).
+template <typename R>
+constexpr int kSlotBatch = std::is_same_v<R, Rule<Format::kNvfp4>> ? 4 : 8;
 
 // grid = (tokens looped over, ceil(H / 8 / kThreads)). All lanes of a warp belong to one token, so
 // the active-slot mask is warp-uniform: every branch on it is taken by the whole warp. Lanes past
 // the row's end read the row's first chunk instead (real data, so their blocks and the warp's
 // votes stay well defined) and take part in the shuffles, but neither compare nor store.
 template <typename R, bool kCheck>
-__global__ void __launch_bounds__(kThreads, kMinCtas<R, kCheck>) combine_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
+  constexpr int kBatch = kSlotBatch<R>;
+  static_assert(kBatch % 2 == 0, "slots are paired within a batch");
   constexpr bool kQuant = !std::is_same_v<R, NoQdq>;
   __shared__ typename R::Shared shared;
   const R rule(p.amax, shared);
@@ -152,18 +151,18 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<R, kCheck>) combine_kernel(
     if (p.fused) shared_raw = load_row_chunk(row + uint32_t(p.top_k) * stride);
 
     // engine.md's order: fp32 from +0, active routed slots ascending, then the shared slot; no fma.
-    // Slots are visited by index in batches (no compaction): an inactive slot costs one uniform
-    // branch, an active one a pointer add and its load.
+    // Slots are visited by index in batches (no compaction): a slot costs a pointer add and one
+    // uniform branch, an active one its load as well.
     float acc[kChunkElems] = {}, plain[kChunkElems] = {};
-    for (uint32_t pending = active; pending != 0; pending >>= kSlotBatch, row += kSlotBatch * stride) {
-      int4 raw[kSlotBatch];
+    for (uint32_t pending = active; pending != 0; pending >>= kBatch) {
+      int4 raw[kBatch];
 #pragma unroll
-      for (int j = 0; j < kSlotBatch; ++j)
-        if (pending & (1u << j)) raw[j] = load_row_chunk(row + j * stride);
+      for (int j = 0; j < kBatch; ++j, row += stride)
+        if (pending & (1u << j)) raw[j] = load_row_chunk(row);
       if constexpr (PairRule<R>) {
         // Slots j and j + 1 together when both are active (the usual case), else one by one.
 #pragma unroll
-        for (int j = 0; j < kSlotBatch; j += 2) {
+        for (int j = 0; j < kBatch; j += 2) {
           const bool a = pending & (1u << j), b = pending & (2u << j);
           if (a && b) {
             add_routed_pair<R, kCheck>(rule, raw[j], raw[j + 1], acc, plain);
@@ -174,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<R, kCheck>) combine_kernel(
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < kSlotBatch; ++j)
+        for (int j = 0; j < kBatch; ++j)
           if (pending & (1u << j)) add_routed<R, kCheck>(rule, raw[j], acc, plain);
       }
     }

@@ -51,6 +51,33 @@ TEST(Division, Nvfp4ReciprocalPathEqualsDivisionOnEveryBf16AndScale) {
   EXPECT_EQ(mismatches, 0) << "of " << checked;
 }
 
+// The combine's nvfp4 element rules (numerics.h, "Sum-exact element rules") where the combine takes
+// them: the QDQ's value after the bf16 rounding, up to the sign of a zero and a NaN's payload (which
+// an fp32 sum from +0 cannot see), on every bf16 x and block scale. Clamped on every x, unclamped
+// where a block holding x needs no clamp, tame where such a block is tame. (The GPU test
+// CombineCuda.SumExactRulesEqualTheQdqRulesOnEveryInput checks the device instructions.)
+TEST(Division, Nvfp4SumRulesEqualQdqOnEveryBf16AndScale) {
+  const auto value = [](float v) { return bf16_to_f32(bf16_round(v)); };
+  const auto same_in_sum = [](float a, float b) { return is_nan(a) ? is_nan(b) : a == b; };
+  int64_t mismatches = 0;
+  for (float gs : global_scales()) {
+    for (int sf = 0; sf <= 0x7F; ++sf) {  // the NaN code too
+      const float scale = nvfp4_scale_from_code(uint8_t(sf), gs), rcp = div_rn(1.0f, scale);
+      for (uint32_t b = 0; b < 65536; ++b) {
+        const float x = bf16_to_f32(uint16_t(b)), want = value(nvfp4_qdq(x, scale)), bmax = abs_f32(x);
+        const auto expect = [&](const char* rule, float got) {
+          if (!same_in_sum(want, value(got)) && mismatches++ < 5)
+            ADD_FAILURE() << rule << ": gs=" << gs << " code " << sf << " x=" << x << ": want " << want << " got " << got;
+        };
+        expect("clamped", nvfp4_qdq_sum_clamped(x, scale, rcp));
+        if (!nvfp4_block_needs_clamp(bmax, rcp)) expect("unclamped", nvfp4_qdq_sum_unclamped(x, scale, rcp));
+        if (nvfp4_block_is_tame(bmax, rcp)) expect("tame", nvfp4_qdq_sum_tame(x, scale, rcp));
+      }
+    }
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
 TEST(Division, Nvfp4ReciprocalPathEqualsDivisionOnRandomFp32) {
   std::mt19937 rng(11);
   std::uniform_int_distribution<uint32_t> bits;

@@ -90,8 +90,10 @@ int run_bench_gemm(const GemmBenchOptions& o) {
   const int64_t gu_elems = 2 * I * H, dn_elems = H * I, gu_sc = 2 * ib * hb, dn_sc = hb * ib;
   DeviceBuffer<uint8_t> gu(size_t(G * gu_elems)), dn(size_t(G * dn_elems));
   DeviceBuffer<float> gus(size_t(G * gu_sc)), dns(size_t(G * dn_sc));
-  // The activations hold at least the rows cuBLASLt multiplies (M padded to 16), on the same data.
-  const int64_t op_rows = std::max<int64_t>(16, (max_rows + 15) / 16 * 16);
+  // cuBLASLt multiplies M padded to 16 rows; the activations hold at least that many, so that it
+  // runs on the same data.
+  const auto cublaslt_rows = [](int64_t rows) { return std::max<int64_t>(16, (rows + 15) / 16 * 16); };
+  const int64_t op_rows = cublaslt_rows(max_rows);
   DeviceBuffer<uint8_t> x8(size_t(op_rows * H)), h8(size_t(op_rows * I));
   DeviceBuffer<float> xs(size_t(max_rows * hb)), hs(size_t(max_rows * ib)), rw(static_cast<size_t>(max_rows));
   DeviceBuffer<bf16> out(size_t(max_rows * H));
@@ -205,7 +207,7 @@ int run_bench_gemm(const GemmBenchOptions& o) {
       const double cp_us = median_us(kd.launch_cp, o.launches_per_graph, o.reps);
       const double us = median_us(kd.launch, o.launches_per_graph, o.reps);  // last: its output is checked
       const double flops = 2.0 * double(rows) * double(kd.n) * double(kd.k);
-      const int64_t m_cub = std::max<int64_t>(16, (rows + 15) / 16 * 16);
+      const int64_t m_cub = cublaslt_rows(rows);
       // cuBLASLt on this GEMM's own activations and first expert's weights, then on constant ones.
       const double cub_us = cublaslt_fp8_gemm_us(m_cub, kd.n, kd.k, kd.a, kd.w0);
       const double cub_const_us = cublaslt_fp8_gemm_us(m_cub, kd.n, kd.k);

@@ -14,6 +14,12 @@
 namespace moefq::cuda {
 namespace {
 
+// skip_combine of forward() and combine(): empty, or one flag per local rank.
+void check_skip_flags(const std::vector<bool>& skip, int64_t ranks, const char* who) {
+  MOEFQ_CHECK(skip.empty() || int64_t(skip.size()) == ranks, who, ": skip_combine flags for ", skip.size(), " of ",
+              ranks, " ranks");
+}
+
 constexpr int64_t kB = kStageBlock;
 constexpr int kMaxRanks = 64;
 constexpr int kThreads = 256;
@@ -366,8 +372,7 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
   const int64_t P = sh.pool_rows(), imax = std::max(sh.intermediate, sh.shared_intermediate);
   const int64_t nl = num_local_ranks(), r0 = first_rank_;
   MOEFQ_CHECK(int64_t(batches.size()) == nl, "forward: ", batches.size(), " batches for ", nl, " ranks");
-  MOEFQ_CHECK(skip_combine.empty() || int64_t(skip_combine.size()) == nl, "forward: skip_combine flags for ",
-              skip_combine.size(), " of ", nl, " ranks");  // before any work is enqueued (combine() checks again)
+  check_skip_flags(skip_combine, nl, "forward");  // before any work is enqueued (combine() checks again)
   TokenCounts tc{};
   tc.published = link_ != nullptr;
   int64_t sent = 0;
@@ -446,8 +451,7 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
 void CudaEngine::combine(std::span<const DeviceBatch> batches, cudaStream_t stream, const std::vector<bool>& skip) {
   MOEFQ_CHECK(int64_t(batches.size()) == num_local_ranks(), "combine: ", batches.size(), " batches for ",
               num_local_ranks(), " ranks");
-  MOEFQ_CHECK(skip.empty() || skip.size() == batches.size(), "combine: skip flags for ", skip.size(), " of ",
-              batches.size(), " ranks");
+  check_skip_flags(skip, num_local_ranks(), "combine");
   // On each token rank.
   for (size_t i = 0; i < batches.size(); ++i) {
     const DeviceBatch& b = batches[i];

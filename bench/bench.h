@@ -37,4 +37,18 @@ struct EngineCpuBenchOptions {
 // median wall time of `reps` calls after one warm-up call.
 int run_bench_engine_cpu(const EngineCpuBenchOptions& options);
 
+struct EvalBenchOptions {
+  std::string preset = "deepseek-v3";
+  std::string layers = "0-19";
+  int64_t ranks = 8, tokens = 256;
+  int calib_batches = 2, eval_batches = 2;
+  std::string device = "auto";
+  std::string json;
+};
+
+// The main job's pipeline (`moefq eval` with the default sweep) timed per layer and stage: weights
+// generated or loaded with the activations and routing, calibration, the reference, the recipes'
+// forwards and the metrics; the wall time of the whole run and of its first layer.
+int run_bench_eval(const EvalBenchOptions& options);
+
 }  // namespace moefq::bench

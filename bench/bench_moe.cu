@@ -11,7 +11,7 @@
 #include "bench/bench_cuda_util.cuh"
 #include "bench/ceilings.cuh"
 #include "bench/moe_inputs.h"
-#include "cuda/cuda_fake_quant.cuh"
+#include "fakequant/cuda/cuda_fake_quant.cuh"
 #include "cuda/host_api.h"
 #include "moefq/errors.h"
 #include "moefq/fileio.h"

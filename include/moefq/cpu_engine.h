@@ -41,9 +41,10 @@ BufferShape engine_buffer_shape(const MoeConfig& cfg, int64_t num_ranks, int64_t
 class CpuEngine {
  public:
   // rank_weights[r] holds rank r's local experts (E/R of them, first_expert = r * E/R) and, when
-  // the config has shared experts, the shared expert.
-  CpuEngine(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
-            const std::vector<LayerWeights>& rank_weights, EngineOptions options = {});
+  // the config has shared experts, the shared expert. The engine keeps them as they are (e4m3
+  // codes and scales, or bf16): pass an rvalue to hand them over without a copy.
+  CpuEngine(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens, std::vector<LayerWeights> rank_weights,
+            EngineOptions options = {});
   ~CpuEngine();
 
   // One call of every rank: batches[r] is rank r's. Validates the inputs (bad input errors name
@@ -64,7 +65,8 @@ class CpuEngine {
   MoeConfig cfg_;
   EngineOptions opt_;
   BufferLayout layout_;
-  std::vector<std::vector<uint8_t>> buffers_;                 // [R][total_bytes]
+  std::vector<std::vector<uint8_t>> buffers_;         // [R][total_bytes]
+  std::vector<LayerWeights> weights_;                 // [R], what experts_ and shared_ read
   std::vector<std::vector<PreparedExpert>> experts_;  // [R][E/R]
   std::vector<PreparedExpert> shared_;                // [R] or empty
   int num_threads_ = 1;

@@ -1,9 +1,13 @@
 // The evaluation pipeline behind `moefq eval` and `moefq calibrate`: for each MoE layer, max
 // calibration once (the amax does not depend on the recipe, since calibration applies no QDQ),
 // then every recipe on the same held-out batches against one shared unquantized reference, with
-// the error metrics of numerics.md. Options in, a result struct out; no printing, no files except
-// the calibration file helpers. Every user-caused problem is moefq::Error kBadInput naming the
-// option or file; a failed layout check is kFailedCheck.
+// the error metrics of numerics.md, the error's shape (per token, outside the outlier channels),
+// the clipped fractions and the wire bytes of each recipe. On the CPU it runs the CPU engine on
+// host tensors; with a GPU everything stays on the device (weights generated or loaded there, the
+// CUDA router, the fake quantizers' kernels, the metrics reduced there in fp64). Options in, a
+// result struct out; no printing, no files except the calibration file helpers. Every
+// user-caused problem is moefq::Error kBadInput naming the option or file; a failed layout check
+// is kFailedCheck; a run that does not fit the machine is refused before any allocation.
 #pragma once
 
 #include <cstdint>
@@ -16,8 +20,11 @@
 #include "moefq/metrics.h"
 #include "moefq/moe_config.h"
 #include "moefq/recipe.h"
+#include "moefq/synthetic.h"
 
 namespace moefq {
+
+enum class EvalDevice { kCpu, kCuda };
 
 struct EvalOptions {
   // The model: a preset, a Hugging Face config.json (synthetic weights) or a DeepSeek-V3-format
@@ -30,21 +37,30 @@ struct EvalOptions {
   // Layer indices (parse_layers). Empty: {0} for synthetic weights; required with a checkpoint.
   std::vector<int64_t> layers;
   // Hidden states [tokens, H] per layer (safetensors "layers.{i}", else "hidden_states"); empty:
-  // synthetic activations with outlier channels.
+  // synthetic activations.
   std::string activations_path;
+  // The synthetic data (weights, and activations unless a file is given): shaped like a real
+  // model's (default) or plain Gaussian.
+  SyntheticKind synthetic = SyntheticKind::kModel;
   // Recipe files or unit names; empty: default_sweep().
   std::vector<std::string> recipes;
   int64_t ranks = 4;    // simulated expert-parallel ranks (must divide E)
   int64_t tokens = 256;  // tokens per rank per batch
   int calib_batches = 2, eval_batches = 2;
   uint64_t seed = 1;  // synthetic weights and activations
-  // The expert back-end ("mega_moe" on the CPU, "mega_moe_cuda" on a GPU; must be registered)
-  // and how the device is described in the reports.
+  // Where the layer runs: the CPU engine on host tensors, or everything on the current GPU
+  // (needs a build with CUDA and register_cuda_backends()).
+  EvalDevice device = EvalDevice::kCpu;
+  // The CPU path's expert back-end ("mega_moe", or "mega_moe_cuda": the CUDA engine behind the
+  // host-tensor interface, kept to compare the device-resident path with); how the device is
+  // described in the reports.
   std::string backend_kind = "mega_moe";
-  std::string device = "cpu";
-  int num_threads = 0;            // CPU engine threads (0: all)
+  std::string device_name = "cpu";
+  int num_threads = 0;            // CPU threads (0: all)
   std::string load_calibration;   // eval: reuse this calibration file instead of calibrating
-  // Progress lines (no newline), e.g. "[3/13] layer 0 dispatch_fp8"; may be empty.
+  // Rows whose rel_l2 exceeds this are over budget; the result names the cheapest recipe within it.
+  std::optional<double> max_rel_l2;
+  // Progress lines (no newline), e.g. "[3/13] layer 0 dispatch_fp8 (eta 12 s)"; may be empty.
   std::function<void(const std::string&)> progress;
 };
 
@@ -78,15 +94,17 @@ struct CalibrationState {
 // What was evaluated, resolved from the options (for the reports' header).
 struct EvalSetup {
   MoeConfig config;
-  std::string model_source;        // "preset tiny", "config.json PATH", "checkpoint DIR"
-  std::string weights_source;      // "synthetic (seed 1)" or "checkpoint DIR"
-  std::string activations_source;  // "synthetic, outlier channels (seed 1)" or "FILE"
+  std::string model_source;        // "preset tiny", "config PATH", "checkpoint DIR"
+  std::string weights_source;      // "synthetic e4m3, model-shaped (seed 1)" or "checkpoint DIR"
+  std::string activations_source;  // "synthetic, model-shaped (seed 1)" or "FILE"
+  std::string synthetic;           // "model" or "gaussian"
   std::vector<int64_t> layers;
   std::vector<std::string> recipe_names;
   int64_t ranks = 0, tokens = 0;
   int calib_batches = 0, eval_batches = 0;
   uint64_t seed = 0;
   std::string backend_kind, device, version;
+  std::optional<double> max_rel_l2;
 };
 
 // One (layer, recipe) result over the whole evaluation set.
@@ -95,16 +113,52 @@ struct EvalRow {
   std::string recipe;
   std::optional<std::string> dispatch_format, combine_format;  // nullopt: quantizer disabled
   std::optional<float> dispatch_amax, combine_amax;  // the global amax used (nullopt: none)
-  ErrorMetrics metrics;
+  ErrorMetrics metrics;  // over every element of the evaluation set
+  // The error's shape: relative L2 per token (its median, 99th percentile and max over the
+  // evaluation tokens), and over the channels outside the layer's outlier channels.
+  double rel_l2_token_p50 = 0, rel_l2_token_p99 = 0, rel_l2_token_max = 0;
+  double rel_l2_non_outlier = 0;
+  // Fraction of the elements each quantizer saw that lay beyond its global amax (nullopt: the
+  // quantizer is disabled or has no fixed global amax: mx formats, dynamic amax).
+  std::optional<double> dispatch_clipped_fraction, combine_clipped_fraction;
+  // Bytes per token per destination on the wire, scales included (bf16 when disabled), and the
+  // saving of dispatch + combine against bf16 (0.25: a quarter fewer bytes).
+  double dispatch_wire_bytes_per_token = 0, combine_wire_bytes_per_token = 0, wire_saving = 0;
   // "pass": the combine quantizer read the engine's rows and every buffer's layout check passed;
   // "n/a": combine quantization off, the output does not depend on the buffer layout.
   std::string layout_check;
+  bool over_budget = false;  // rel_l2 > max_rel_l2
 };
 
 // Mean and worst rel_l2 of one recipe over the layers.
 struct RecipeSummary {
   std::string recipe;
   double mean_rel_l2 = 0, max_rel_l2 = 0, min_cosine = 1;
+  double wire_bytes_per_token = 0;  // dispatch + combine
+};
+
+// Seconds one layer spent in each stage of the pipeline (moefq bench eval).
+struct StageTimes {
+  int64_t layer = 0;
+  double load = 0;       // weights generated or loaded, activations, routing
+  double calibrate = 0;  // calibration forwards
+  double reference = 0;  // the unquantized reference (and the shared expert)
+  double recipes = 0;    // every recipe's forwards (engine and quantizers)
+  double metrics = 0;    // reducing the metrics
+  double total = 0;
+};
+
+// The bytes a run needs, by item, on the host and on the device, against what is available.
+struct MemoryItem {
+  std::string what;
+  double host_bytes = 0, device_bytes = 0;
+};
+struct MemoryPlan {
+  std::vector<MemoryItem> items;
+  double host_bytes = 0, device_bytes = 0;          // the peak the run needs
+  double host_available = 0, device_available = 0;  // 0 where unknown (no device)
+  bool streaming = false;  // the next layer is prepared while the current one is evaluated
+  std::string describe() const;
 };
 
 struct EvalResult {
@@ -113,11 +167,18 @@ struct EvalResult {
   // Sorted by layer, then best first: rel_l2 ascending (ties keep the sweep order, NaN last).
   std::vector<EvalRow> rows;
   std::vector<RecipeSummary> summary;  // best first by mean_rel_l2
+  // With max_rel_l2: the recipe with the fewest wire bytes whose rel_l2 is within the budget on
+  // every layer (ties: the lower mean rel_l2); empty when none is.
+  std::optional<std::string> cheapest_within_budget;
+  std::vector<std::string> warnings;  // clipping, a calibration file from another setup, ...
+  std::vector<StageTimes> stage_times;
+  MemoryPlan memory;
   double wall_seconds = 0;
 };
 
-// Checks the options without doing any work (cheap: reads config files and file headers only).
-void validate_eval_options(const EvalOptions& options);
+// The bytes the run needs against what this machine (and its GPU) has; run_eval refuses (bad
+// input, with the figures and what to change) when it does not fit.
+MemoryPlan plan_eval_memory(const EvalOptions& options);
 
 // The whole evaluation (load_calibration honoured).
 EvalResult run_eval(const EvalOptions& options);
@@ -125,11 +186,15 @@ EvalResult run_eval(const EvalOptions& options);
 // Calibration only (what `moefq calibrate` saves); recipes are not used.
 CalibrationState run_calibration(const EvalOptions& options, EvalSetup* setup = nullptr);
 
-// The calibration file of `moefq calibrate --save` (JSON; see docs/eval.md): written atomically.
+// The calibration file of `moefq calibrate --save`: the quantizers' calibration file
+// (save_calibration in quantizer.h) with each quantizer's per-rank maxima and the setup it was
+// made with; written atomically.
 void save_eval_calibration(const std::string& path, const CalibrationState& state, const EvalSetup& setup);
-// Reads it back; every layer in `layers` must be present and the model shape (H, E, K) must
-// match `config`. Errors name the file.
-CalibrationState load_eval_calibration(const std::string& path, const MoeConfig& config,
-                                       const std::vector<int64_t>& layers);
+// Reads it back; every layer in setup.layers must be present and the model shape (H, E, K) must
+// match. An amax that is 0, negative or not finite, or a per-rank list of the wrong length, is an
+// error naming the file; a setup that differs from this run's (model, layers, seed, tokens, data)
+// adds a warning naming the difference to `warnings`.
+CalibrationState load_eval_calibration(const std::string& path, const EvalSetup& setup,
+                                       std::vector<std::string>* warnings = nullptr);
 
 }  // namespace moefq

@@ -31,19 +31,22 @@ class ExpertBackend {
   // kind cannot expose them (then no combine quantizer can be enabled on it).
   virtual std::optional<size_t> combine_offset() const = 0;
   virtual std::span<const uint8_t> combine_bytes(int64_t rank) const = 0;
+  // The size of the region combine_bytes() covers (the same for every rank).
+  virtual size_t buffer_bytes() const { return combine_bytes(0).size(); }
   // The shared expert run separately (when not fused): y = shared(x), [n, H] bf16.
   virtual void shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y) const = 0;
 };
 
+// A factory gets the weights by value: a back-end may keep them (the CPU ones do) without a copy.
 using ExpertBackendFactory = std::function<std::unique_ptr<ExpertBackend>(
-    const MoeConfig&, int64_t num_ranks, int64_t max_tokens, const std::vector<LayerWeights>&, EngineOptions)>;
+    const MoeConfig&, int64_t num_ranks, int64_t max_tokens, std::vector<LayerWeights>, EngineOptions)>;
 
 // Registers a kind (replacing one of the same name).
 void register_expert_backend(const std::string& kind, ExpertBackendFactory factory);
 std::vector<std::string> expert_backend_kinds();
 // Throws (bad input) for an unknown kind, listing the registered ones.
 std::unique_ptr<ExpertBackend> make_expert_backend(const std::string& kind, const MoeConfig& cfg, int64_t num_ranks,
-                                                   int64_t max_tokens, const std::vector<LayerWeights>& weights,
+                                                   int64_t max_tokens, std::vector<LayerWeights> weights,
                                                    EngineOptions options = {});
 
 }  // namespace moefq

@@ -1,8 +1,9 @@
-// Fake quantization of MoE dispatch and combine (fake_quant.md) around an expert back-end:
-// dispatch_quantizer QDQs the experts' input tokens out of place; combine_quantizer reads the
-// combine rows the back-end summed (at its own combine offset), QDQs each active routed row and
+// Fake quantization of MoE dispatch and combine (fake_quant.md) around an expert back-end on host
+// tensors: dispatch_quantizer QDQs the experts' input tokens out of place; combine_quantizer reads
+// the combine rows the back-end summed (at its own combine offset), QDQs each active routed row and
 // sums again in the engine's order (shared slot last, unquantized), replacing the output. A layout
-// check proves, once per buffer, that those rows are the ones the engine summed.
+// check proves, once per buffer, that those rows are the ones the engine summed. The logic is the
+// one every device shares (src/fakequant/fake_quant_driver.h); this is its host-loop form.
 #pragma once
 
 #include <cstdint>
@@ -17,14 +18,17 @@
 
 namespace moefq {
 
+class FakeQuantDriver;
+
 class FakeQuantMoe {
  public:
   // layer: the model layer index, used in the quantizer names.
   FakeQuantMoe(std::unique_ptr<ExpertBackend> backend, int64_t layer);
+  ~FakeQuantMoe();
 
   static std::string dispatch_name(int64_t layer) { return MoeQuantizers::dispatch_name(layer); }
   static std::string combine_name(int64_t layer) { return MoeQuantizers::combine_name(layer); }
-  std::vector<std::string> quantizer_names() const { return q_.names(); }
+  std::vector<std::string> quantizer_names() const;
 
   // Sets both quantizers from resolved recipe configs (apply_recipe's output; names of other
   // layers are ignored). Raises the configuration errors of fake_quant.md before any forward:
@@ -33,31 +37,36 @@ class FakeQuantMoe {
   void configure(const std::map<std::string, QuantizerConfig>& configs);
 
   // Max calibration over exactly what each quantizer sees; no QDQ meanwhile. finish reduces
-  // each amax with MAX over the ranks (every rank then holds the same value).
-  void start_calibration() { q_.start_calibration(); }
-  void finish_calibration() { q_.finish_calibration(); }
+  // each amax with MAX over the ranks (every rank then holds the same value); NaN or inf in the
+  // data is an error naming the quantizer and the rank.
+  void start_calibration();
+  void finish_calibration();
+  // Each rank's own max of the last calibration, before the reduction (which 0: dispatch, 1:
+  // combine).
+  const std::vector<float>& rank_amax(int which) const;
 
   // One call of every rank; batches[r].y receives rank r's output. A dynamic dispatch amax is the
   // max |x| over the rank's tokens that have an active routed slot (the tokens that are sent).
   void forward(std::span<const RankBatch> batches);
 
   ExpertBackend& backend() { return *backend_; }
-  const Quantizer& dispatch_quantizer(int64_t rank) const { return q_.dispatch(rank); }
-  const Quantizer& combine_quantizer(int64_t rank) const { return q_.combine(rank); }
+  const MoeQuantizers& quantizers() const;
+  const Quantizer& dispatch_quantizer(int64_t rank) const;
+  const Quantizer& combine_quantizer(int64_t rank) const;
   // Rank 0's quantizers (identical on every rank after calibration) for save_calibration, and
   // loading into every rank.
-  std::vector<const Quantizer*> calibration_state() const { return q_.calibration_state(); }
-  void load_calibration_file(const std::string& path) { q_.load_calibration_file(path); }
-  void set_calibrated_amax(float dispatch_amax, float combine_amax) { q_.set_calibrated_amax(dispatch_amax, combine_amax); }
-  bool layout_checked(int64_t rank) const { return checked_[size_t(rank)]; }
+  std::vector<const Quantizer*> calibration_state() const;
+  void load_calibration_file(const std::string& path);
+  void set_calibrated_amax(float dispatch_amax, float combine_amax);
+  bool layout_checked(int64_t rank) const;
+  // Counting of elements beyond the global amax in the forwards that quantize ([2][R]: dispatch,
+  // combine), read and reset.
+  void set_count_clipping(bool on);
+  std::vector<ClipCounts> read_clip_counts();
 
  private:
-  const bf16* combine_row(int64_t rank, int64_t slot, int64_t token) const;
-  void check_layout(int64_t rank, const RankBatch& b) const;
-
-  std::unique_ptr<ExpertBackend> backend_;
-  MoeQuantizers q_;
-  std::vector<bool> checked_;                  // per buffer: layout check done
+  ExpertBackend* backend_;  // owned by the driver's ops
+  std::unique_ptr<FakeQuantDriver> driver_;
 };
 
 }  // namespace moefq

@@ -14,6 +14,12 @@
 
 namespace moefq {
 
+// Elements a quantizer saw (the sent tokens' for dispatch, the active routed rows' for combine)
+// and how many lay beyond its global amax (|x| > amax: the format saturates them).
+struct ClipCounts {
+  uint64_t clipped = 0, total = 0;
+};
+
 class MoeQuantizers {
  public:
   MoeQuantizers(int64_t layer, int64_t num_ranks);

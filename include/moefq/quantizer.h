@@ -93,21 +93,4 @@ class Quantizer {
 // The replicas must share a name and be calibrating (else an internal error).
 void reduce_calibration_max(std::span<Quantizer* const> replicas);
 
-// Calibration file (JSON, version 1):
-//   {"version": 1, "quantizers": {"<name>": {"format": "nvfp4", "amax_source": "calibrated",
-//                                            "amax": 12.5, "amax_bits": "0x41480000"}}}
-// One entry per quantizer; "amax" and "amax_bits" (the exact binary32 bits, read preferentially;
-// an "amax" that disagrees with them is an error) are present when the quantizer has an amax;
-// "amax_source" is "none" for mx formats. A file with only "amax" is accepted.
-//
-// Writes the file through a temporary name and a rename, so `path` is either untouched or
-// complete. Error when names repeat or an enabled quantizer that needs calibration has no amax.
-void save_calibration(const std::string& path, std::span<const Quantizer* const> quantizers);
-// Reads the file and sets the amax of every quantizer that needs calibration; all or nothing.
-// Errors (naming the file): unreadable or malformed file, wrong types or unknown keys, an entry
-// for a quantizer not in `quantizers`, a format that differs from the quantizer's, an enabled
-// quantizer that needs calibration but has no entry, or whose entry holds no calibrated amax.
-// Entries of quantizers that do not need calibration are checked but their amax is not applied.
-void load_calibration(const std::string& path, std::span<Quantizer* const> quantizers);
-
 }  // namespace moefq

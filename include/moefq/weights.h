@@ -39,13 +39,11 @@ struct LayerWeights {
   std::vector<float> gate_bias;         // [E] e_score_correction_bias when cfg.noaux_tc, else empty
 };
 
-// Seeded synthetic weights whose value distributions resemble real checkpoints (per 128x128 block a
-// scale in [2^-12, 2^-8], log-uniform, and e4m3 codes e4m3_sat(N(0, sigma)), sigma in 0.3..0.5 of
-// 448). Experts [first_expert, first_expert + num_local) and, when cfg.num_shared > 0, the shared
-// expert (intermediate I * S). Expert e depends only on (seed, e), never on the range asked for;
-// the router weight (bf16 values of N(0, 1/sqrt(H))) and bias (N(0, 0.01), only with noaux_tc)
-// are the same on every rank for a given seed. kBf16 gives the bf16 rounding of the same
-// dequantized e4m3 weights. Throws for an expert range outside [0, E).
+// The synthetic model's weights of one layer (moefq/synthetic.h: synthetic_layer(cfg, seed) and
+// synthetic_layer_weights): experts [first_expert, first_expert + num_local) and, when
+// cfg.num_shared > 0, the shared expert (intermediate I * S), the router weight and bias. Expert e
+// depends only on (seed, e), never on the range asked for; kBf16 gives the bf16 rounding of the
+// same dequantized e4m3 weights. Throws for an expert range outside [0, E).
 LayerWeights synthetic_weights(const MoeConfig& cfg, WeightFormat format, uint64_t seed,
                                int64_t first_expert, int64_t num_local);
 

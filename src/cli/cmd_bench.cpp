@@ -32,6 +32,21 @@ std::function<int()> add_bench_command(CLI::App& app) {
   ecpu->footer("Example:\n  moefq bench engine-cpu --preset tiny --ranks 4 --tokens 256");
   actions->emplace_back(ecpu, [eo] { return bench::run_bench_engine_cpu(*eo); });
 
+  CLI::App* ev = bench->add_subcommand(
+      "eval", "The main job's pipeline (moefq eval, default sweep) timed per layer and stage: weights generated or "
+              "loaded with activations and routing, calibration, reference, recipes, metrics.");
+  auto vo = std::make_shared<bench::EvalBenchOptions>();
+  ev->add_option("--preset", vo->preset, "model preset (default deepseek-v3)");
+  ev->add_option("--layers", vo->layers, "layers (default 0-19)");
+  ev->add_option("--ranks", vo->ranks, "simulated ranks (default 8)")->check(CLI::Range(1, 4096));
+  ev->add_option("--tokens", vo->tokens, "tokens per rank per batch (default 256)")->check(CLI::Range(1, 1 << 20));
+  ev->add_option("--calib-batches", vo->calib_batches, "calibration batches (default 2)")->check(CLI::Range(1, 1000));
+  ev->add_option("--eval-batches", vo->eval_batches, "evaluation batches (default 2)")->check(CLI::Range(1, 1000));
+  ev->add_option("--device", vo->device, "auto | cpu | cuda (default auto)");
+  ev->add_option("--json", vo->json, "also write the results as JSON to this file");
+  ev->footer("Example:\n  moefq bench eval --preset deepseek-v3 --layers 0-19 --ranks 8 --tokens 256 --json bench_eval.json");
+  actions->emplace_back(ev, [vo] { return bench::run_bench_eval(*vo); });
+
   CLI::App* qdq = bench->add_subcommand(
       "qdq", "QDQ kernels on [rows, cols] bf16: time, GB/s (read + write) and the ratio to a "
              "device-to-device copy of the same bytes, measured in the same run.");

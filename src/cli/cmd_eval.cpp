@@ -18,6 +18,7 @@
 #include "moefq/report.h"
 #ifdef MOEFQ_HAS_CUDA
 #include "cuda/host_api.h"
+#include "eval/layer_runner.h"
 #endif
 
 namespace moefq::cli {
@@ -27,8 +28,9 @@ namespace fs = std::filesystem;
 
 struct EvalCliOptions {
   EvalOptions eval;
-  std::string layers, device = "auto", out, save;
+  std::string layers, device = "auto", out, save, synthetic = "model";
   int64_t seed = 1;  // parsed signed so that a negative seed is an error, not a wrapped value
+  double max_rel_l2 = 0;
 };
 
 // The options both commands share: the model, its data and the device.
@@ -42,6 +44,9 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
   sub->add_option("--activations", o.eval.activations_path,
                   "hidden states captured from a real model: a safetensors file with a [tokens, H] BF16/F32 tensor "
                   "'layers.{i}' per layer, or one 'hidden_states' used for every layer (default: synthetic)");
+  sub->add_option("--synthetic", o.synthetic,
+                  "synthetic data: model (default: shaped like a real model's, see docs/eval.md) or gaussian "
+                  "(plain N(0, 1) activations and N(0, 0.02) weights)");
   sub->add_option("--ranks", o.eval.ranks, "simulated expert-parallel ranks, must divide the expert count (default 4)")
       ->check(CLI::Range(1, 4096));
   sub->add_option("--tokens", o.eval.tokens, "tokens per rank per batch (default 256)")->check(CLI::Range(1, 1 << 20));
@@ -56,19 +61,26 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
 void resolve(EvalCliOptions& o, const CLI::App* sub) {
   o.eval.preset_given = sub->get_option("--preset")->count() > 0;
   o.eval.seed = uint64_t(o.seed);
+  const auto kind = parse_synthetic_kind(o.synthetic);
+  MOEFQ_CHECK(kind.has_value(), "--synthetic: unknown kind '", o.synthetic, "' (expected model or gaussian)");
+  o.eval.synthetic = *kind;
+  if (sub->get_option_no_throw("--max-rel-l2") && sub->get_option("--max-rel-l2")->count() > 0)
+    o.eval.max_rel_l2 = o.max_rel_l2;
   if (!o.layers.empty() || sub->get_option("--layers")->count() > 0) o.eval.layers = parse_layers(o.layers);
   const bool cuda = use_cuda(o.device);
   if (cuda) {
 #ifdef MOEFQ_HAS_CUDA
     cuda::register_cuda_backends();
-    o.eval.backend_kind = "mega_moe_cuda";
-    o.eval.device = cuda::device_description();
+    register_cuda_layer_runner();
+    o.eval.device = EvalDevice::kCuda;
+    o.eval.device_name = cuda::device_description();
 #endif
   } else {
+    o.eval.device = EvalDevice::kCpu;
     o.eval.backend_kind = "mega_moe";
     const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
     const unsigned n = o.eval.num_threads > 0 ? unsigned(o.eval.num_threads) : hw;
-    o.eval.device = "cpu (" + std::to_string(n) + (n == 1 ? " thread)" : " threads)");
+    o.eval.device_name = "cpu (" + std::to_string(n) + (n == 1 ? " thread)" : " threads)");
   }
   o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
 }
@@ -131,23 +143,49 @@ int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {
   const EvalResult r = run_eval(o.eval);
   print_header("moefq eval", r.setup);
   std::printf("calibration: %s\n\n", r.calibration.source.c_str());
-  Table t({"layer", "recipe", "dispatch", "combine", "disp_amax", "comb_amax", "rel_l2", "cosine", "calc_diff",
-           "max_abs", "snr_db", "layout"});
+  const bool budget = r.setup.max_rel_l2.has_value();
+  std::vector<std::string> head = {"layer",   "recipe",  "dispatch", "combine",   "disp_amax", "comb_amax",
+                                   "rel_l2",  "tok_p50", "tok_p99",  "tok_max",   "no_outl",   "cosine",
+                                   "calc_diff", "snr_db", "clip_d",  "clip_c",    "B/token",   "saving",
+                                   "layout"};
+  if (budget) head.push_back("budget");
+  Table t(head);
+  const auto frac = [](const std::optional<double>& v) { return v ? fmt_num(*v, 3) : std::string("-"); };
   for (const EvalRow& row : r.rows) {
     const ErrorMetrics& m = row.metrics;
-    t.add({std::to_string(row.layer), row.recipe, opt(row.dispatch_format), opt(row.combine_format),
-           opt(row.dispatch_amax), opt(row.combine_amax), fmt_num(m.rel_l2), fmt_fixed(m.cosine, 6), fmt_num(m.calc_diff),
-           fmt_num(m.max_abs), fmt_fixed(m.snr_db, 2), row.layout_check});
+    std::vector<std::string> cells = {
+        std::to_string(row.layer), row.recipe, opt(row.dispatch_format), opt(row.combine_format),
+        opt(row.dispatch_amax), opt(row.combine_amax), fmt_num(m.rel_l2), fmt_num(row.rel_l2_token_p50),
+        fmt_num(row.rel_l2_token_p99), fmt_num(row.rel_l2_token_max), fmt_num(row.rel_l2_non_outlier),
+        fmt_fixed(m.cosine, 6), fmt_num(m.calc_diff), fmt_fixed(m.snr_db, 2), frac(row.dispatch_clipped_fraction),
+        frac(row.combine_clipped_fraction),
+        fmt_num(row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token, 6),
+        fmt_fixed(100.0 * row.wire_saving, 1) + "%", row.layout_check};
+    if (budget) cells.push_back(row.over_budget ? "OVER" : "ok");
+    t.add(cells);
   }
   t.print();
   if (r.setup.layers.size() > 1) {
     std::printf("\nover %zu layers, best first:\n", r.setup.layers.size());
-    Table sum({"recipe", "mean_rel_l2", "max_rel_l2", "min_cosine"});
+    Table sum({"recipe", "mean_rel_l2", "max_rel_l2", "min_cosine", "B/token"});
     for (const RecipeSummary& s : r.summary)
-      sum.add({s.recipe, fmt_num(s.mean_rel_l2), fmt_num(s.max_rel_l2), fmt_fixed(s.min_cosine, 6)});
+      sum.add({s.recipe, fmt_num(s.mean_rel_l2), fmt_num(s.max_rel_l2), fmt_fixed(s.min_cosine, 6),
+               fmt_num(s.wire_bytes_per_token, 6)});
     sum.print();
   }
-  std::printf("\nrows: per layer, best first by rel_l2 against the unquantized layer; %.1f s\n", r.wall_seconds);
+  std::printf("\nrows: per layer, best first by rel_l2 against the unquantized layer; tok_*: per-token rel_l2 "
+              "(median, 99th percentile, max); no_outl: rel_l2 outside the outlier channels; clip_*: fraction of "
+              "elements beyond the calibrated amax; B/token: dispatch + combine bytes per token per destination; "
+              "%.1f s\n",
+              r.wall_seconds);
+  if (budget) {
+    if (r.cheapest_within_budget)
+      std::printf("answer: %s is the cheapest recipe within rel_l2 <= %g on every layer\n",
+                  r.cheapest_within_budget->c_str(), *r.setup.max_rel_l2);
+    else
+      std::printf("answer: no recipe stays within rel_l2 <= %g on every layer\n", *r.setup.max_rel_l2);
+  }
+  for (const std::string& w : r.warnings) std::fprintf(stderr, "moefq eval: warning: %s\n", w.c_str());
   if (!o.out.empty()) {
     write_eval_reports(r, o.out);
     std::fprintf(stderr, "moefq eval: wrote %s/report.json, report.csv, report.html\n", o.out.c_str());
@@ -200,6 +238,10 @@ std::function<int()> add_eval_command(CLI::App& app) {
   sub->add_option("--load-calibration", o->eval.load_calibration,
                   "reuse the amax saved by 'moefq calibrate --save' instead of calibrating");
   sub->add_option("--out", o->out, "write report.json, report.csv and report.html into this directory");
+  sub->add_option("--max-rel-l2", o->max_rel_l2,
+                  "an accuracy budget: rows whose rel_l2 exceeds it are marked, and the answer names the recipe with "
+                  "the fewest wire bytes within it on every layer")
+      ->check(CLI::PositiveNumber);
   sub->footer(
       "Examples:\n"
       "  moefq eval                                    # the built-in default (tiny preset, 13 recipes)\n"
@@ -207,6 +249,7 @@ std::function<int()> add_eval_command(CLI::App& app) {
       "  moefq eval --checkpoint /models/DeepSeek-V3 --layers 3-10 --activations acts.safetensors \\\n"
       "             --recipe moe_combine_nvfp4 --recipe my_recipe.yaml --device cuda --out report\n"
       "  moefq calibrate --save calib.json && moefq eval --load-calibration calib.json\n"
+      "  moefq eval --preset deepseek-v3 --ranks 8 --device cuda --max-rel-l2 0.05\n"
       "Exit status: 0 success, 1 a failed check (a layout mismatch), 2 bad input (nothing is written then).");
   return [sub, o]() { return sub->parsed() ? run_eval_command(*o, sub) : 0; };
 }

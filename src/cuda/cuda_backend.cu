@@ -37,6 +37,7 @@ class CudaMegaMoeBackend final : public ExpertBackend {
   int64_t max_tokens() const override { return engine_.max_tokens(); }
   bool fused_shared() const override { return engine_.fused_shared(); }
   std::optional<size_t> combine_offset() const override { return engine_.layout().combine_offset(); }
+  size_t buffer_bytes() const override { return engine_.layout().total_bytes(); }
 
   void forward(std::span<const RankBatch> batches) override {
     const MoeConfig& c = engine_.config();
@@ -101,7 +102,7 @@ void register_cuda_backends() {
   static std::once_flag once;
   std::call_once(once, [] {
     register_expert_backend("mega_moe_cuda", [](const MoeConfig& c, int64_t R, int64_t T,
-                                                const std::vector<LayerWeights>& w, EngineOptions o) {
+                                                std::vector<LayerWeights> w, EngineOptions o) {
       return std::unique_ptr<ExpertBackend>(new CudaMegaMoeBackend(c, R, T, w, o));
     });
   });

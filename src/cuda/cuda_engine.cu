@@ -175,31 +175,40 @@ struct ExpertSet {
   DeviceBuffer<float> gate_up_scale, down_scale;
 
   ExpertSet() = default;
-  ExpertSet(const std::vector<ExpertWeights>& experts, WeightFormat f, int64_t H, int64_t I) : count(int64_t(experts.size())), inter(I) {
+  // Allocated, not filled.
+  ExpertSet(int64_t n, WeightFormat f, int64_t H, int64_t I) : count(n), inter(I) {
+    const bool e4m3 = f == WeightFormat::kE4m3;
+    const size_t elem = e4m3 ? 1 : 2;
+    gate_up = DeviceBuffer<uint8_t>(size_t(n * 2 * I * H) * elem);
+    down = DeviceBuffer<uint8_t>(size_t(n * H * I) * elem);
+    gate_up_scale = DeviceBuffer<float>(e4m3 ? size_t(n * (2 * I / kB) * (H / kB)) : 0);
+    down_scale = DeviceBuffer<float>(e4m3 ? size_t(n * (H / kB) * (I / kB)) : 0);
+  }
+  // Allocated and filled from host weights.
+  ExpertSet(const std::vector<ExpertWeights>& experts, WeightFormat f, int64_t H, int64_t I)
+      : ExpertSet(int64_t(experts.size()), f, H, I) {
     const bool e4m3 = f == WeightFormat::kE4m3;
     const size_t elem = e4m3 ? 1 : 2, gu_bytes = size_t(2 * I * H) * elem, dn_bytes = size_t(H * I) * elem;
     const size_t gu_scales = size_t((2 * I / kB) * (H / kB)), dn_scales = size_t((H / kB) * (I / kB));
-    std::vector<uint8_t> gu(gu_bytes * experts.size()), dn(dn_bytes * experts.size());
-    std::vector<float> gus(e4m3 ? gu_scales * experts.size() : 0), dns(e4m3 ? dn_scales * experts.size() : 0);
     for (size_t e = 0; e < experts.size(); ++e) {
       const ExpertWeights& w = experts[e];
       MOEFQ_CHECK(w.format == f && w.hidden == H && w.intermediate == I, "cuda engine: expert weights of format ",
                   weight_format_name(w.format), " H=", w.hidden, " I=", w.intermediate, " where ", weight_format_name(f),
                   " H=", H, " I=", I, " is expected");
+      const void* gu = e4m3 ? static_cast<const void*>(w.gate_up_e4m3.data()) : w.gate_up_bf16.data();
+      const void* dn = e4m3 ? static_cast<const void*>(w.down_e4m3.data()) : w.down_bf16.data();
+      MOEFQ_CUDA_CHECK(cudaMemcpy(gate_up.get() + e * gu_bytes, gu, gu_bytes, cudaMemcpyHostToDevice));
+      MOEFQ_CUDA_CHECK(cudaMemcpy(down.get() + e * dn_bytes, dn, dn_bytes, cudaMemcpyHostToDevice));
       if (e4m3) {
-        std::memcpy(gu.data() + e * gu_bytes, w.gate_up_e4m3.data(), gu_bytes);
-        std::memcpy(dn.data() + e * dn_bytes, w.down_e4m3.data(), dn_bytes);
-        std::copy(w.gate_up_scale.begin(), w.gate_up_scale.end(), gus.begin() + std::ptrdiff_t(e * gu_scales));
-        std::copy(w.down_scale.begin(), w.down_scale.end(), dns.begin() + std::ptrdiff_t(e * dn_scales));
-      } else {
-        std::memcpy(gu.data() + e * gu_bytes, w.gate_up_bf16.data(), gu_bytes);
-        std::memcpy(dn.data() + e * dn_bytes, w.down_bf16.data(), dn_bytes);
+        MOEFQ_CUDA_CHECK(cudaMemcpy(gate_up_scale.get() + e * gu_scales, w.gate_up_scale.data(), gu_scales * 4,
+                                    cudaMemcpyHostToDevice));
+        MOEFQ_CUDA_CHECK(cudaMemcpy(down_scale.get() + e * dn_scales, w.down_scale.data(), dn_scales * 4,
+                                    cudaMemcpyHostToDevice));
       }
     }
-    gate_up = DeviceBuffer<uint8_t>(gu);
-    down = DeviceBuffer<uint8_t>(dn);
-    gate_up_scale = DeviceBuffer<float>(gus);
-    down_scale = DeviceBuffer<float>(dns);
+  }
+  DeviceExpertSet view() const {
+    return {gate_up.get(), gate_up_scale.get(), down.get(), down_scale.get(), count, inter};
   }
 };
 
@@ -284,7 +293,21 @@ CudaEngine::CudaEngine(const MoeConfig& cfg, int64_t R, int64_t T, const std::ve
                        EngineOptions options)
     : cfg_(cfg), layout_(engine_buffer_shape(cfg, R, T, w, options)), debug_zeroing_(debug_zeroing_env()) {
   MOEFQ_CHECK(int64_t(w.size()) == R, "cuda engine: ", w.size(), " ranks of weights given for ", R, " ranks");
-  init(w);
+  init(w, nullptr);
+}
+
+namespace {
+BufferShape shape_with_format(const MoeConfig& cfg, int64_t R, int64_t T, WeightFormat f, const EngineOptions& o) {
+  BufferShape sh = engine_buffer_shape(cfg, R, T, {}, o);
+  sh.weight_format = f;
+  return sh;
+}
+}  // namespace
+
+CudaEngine::CudaEngine(const MoeConfig& cfg, int64_t R, int64_t T, WeightFormat format, const WeightFill& fill,
+                       EngineOptions options)
+    : cfg_(cfg), layout_(shape_with_format(cfg, R, T, format, options)), debug_zeroing_(debug_zeroing_env()) {
+  init({}, &fill);
 }
 
 CudaEngine::CudaEngine(const MoeConfig& cfg, RankLink& link, int64_t T, const LayerWeights& w, EngineOptions options)
@@ -293,15 +316,16 @@ CudaEngine::CudaEngine(const MoeConfig& cfg, RankLink& link, int64_t T, const La
       debug_zeroing_(debug_zeroing_env()),
       link_(&link),
       first_rank_(link.rank()) {
-  init({&w, 1});
+  init({&w, 1}, nullptr);
 }
 
-void CudaEngine::init(std::span<const LayerWeights> w) {
+void CudaEngine::init(std::span<const LayerWeights> w, const WeightFill* fill) {
   const BufferShape& sh = layout_.shape();
   const int64_t R = sh.num_ranks, T = sh.max_tokens, el = sh.local_experts(), P = sh.pool_rows(), H = sh.hidden;
   MOEFQ_CHECK(R <= kMaxRanks, "cuda engine: at most ", kMaxRanks, " ranks, got ", R);
   prepare_grouped_gemm();  // kernel attributes now, never during a graph capture
   const int64_t Is = cfg_.intermediate * cfg_.num_shared;
+  const size_t local = fill ? size_t(R) : w.size();
   for (size_t i = 0; i < w.size(); ++i) {
     const int64_t r = first_rank_ + int64_t(i);
     MOEFQ_CHECK(w[i].first_expert == r * el && int64_t(w[i].experts.size()) == el, "cuda engine: rank ", r,
@@ -312,8 +336,7 @@ void CudaEngine::init(std::span<const LayerWeights> w) {
   // Every rank's buffer as this process addresses it; the simulated ones are allocated below.
   std::vector<uint8_t*> bufs = link_ ? link_->symmetric_buffers(layout_.total_bytes()) : std::vector<uint8_t*>(size_t(R));
   MOEFQ_ASSERT(int64_t(bufs.size()) == R, "cuda engine: the link gave ", bufs.size(), " buffers for ", R, " ranks");
-  for (size_t i = 0; i < w.size(); ++i) {
-    const LayerWeights& lw = w[i];
+  for (size_t i = 0; i < local; ++i) {
     auto rs = std::make_unique<RankState>();
     if (!link_) {
       rs->buffer = DeviceBuffer<uint8_t>(layout_.total_bytes());
@@ -321,8 +344,14 @@ void CudaEngine::init(std::span<const LayerWeights> w) {
       bufs[size_t(first_rank_) + i] = rs->buffer.get();
     }
     rs->buf = bufs[size_t(first_rank_) + i];
-    rs->routed = ExpertSet(lw.experts, sh.weight_format, H, cfg_.intermediate);
-    if (cfg_.num_shared > 0) rs->shared = ExpertSet(lw.shared, sh.weight_format, H, Is);
+    if (fill) {
+      rs->routed = ExpertSet(el, sh.weight_format, H, cfg_.intermediate);
+      if (cfg_.num_shared > 0) rs->shared = ExpertSet(1, sh.weight_format, H, Is);
+      (*fill)(first_rank_ + int64_t(i), rs->routed.view(), rs->shared.view());
+    } else {
+      rs->routed = ExpertSet(w[i].experts, sh.weight_format, H, cfg_.intermediate);
+      if (cfg_.num_shared > 0) rs->shared = ExpertSet(w[i].shared, sh.weight_format, H, Is);
+    }
     rs->counts = DeviceBuffer<int32_t>(std::vector<int32_t>(size_t(el + 1), 0));
     rs->offsets = DeviceBuffer<int32_t>(std::vector<int32_t>(size_t(el + 1), 0));
     rs->row_weight = DeviceBuffer<float>(size_t(P));

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -27,14 +28,24 @@
 
 namespace moefq::cuda {
 
-// One rank's tensors of a call, all in device memory (RankBatch's meaning).
-struct DeviceBatch {
-  const bf16* x = nullptr;              // [num_tokens, H]
-  int64_t num_tokens = 0;               // <= max_tokens
-  const int32_t* topk_idx = nullptr;    // [num_tokens, K], global ids, -1 inactive
-  const float* topk_weights = nullptr;  // [num_tokens, K]
-  bf16* y = nullptr;                    // [num_tokens, H]
+// One rank's tensors of a call, all in device memory: RankBatch's fields and meaning
+// (x [num_tokens, H] bf16, topk_idx and topk_weights [num_tokens, K], y [num_tokens, H] bf16).
+using DeviceBatch = RankBatch;
+
+// Where one set of experts' weights live on the device (a rank's routed experts, or its shared
+// expert): expert e's gate/up [2I, H] at gate_up + e * 2I * H elements with its fp32 128 x 128
+// block scales [2I/128, H/128] at gate_up_scale + e * (2I/128) * (H/128), down [H, I] and its
+// scales likewise (scales null for bf16 weights). `count` is 0 for an absent set.
+struct DeviceExpertSet {
+  uint8_t* gate_up;
+  float* gate_up_scale;
+  uint8_t* down;
+  float* down_scale;
+  int64_t count, inter;
 };
+// Fills rank `rank`'s sets (enqueued on the caller's streams; the engine's first call must come
+// after them, on a stream that waits for them).
+using WeightFill = std::function<void(int64_t rank, const DeviceExpertSet& routed, const DeviceExpertSet& shared)>;
 
 class CudaEngine {
  public:
@@ -42,6 +53,11 @@ class CudaEngine {
   // CpuEngine) and allocates the buffers.
   CudaEngine(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
              const std::vector<LayerWeights>& rank_weights, EngineOptions options = {});
+  // R simulated ranks whose weights are made on the device: allocates each rank's expert sets in
+  // `format` and calls fill(rank, routed, shared) for every rank (weights generated there, or copied
+  // from pinned staging), without a host copy of the layer.
+  CudaEngine(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens, WeightFormat format, const WeightFill& fill,
+             EngineOptions options = {});
   // One real rank, link.rank() of link.num_ranks(), on the current GPU: rank_weights are its own
   // experts (first_expert = rank * E/R). Collective: every rank builds its engine of the same
   // configuration at the same point (the buffers come from link.symmetric_buffers). The link
@@ -90,7 +106,7 @@ class CudaEngine {
 
  private:
   struct RankState;
-  void init(std::span<const LayerWeights> rank_weights);
+  void init(std::span<const LayerWeights> rank_weights, const WeightFill* fill);
 
   MoeConfig cfg_;
   BufferLayout layout_;

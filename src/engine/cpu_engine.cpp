@@ -48,15 +48,18 @@ BufferShape engine_buffer_shape(const MoeConfig& cfg, int64_t num_ranks, int64_t
 }
 
 CpuEngine::CpuEngine(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
-                     const std::vector<LayerWeights>& rank_weights, EngineOptions options)
-    : cfg_(cfg), opt_(options), layout_(engine_buffer_shape(cfg, num_ranks, max_tokens, rank_weights, options)) {
+                     std::vector<LayerWeights> rank_weights, EngineOptions options)
+    : cfg_(cfg),
+      opt_(options),
+      layout_(engine_buffer_shape(cfg, num_ranks, max_tokens, rank_weights, options)),
+      weights_(std::move(rank_weights)) {
   const int64_t el = layout_.shape().local_experts();
-  MOEFQ_CHECK(int64_t(rank_weights.size()) == num_ranks, "engine: ", rank_weights.size(),
+  MOEFQ_CHECK(int64_t(weights_.size()) == num_ranks, "engine: ", weights_.size(),
               " ranks of weights given for ", num_ranks, " ranks");
   num_threads_ = resolve_threads(options.num_threads);
   experts_.resize(size_t(num_ranks));
   for (int64_t r = 0; r < num_ranks; ++r) {
-    const LayerWeights& w = rank_weights[size_t(r)];
+    const LayerWeights& w = weights_[size_t(r)];
     MOEFQ_CHECK(w.first_expert == r * el && int64_t(w.experts.size()) == el, "engine: rank ", r,
                 " must hold experts [", r * el, ", ", (r + 1) * el, "), got ", w.experts.size(),
                 " from ", w.first_expert);

@@ -12,62 +12,93 @@ namespace {
 
 constexpr int64_t kB = kStageBlock;  // 128: activation blocks and weight blocks
 
-void prepare_matrix(const std::vector<uint8_t>& w8, const std::vector<float>& scale, const std::vector<bf16>& wbf,
-                    WeightFormat f, int64_t rows, int64_t cols, std::vector<float>& out, std::vector<float>& out_scale) {
-  out.resize(size_t(rows * cols));
-  const int64_t sb = (rows / kB) * (cols / kB);
-  if (f == WeightFormat::kE4m3) {
-    MOEFQ_ASSERT(int64_t(w8.size()) == rows * cols && int64_t(scale.size()) == sb, "expert weights: bad e4m3 shape");
-    for (size_t i = 0; i < out.size(); ++i) out[i] = e4m3_decode(w8[i]);
-    out_scale = scale;
+GemmWeights view_matrix(const ExpertWeights& w, const std::vector<uint8_t>& w8, const std::vector<float>& scale,
+                        const std::vector<bf16>& wbf, int64_t rows, int64_t cols) {
+  GemmWeights g;
+  if (w.format == WeightFormat::kE4m3) {
+    MOEFQ_CHECK(int64_t(w8.size()) == rows * cols && int64_t(scale.size()) == (rows / kB) * (cols / kB),
+                "expert weights: ", w8.size(), " e4m3 codes and ", scale.size(), " block scales for a [", rows, ", ",
+                cols, "] matrix");
+    g.e4m3 = w8.data();
+    g.scale = scale.data();
   } else {
-    MOEFQ_ASSERT(int64_t(wbf.size()) == rows * cols, "expert weights: bad bf16 shape");
-    for (size_t i = 0; i < out.size(); ++i) out[i] = to_f32(wbf[i]);
-    out_scale.assign(size_t(sb), 1.0f);
+    MOEFQ_CHECK(int64_t(wbf.size()) == rows * cols, "expert weights: ", wbf.size(), " bf16 values for a [", rows,
+                ", ", cols, "] matrix");
+    g.b16 = wbf.data();
+  }
+  return g;
+}
+
+// Per-thread working memory of a run: the rows' decoded inputs, their accumulators, one h row and
+// one chunk of decoded weights.
+struct Scratch {
+  std::vector<float> a, acc, h, w;
+};
+
+// Groups per run: a run decodes each weight chunk once for all its rows (the decode costs as much
+// as one row's multiply-adds), and runs are what the threads share out.
+constexpr size_t kRunGroups = 16;
+
+// out[r][n] for n < n_out of every group of the run, through chunks of 128 weight rows decoded
+// to fp32 once (the per-output accumulation order is gemm_rows', so the chunking changes no bit).
+void run_gemm(const ExpertGroup* groups, size_t count, const float* const* a, const float* const* a_scale,
+              const GemmWeights& w, int64_t n_out, int64_t k_dim, float* const* out, Scratch& s) {
+  s.w.resize(size_t(kB * k_dim));
+  for (int64_t n0 = 0; n0 < n_out; n0 += kB) {
+    const GemmWeights chunk = decode_weight_rows(w, n0, kB, k_dim, s.w.data());
+    for (size_t g = 0; g < count; ++g) {
+      float* o[kGemmRows];
+      for (int r = 0; r < groups[g].n; ++r) o[r] = out[g * kGemmRows + size_t(r)] + n0;
+      gemm_rows(groups[g].n, a + g * kGemmRows, a_scale + g * kGemmRows, chunk.f32, chunk.scale, kB, k_dim, o);
+    }
   }
 }
 
-// Per-thread working rows.
-struct Scratch {
-  std::vector<float> a, gu, h;
-};
-
-// gate/up GEMM on the staged input, bf16 rounding, clamp, h = silu(g) * u * weight, re-staging,
-// down GEMM, bf16 rounding.
-void run_group(const ExpertGroup& g, std::optional<float> clamp, Scratch& s) {
-  const PreparedExpert& e = *g.expert;
+// A run of groups of one expert: gate/up GEMM on the staged inputs, bf16 rounding, clamp,
+// h = silu(g) * u * weight, re-staging, down GEMM, bf16 rounding.
+void run_groups(const ExpertGroup* groups, size_t count, std::optional<float> clamp, Scratch& s) {
+  const PreparedExpert& e = *groups[0].expert;
   const int64_t H = e.hidden, I = e.inter, astride = std::max(H, I), gstride = std::max(2 * I, H);
-  s.a.resize(size_t(kGemmRows * astride));
-  s.gu.resize(size_t(kGemmRows * gstride));
+  const size_t slots = count * kGemmRows;
+  s.a.resize(slots * size_t(astride));
+  s.acc.resize(slots * size_t(gstride));
   s.h.resize(size_t(I));
-  const float* a[kGemmRows];
-  float* gu[kGemmRows];
-  for (int r = 0; r < g.n; ++r) {
-    float* ar = s.a.data() + r * astride;
-    for (int64_t i = 0; i < H; ++i) ar[i] = e4m3_decode(g.a8[r][i]);
-    a[r] = ar;
-    gu[r] = s.gu.data() + r * gstride;
-  }
-  gemm_rows(g.n, a, g.a_scale, e.gate_up.data(), e.gate_up_scale.data(), 2 * I, H, gu);
-  const float* h_scale[kGemmRows];
-  for (int r = 0; r < g.n; ++r) {
-    for (int64_t i = 0; i < I; ++i) {
-      float gv = bf16_to_f32(bf16_round(gu[r][i]));
-      float uv = bf16_to_f32(bf16_round(gu[r][I + i]));
-      if (clamp) {
-        gv = gv < *clamp ? gv : *clamp;
-        uv = uv < -*clamp ? -*clamp : (uv > *clamp ? *clamp : uv);
-      }
-      s.h[size_t(i)] = mul_rn(mul_rn(silu_f32(gv), uv), g.weight[r]);
+  std::vector<const float*> a(slots), a_scale(slots), h_scale(slots);
+  std::vector<float*> acc(slots);
+  for (size_t g = 0; g < count; ++g)
+    for (int r = 0; r < groups[g].n; ++r) {
+      const size_t i = g * kGemmRows + size_t(r);
+      float* ar = s.a.data() + i * size_t(astride);
+      for (int64_t k = 0; k < H; ++k) ar[k] = e4m3_decode(groups[g].a8[r][k]);
+      a[i] = ar;
+      a_scale[i] = groups[g].a_scale[r];
+      acc[i] = s.acc.data() + i * size_t(gstride);
     }
-    stage_e4m3_ref(s.h.data(), g.h8[r], g.h_scale[r], 1, I);
-    float* ar = s.a.data() + r * astride;
-    for (int64_t i = 0; i < I; ++i) ar[i] = e4m3_decode(g.h8[r][i]);
-    h_scale[r] = g.h_scale[r];
-  }
-  gemm_rows(g.n, a, h_scale, e.down.data(), e.down_scale.data(), H, I, gu);
-  for (int r = 0; r < g.n; ++r)
-    for (int64_t i = 0; i < H; ++i) g.out[r][i].bits = bf16_round(gu[r][i]);
+  run_gemm(groups, count, a.data(), a_scale.data(), e.gate_up, 2 * I, H, acc.data(), s);
+  for (size_t g = 0; g < count; ++g)
+    for (int r = 0; r < groups[g].n; ++r) {
+      const size_t i = g * kGemmRows + size_t(r);
+      const float* gu = acc[i];
+      for (int64_t k = 0; k < I; ++k) {
+        float gv = bf16_to_f32(bf16_round(gu[k]));
+        float uv = bf16_to_f32(bf16_round(gu[I + k]));
+        if (clamp) {
+          gv = gv < *clamp ? gv : *clamp;
+          uv = uv < -*clamp ? -*clamp : (uv > *clamp ? *clamp : uv);
+        }
+        s.h[size_t(k)] = mul_rn(mul_rn(silu_f32(gv), uv), groups[g].weight[r]);
+      }
+      stage_e4m3_ref(s.h.data(), groups[g].h8[r], groups[g].h_scale[r], 1, I);
+      float* ar = s.a.data() + i * size_t(astride);
+      for (int64_t k = 0; k < I; ++k) ar[k] = e4m3_decode(groups[g].h8[r][k]);
+      h_scale[i] = groups[g].h_scale[r];
+    }
+  run_gemm(groups, count, a.data(), h_scale.data(), e.down, H, I, acc.data(), s);
+  for (size_t g = 0; g < count; ++g)
+    for (int r = 0; r < groups[g].n; ++r) {
+      const float* o = acc[g * kGemmRows + size_t(r)];
+      for (int64_t k = 0; k < H; ++k) groups[g].out[r][k].bits = bf16_round(o[k]);
+    }
 }
 
 }  // namespace
@@ -75,8 +106,8 @@ void run_group(const ExpertGroup& g, std::optional<float> clamp, Scratch& s) {
 PreparedExpert::PreparedExpert(const ExpertWeights& w, int64_t h, int64_t i) : hidden(h), inter(i) {
   MOEFQ_CHECK(w.hidden == h && w.intermediate == i, "expert weights of shape H=", w.hidden, " I=", w.intermediate,
               " do not match the config (H=", h, " I=", i, ")");
-  prepare_matrix(w.gate_up_e4m3, w.gate_up_scale, w.gate_up_bf16, w.format, 2 * i, h, gate_up, gate_up_scale);
-  prepare_matrix(w.down_e4m3, w.down_scale, w.down_bf16, w.format, h, i, down, down_scale);
+  gate_up = view_matrix(w, w.gate_up_e4m3, w.gate_up_scale, w.gate_up_bf16, 2 * i, h);
+  down = view_matrix(w, w.down_e4m3, w.down_scale, w.down_bf16, h, i);
 }
 
 void add_expert_row(std::vector<ExpertGroup>& groups, const PreparedExpert* e, bool new_group, const uint8_t* a8,
@@ -96,9 +127,16 @@ void add_expert_row(std::vector<ExpertGroup>& groups, const PreparedExpert* e, b
 }
 
 void run_expert_groups(const std::vector<ExpertGroup>& groups, std::optional<float> clamp, int num_threads) {
-  parallel_for(int64_t(groups.size()), num_threads, [&](int64_t i) {
+  // Runs: consecutive groups of one expert, at most kRunGroups each.
+  std::vector<std::pair<size_t, size_t>> runs;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (runs.empty() || groups[g].expert != groups[runs.back().first].expert || runs.back().second == kRunGroups)
+      runs.push_back({g, 0});
+    ++runs.back().second;
+  }
+  parallel_for(int64_t(runs.size()), num_threads, [&](int64_t i) {
     thread_local Scratch s;
-    run_group(groups[size_t(i)], clamp, s);
+    run_groups(groups.data() + runs[size_t(i)].first, runs[size_t(i)].second, clamp, s);
   });
 }
 

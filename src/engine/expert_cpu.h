@@ -13,12 +13,11 @@
 
 namespace moefq {
 
-// An expert's weights as the GEMM reads them: element values as fp32 (e4m3 codes decoded,
-// unscaled, or bf16 values) and one fp32 scale per 128 x 128 block (all 1 for bf16 weights).
+// An expert's weights as the GEMM reads them: views of an ExpertWeights' e4m3 codes and block
+// scales, or its bf16 values, which must outlive this (the engines own their weights).
 struct PreparedExpert {
   int64_t hidden = 0, inter = 0;
-  std::vector<float> gate_up, gate_up_scale;  // [2I, H], [2I/128, H/128]
-  std::vector<float> down, down_scale;        // [H, I], [H/128, I/128]
+  GemmWeights gate_up, down;  // [2I, H] and [H, I]
 
   // Checks the shape against (hidden, inter); throws (bad input) naming both.
   PreparedExpert(const ExpertWeights& w, int64_t hidden, int64_t inter);

@@ -1,72 +1,43 @@
-// The evaluation pipeline of `moefq eval` / `moefq calibrate` (include/moefq/eval.h).
-//
-// Per layer: the weights of every rank, one expert back-end with the shared expert UNFUSED (the
-// dispatch quantizer is a configuration error with a fused shared expert; the model adds the
-// shared expert, computed on the unquantized x, to the routed output), the layer's activations
-// cut into batches of ranks x tokens (calibration batches first, then the held-out evaluation
-// batches), routed by the layer's own router. Max calibration runs once per layer with both
-// quantizers enabled (it applies no QDQ, so its amax is the same for every recipe) and its amax is
-// loaded into each recipe's quantizers. The unquantized reference of each evaluation batch is
-// computed once and shared by every recipe.
+// The evaluation pipeline of `moefq eval` / `moefq calibrate` (include/moefq/eval.h): the options
+// resolved, the memory plan checked, then per layer: the runner loads it (and, where the plan
+// allows, prepares the next one meanwhile), max calibration once with both quantizers enabled
+// (no QDQ, so its amax holds for every recipe) unless a calibration file is given, the unquantized
+// reference once, and every recipe on the same held-out batches. The runner gives sums; the rows'
+// figures are finalised here, the same way for every device.
 #include "moefq/eval.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
+#include "eval/layer_runner.h"
 #include "moefq/errors.h"
 #include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
-#include "moefq/fileio.h"
 #include "moefq/quantizer.h"
-#include "moefq/router.h"
 #include "moefq/safetensors.h"
-#include "moefq/synthetic.h"
-#include "moefq/weights.h"
 
 namespace moefq {
 namespace {
 
 namespace fs = std::filesystem;
-using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
 
-constexpr int kCalibrationFileVersion = 1;
-constexpr const char* kCalibrationFileKind = "moefq eval calibration";
-
-// Seeds of layer i's synthetic weights and activations: distinct per layer, fixed per (seed, i).
-uint64_t layer_seed(uint64_t seed, int64_t layer, uint64_t stream) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * uint64_t(layer + 1) + 0xBF58476D1CE4E5B9ull * stream;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-std::string hex32(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  char buf[16];
-  std::snprintf(buf, sizeof buf, "0x%08x", u);
-  return buf;
-}
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // The resolved options: model, layers, recipes, the activations file.
 struct Prepared {
   EvalSetup setup;
+  RunnerSetup runner;
+  EvalDevice device = EvalDevice::kCpu;
   std::vector<NamedRecipe> recipes;
   std::vector<std::map<std::string, QuantizerConfig>> recipe_configs;  // [recipe], over all layers
   std::optional<SafetensorsFile> acts;
-  std::map<int64_t, std::string> act_tensor;  // layer -> tensor name in acts
-  std::string checkpoint_dir;
-  int num_threads = 0;
   std::function<void(const std::string&)> progress;
-  int64_t num_tokens() const { return int64_t(setup.calib_batches + setup.eval_batches) * setup.ranks * setup.tokens; }
   void say(const std::string& line) const {
     if (progress) progress(line);
   }
@@ -77,8 +48,7 @@ std::string plural(int64_t n, const std::string& what) {
   return std::to_string(n) + " " + what + (what.back() == 'h' ? "es" : "s");
 }
 
-Prepared prepare(const EvalOptions& o, bool with_recipes) {
-  Prepared p;
+void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   EvalSetup& s = p.setup;
   // The model.
   MOEFQ_CHECK(o.config_path.empty() || o.checkpoint_dir.empty(),
@@ -93,7 +63,7 @@ Prepared prepare(const EvalOptions& o, bool with_recipes) {
     s.config = load_hf_config(cj);
     s.model_source = "checkpoint " + o.checkpoint_dir;
     s.weights_source = "checkpoint " + o.checkpoint_dir;
-    p.checkpoint_dir = o.checkpoint_dir;
+    p.runner.checkpoint_dir = o.checkpoint_dir;
   } else if (!o.config_path.empty()) {
     MOEFQ_CHECK(fs::is_regular_file(o.config_path), "--config ", o.config_path, ": no such file");
     s.config = load_hf_config(o.config_path);
@@ -103,48 +73,66 @@ Prepared prepare(const EvalOptions& o, bool with_recipes) {
     s.model_source = "preset " + o.preset;
   }
   s.config.validate();
-  if (p.checkpoint_dir.empty())
-    s.weights_source = "synthetic e4m3 (seed " + std::to_string(o.seed) + ")";
+  const std::string seed = "(seed " + std::to_string(o.seed) + ")";
+  const bool model = o.synthetic == SyntheticKind::kModel;
+  s.synthetic = synthetic_kind_name(o.synthetic);
+  if (p.runner.checkpoint_dir.empty())
+    s.weights_source = std::string("synthetic e4m3, ") + (model ? "model-shaped " : "Gaussian ") + seed;
 
   // Sizes.
   MOEFQ_CHECK(o.ranks >= 1, "--ranks must be >= 1, got ", o.ranks);
-  MOEFQ_CHECK(s.config.num_experts % o.ranks == 0, "--ranks ", o.ranks, " must divide the ",
-              s.config.num_experts, " routed experts of ", s.config.name);
+  MOEFQ_CHECK(s.config.num_experts % o.ranks == 0, "--ranks ", o.ranks, " must divide the ", s.config.num_experts,
+              " routed experts of ", s.config.name);
   MOEFQ_CHECK(o.tokens >= 1, "--tokens must be >= 1, got ", o.tokens);
   MOEFQ_CHECK(o.calib_batches >= 1, "--calib-batches must be >= 1, got ", o.calib_batches);
   MOEFQ_CHECK(o.eval_batches >= 1, "--eval-batches must be >= 1, got ", o.eval_batches);
   MOEFQ_CHECK(o.num_threads >= 0, "--threads must be >= 0");
+  MOEFQ_CHECK(!o.max_rel_l2 || (std::isfinite(*o.max_rel_l2) && *o.max_rel_l2 > 0), "--max-rel-l2 must be a ",
+              "finite number > 0, got ", o.max_rel_l2.value_or(0));
   s.ranks = o.ranks;
   s.tokens = o.tokens;
   s.calib_batches = o.calib_batches;
   s.eval_batches = with_recipes ? o.eval_batches : 0;  // calibration needs only the first batches
   s.seed = o.seed;
-  s.backend_kind = o.backend_kind;
-  s.device = o.device;
+  s.backend_kind = o.device == EvalDevice::kCuda ? "mega_moe_cuda (device-resident)" : o.backend_kind;
+  s.device = o.device_name;
   s.version = MOEFQ_VERSION;
-  p.num_threads = o.num_threads;
+  s.max_rel_l2 = o.max_rel_l2;
+  p.device = o.device;
   p.progress = o.progress;
-  const auto kinds = expert_backend_kinds();
-  if (std::find(kinds.begin(), kinds.end(), o.backend_kind) == kinds.end()) {
-    std::string names;
-    for (const auto& k : kinds) names += (names.empty() ? "" : ", ") + k;
-    MOEFQ_FAIL(ErrorKind::kBadInput, "--device: the expert back-end '", o.backend_kind,
-               "' is not available in this build (registered: ", names, ")");
+  if (o.device == EvalDevice::kCpu) {
+    const auto kinds = expert_backend_kinds();
+    if (std::find(kinds.begin(), kinds.end(), o.backend_kind) == kinds.end()) {
+      std::string names;
+      for (const auto& k : kinds) names += (names.empty() ? "" : ", ") + k;
+      MOEFQ_FAIL(ErrorKind::kBadInput, "--device: the expert back-end '", o.backend_kind,
+                 "' is not available in this build (registered: ", names, ")");
+    }
   }
 
   // Layers.
   s.layers = o.layers;
   if (s.layers.empty()) {
-    MOEFQ_CHECK(p.checkpoint_dir.empty(), "--checkpoint needs --layers (e.g. --layers 3-10): which of the "
+    MOEFQ_CHECK(p.runner.checkpoint_dir.empty(), "--checkpoint needs --layers (e.g. --layers 3-10): which of the "
                 "checkpoint's layers are MoE layers depends on the model");
     s.layers = {0};
   }
   for (int64_t l : s.layers) MOEFQ_CHECK(l >= 0, "--layers: layer ", l, " must be >= 0");
 
+  p.runner.config = s.config;
+  p.runner.ranks = s.ranks;
+  p.runner.tokens = s.tokens;
+  p.runner.calib_batches = s.calib_batches;
+  p.runner.eval_batches = s.eval_batches;
+  p.runner.seed = s.seed;
+  p.runner.synthetic = o.synthetic;
+  p.runner.num_threads = o.num_threads;
+  p.runner.backend_kind = o.backend_kind;
+
   // Activations: one [tokens, H] tensor per layer ("layers.{i}"), else "hidden_states".
   if (!o.activations_path.empty()) {
     p.acts.emplace(SafetensorsFile::open(o.activations_path));
-    const int64_t need = p.num_tokens();
+    const int64_t need = p.runner.num_tokens();
     for (int64_t l : s.layers) {
       const std::string per_layer = "layers." + std::to_string(l);
       std::string name = per_layer;
@@ -155,24 +143,25 @@ Prepared prepare(const EvalOptions& o, bool with_recipes) {
         int shown = 0;
         for (const TensorInfo& ti : p.acts->header().tensors)
           if (shown++ < 8) have += (have.empty() ? "" : ", ") + ti.name;
-        MOEFQ_FAIL(ErrorKind::kBadInput, "--activations ", o.activations_path, ": no tensor '", per_layer,
-                   "' (layer ", l, ") and no 'hidden_states' tensor (the file has: ",
-                   have.empty() ? "no tensors" : have, ")");
+        MOEFQ_FAIL(ErrorKind::kBadInput, "--activations ", o.activations_path, ": no tensor '", per_layer, "' (layer ", l,
+                   ") and no 'hidden_states' tensor (the file has: ", have.empty() ? "no tensors" : have, ")");
       }
       MOEFQ_CHECK(t->dtype == StDtype::kBF16 || t->dtype == StDtype::kF32, "--activations ", o.activations_path,
                   ": tensor '", name, "' is ", st_dtype_name(t->dtype), "; expected BF16 or F32");
       MOEFQ_CHECK(t->shape.size() == 2 && t->shape[1] == s.config.hidden, "--activations ", o.activations_path,
-                  ": tensor '", name, "' must be [tokens, ", s.config.hidden, "] (the hidden size of ",
-                  s.config.name, ")");
-      MOEFQ_CHECK(t->shape[0] >= need, "--activations ", o.activations_path, ": tensor '", name, "' has ",
-                  t->shape[0], " tokens, but ", need, " are needed ((", s.calib_batches, " calibration + ",
-                  s.eval_batches, " evaluation batches) x ", s.ranks, " ranks x ", s.tokens,
+                  ": tensor '", name, "' must be [tokens, ", s.config.hidden, "] (the hidden size of ", s.config.name,
+                  ")");
+      MOEFQ_CHECK(t->shape[0] >= need, "--activations ", o.activations_path, ": tensor '", name, "' has ", t->shape[0],
+                  " tokens, but ", need, " are needed ((", s.calib_batches, " calibration + ", s.eval_batches,
+                  " evaluation batches) x ", s.ranks, " ranks x ", s.tokens,
                   " tokens); lower --tokens, --ranks or the batch counts");
-      p.act_tensor[l] = name;
+      p.runner.act_tensor[l] = name;
     }
+    p.runner.acts = &*p.acts;
     s.activations_source = o.activations_path;
   } else {
-    s.activations_source = "synthetic, heavy-tailed with outlier channels (seed " + std::to_string(o.seed) + ")";
+    s.activations_source = model ? "synthetic, model-shaped: RMSNorm gains, outlier channels, sink tokens " + seed
+                                 : "synthetic, N(0, 1) " + seed;
   }
 
   // Recipes, resolved against the quantizers of every evaluated layer (so a recipe may name one
@@ -200,134 +189,132 @@ Prepared prepare(const EvalOptions& o, bool with_recipes) {
       s.recipe_names.push_back(r.name);
     }
   }
-  return p;
 }
 
-// One evaluation or calibration batch: every rank's tokens (pointing into the layer's
-// activations), routing and output.
-struct Batch {
-  std::vector<const bf16*> x;           // [R] -> [T, H]
-  std::vector<Routing> routing;         // [R]
-  std::vector<std::vector<bf16>> y;     // [R][T * H]
-  std::vector<std::vector<bf16>> shared;  // [R][T * H] the separately run shared expert (eval only)
-  std::vector<RankBatch> views() {
-    std::vector<RankBatch> b;
-    for (size_t r = 0; r < x.size(); ++r)
-      b.push_back({x[r], routing[r].num_tokens, routing[r].topk_idx.data(), routing[r].topk_weights.data(),
-                   y[r].data()});
-    return b;
-  }
+// The memory plan, refused with the figures when the run does not fit.
+MemoryPlan check_memory(const Prepared& p) {
+  MemoryPlan plan = plan_run_memory(p.runner, p.device);
+  const auto gib = [](double b) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(1ull << 30));
+    return std::string(buf);
+  };
+  const std::string advice =
+      p.device == EvalDevice::kCpu
+          ? "use --device cuda (the layer then lives on the GPU), fewer --tokens or batches, or a smaller model"
+          : "use fewer --ranks, --tokens or batches, or a smaller model";
+  MOEFQ_CHECK(plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available,
+              "moefq eval: needs ", gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
+              " available: ", advice, "\n", plan.describe());
+  MOEFQ_CHECK(p.device != EvalDevice::kCuda || plan.device_available <= 0 ||
+                  plan.device_bytes <= kUsableFraction * plan.device_available,
+              "moefq eval: needs ", gib(plan.device_bytes), " of GPU memory, ", gib(plan.device_available),
+              " available: ", advice, "\n", plan.describe());
+  return plan;
+}
+
+// Per-layer figures of one recipe from the runner's sums.
+struct TokenShape {
+  double p50 = 0, p99 = 0, max = 0;
 };
 
-// Everything one layer needs: the fake-quantized layer and its batches.
-struct LayerRun {
-  int64_t layer = 0;
-  std::vector<bf16> acts;  // [num_tokens, H]
-  std::unique_ptr<FakeQuantMoe> fq;
-  std::vector<Batch> calib, eval;
-};
-
-std::vector<bf16> layer_activations(const Prepared& p, int64_t layer) {
-  const int64_t n = p.num_tokens(), H = p.setup.config.hidden;
-  std::vector<bf16> out(size_t(n * H));
-  if (!p.acts) {
-    const std::vector<float> x = synthetic_activations(n, H, layer_seed(p.setup.seed, layer, 1));
-    for (size_t i = 0; i < out.size(); ++i) out[i].bits = bf16_round(x[i]);
-    return out;
-  }
-  const TensorInfo& t = *p.acts->find(p.act_tensor.at(layer));
-  const auto bytes = p.acts->bytes(t);
-  if (t.dtype == StDtype::kBF16) {
-    std::memcpy(out.data(), bytes.data(), out.size() * 2);
-  } else {
-    for (size_t i = 0; i < out.size(); ++i) {
-      float v;
-      std::memcpy(&v, bytes.data() + i * 4, 4);
-      out[i].bits = bf16_round(v);
+TokenShape token_shape(const std::vector<MetricSums>& tokens) {
+  std::vector<double> v;
+  bool nan = false;
+  for (const MetricSums& t : tokens) {
+    if (t.count == 0) continue;
+    const ErrorMetrics m = finalize_metrics(t);
+    if (std::isnan(m.rel_l2)) {
+      nan = true;
+      continue;
     }
+    v.push_back(m.rel_l2);
   }
+  TokenShape s;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  // Nearest rank: the smallest value with at least q of the tokens at or below it.
+  const auto at = [&](double q) { return v[size_t(std::max(1.0, std::ceil(q * double(v.size())))) - 1]; };
+  s.p50 = at(0.5);
+  s.p99 = at(0.99);
+  s.max = v.back();
+  if (nan) s.p99 = s.max = std::nan("");
+  return s;
+}
+
+// The layer's outlier channels: RMS over the reference output more than kOutlierFactor times the
+// median channel's, at most 1% of the channels (the largest).
+constexpr double kOutlierFactor = 6.0;
+std::vector<bool> outlier_channels(const std::vector<double>& ref2) {
+  std::vector<double> sorted = ref2;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  std::vector<size_t> order(ref2.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ref2[a] > ref2[b]; });
+  std::vector<bool> out(ref2.size(), false);
+  const size_t cap = std::max<size_t>(1, ref2.size() / 100);
+  for (size_t i = 0; i < cap && i < order.size(); ++i)
+    if (ref2[order[i]] > kOutlierFactor * kOutlierFactor * median) out[order[i]] = true;
   return out;
 }
 
-LayerRun build_layer(const Prepared& p, int64_t layer, bool need_calib) {
-  const EvalSetup& s = p.setup;
-  const MoeConfig& cfg = s.config;
-  const int64_t R = s.ranks, T = s.tokens, H = cfg.hidden, el = cfg.num_experts / R;
-  LayerRun run;
-  run.layer = layer;
-  p.say("layer " + std::to_string(layer) + ": " + (p.checkpoint_dir.empty() ? "generating" : "loading") +
-        " weights of " + plural(R, "rank") + ", " + plural(p.num_tokens(), "token") + " of activations");
-  std::vector<LayerWeights> w;
-  for (int64_t r = 0; r < R; ++r)
-    w.push_back(p.checkpoint_dir.empty()
-                    ? synthetic_weights(cfg, WeightFormat::kE4m3, layer_seed(s.seed, layer, 0), r * el, el)
-                    : load_deepseek_layer(p.checkpoint_dir, layer, cfg, r * el, el));
-  run.acts = layer_activations(p, layer);
-  // The shared expert runs unfused, as the model does, so dispatch quantization is allowed.
-  EngineOptions eo;
-  eo.fuse_shared = false;
-  eo.num_threads = p.num_threads;
-  run.fq = std::make_unique<FakeQuantMoe>(make_expert_backend(s.backend_kind, cfg, R, T, w, eo), layer);
-  const auto make_batch = [&](int64_t b) {
-    Batch batch;
-    for (int64_t r = 0; r < R; ++r) {
-      const bf16* x = run.acts.data() + (b * R + r) * T * H;
-      batch.x.push_back(x);
-      batch.routing.push_back(route(cfg, x, T, w[0].gate, w[0].gate_bias, {}, p.num_threads));
-      batch.y.emplace_back(size_t(T * H));
+// Bytes per row of `cols` elements on the wire in a format, scales included; bf16 when nullopt.
+double wire_bytes(std::optional<Format> f, int64_t cols) {
+  const double c = double(cols);
+  if (!f) return 2 * c;
+  switch (*f) {
+    case Format::kFp8:
+    case Format::kInt8: return c;              // + one per-tensor scale, amortised
+    case Format::kNvfp4: return c / 2 + c / 16;  // e2m1 + an e4m3 scale per 16
+    case Format::kMxfp8: return c + c / 32;      // e4m3 + a ue8m0 scale per 32
+    case Format::kMxfp4: return c / 2 + c / 32;  // e2m1 + a ue8m0 scale per 32
+  }
+  return 2 * c;
+}
+
+std::string pct(double f) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3g%%", 100.0 * f);
+  return buf;
+}
+
+// Progress lines with the elapsed time and an estimate of what is left.
+class Progress {
+ public:
+  Progress(const Prepared& p, int64_t total) : p_(p), total_(total), t0_(Clock::now()) {}
+  void step(const std::string& what) {
+    const double el = seconds_since(t0_);
+    std::string line = "[" + std::to_string(++done_) + "/" + std::to_string(total_) + "] " + what;
+    char buf[64];
+    if (done_ > 1 && el > 0) {
+      std::snprintf(buf, sizeof buf, " (%.1f s, eta %.0f s)", el, el / double(done_ - 1) * double(total_ - done_ + 1));
+      line += buf;
     }
-    return batch;
-  };
-  if (need_calib)
-    for (int64_t b = 0; b < s.calib_batches; ++b) run.calib.push_back(make_batch(b));
-  for (int64_t b = 0; b < s.eval_batches; ++b) run.eval.push_back(make_batch(s.calib_batches + b));
-  return run;
+    p_.say(line);
+  }
+
+ private:
+  const Prepared& p_;
+  int64_t total_, done_ = 0;
+  Clock::time_point t0_;
+};
+
+std::string calib_source(const EvalSetup& s) {
+  return "max calibration on " + plural(s.calib_batches, "batch") + " x " + plural(s.ranks, "rank") + " x " +
+         plural(s.tokens, "token");
 }
 
 // Max calibration with both quantizers enabled (fp8, calibrated amax): no QDQ meanwhile, so the
 // collected maxima hold for every recipe.
-LayerCalibration calibrate_layer(LayerRun& run, const EvalSetup& s) {
-  FakeQuantMoe& fq = *run.fq;
+LayerCalibration calibrate_layer(LayerRunner& runner, int64_t layer) {
   QuantizerConfig on;
   on.enable = true;
   on.configured = true;  // QuantSpec{}: fp8, calibrated amax
-  fq.configure({{FakeQuantMoe::dispatch_name(run.layer), on}, {FakeQuantMoe::combine_name(run.layer), on}});
-  fq.start_calibration();
-  for (Batch& b : run.calib) fq.forward(b.views());
-  LayerCalibration c;
-  c.layer = run.layer;
-  for (int64_t r = 0; r < s.ranks; ++r) {
-    c.dispatch_rank_amax.push_back(fq.dispatch_quantizer(r).collected_max());
-    c.combine_rank_amax.push_back(fq.combine_quantizer(r).collected_max());
-  }
-  fq.finish_calibration();  // MAX over the ranks; errors name the quantizer when nothing was seen
-  c.dispatch_amax = *fq.dispatch_quantizer(0).amax();
-  c.combine_amax = *fq.combine_quantizer(0).amax();
+  runner.configure({{FakeQuantMoe::dispatch_name(layer), on}, {FakeQuantMoe::combine_name(layer), on}});
+  LayerCalibration c = runner.calibrate();
+  c.layer = layer;
   return c;
-}
-
-// out[((b * R + r) * T + t) * H + h] = bf16(routed + shared), as the model adds them.
-void layer_output(const Batch& b, int64_t T, int64_t H, float* out) {
-  for (size_t r = 0; r < b.y.size(); ++r) {
-    float* o = out + r * size_t(T * H);
-    const auto& y = b.y[r];
-    if (b.shared.empty() || b.shared[r].empty()) {
-      for (size_t i = 0; i < y.size(); ++i) o[i] = to_f32(y[i]);
-    } else {
-      const auto& sh = b.shared[r];
-      for (size_t i = 0; i < y.size(); ++i) o[i] = bf16_to_f32(bf16_round(add_rn(to_f32(y[i]), to_f32(sh[i]))));
-    }
-  }
-}
-
-std::vector<float> run_eval_batches(LayerRun& run, const EvalSetup& s) {
-  const int64_t T = s.tokens, H = s.config.hidden, per_batch = s.ranks * T * H;
-  std::vector<float> out(size_t(per_batch) * run.eval.size());
-  for (size_t i = 0; i < run.eval.size(); ++i) {
-    run.fq->forward(run.eval[i].views());
-    layer_output(run.eval[i], T, H, out.data() + i * size_t(per_batch));
-  }
-  return out;
 }
 
 bool less_rel_l2(double a, double b) {
@@ -336,20 +323,35 @@ bool less_rel_l2(double a, double b) {
   return a < b;
 }
 
-std::string calib_source(const EvalSetup& s) {
-  return "max calibration on " + plural(s.calib_batches, "batch") + " x " + plural(s.ranks, "rank") + " x " +
-         plural(s.tokens, "token");
-}
-
-CalibrationState calibrate_all(const Prepared& p) {
-  CalibrationState state;
-  state.source = calib_source(p.setup);
-  for (int64_t layer : p.setup.layers) {
-    LayerRun run = build_layer(p, layer, true);
-    p.say("layer " + std::to_string(layer) + ": calibrating on " + plural(p.setup.calib_batches, "batch"));
-    state.layers.push_back(calibrate_layer(run, p.setup));
+void summarise(EvalResult& result) {
+  const EvalSetup& s = result.setup;
+  for (const std::string& name : s.recipe_names) {
+    RecipeSummary sum;
+    sum.recipe = name;
+    int64_t n = 0;
+    bool within = true;
+    for (const EvalRow& r : result.rows) {
+      if (r.recipe != name) continue;
+      sum.mean_rel_l2 += r.metrics.rel_l2;
+      sum.max_rel_l2 = n == 0 ? r.metrics.rel_l2 : std::max(sum.max_rel_l2, r.metrics.rel_l2);
+      sum.min_cosine = n == 0 ? r.metrics.cosine : std::min(sum.min_cosine, r.metrics.cosine);
+      sum.wire_bytes_per_token = r.dispatch_wire_bytes_per_token + r.combine_wire_bytes_per_token;
+      within = within && !r.over_budget;
+      ++n;
+    }
+    sum.mean_rel_l2 /= double(std::max<int64_t>(n, 1));
+    result.summary.push_back(sum);
+    if (!s.max_rel_l2 || !within) continue;
+    const auto best = std::find_if(result.summary.begin(), result.summary.end(), [&](const RecipeSummary& x) {
+      return result.cheapest_within_budget && x.recipe == *result.cheapest_within_budget;
+    });
+    if (!result.cheapest_within_budget || sum.wire_bytes_per_token < best->wire_bytes_per_token ||
+        (sum.wire_bytes_per_token == best->wire_bytes_per_token && sum.mean_rel_l2 < best->mean_rel_l2))
+      result.cheapest_within_budget = name;
   }
-  return state;
+  std::stable_sort(result.summary.begin(), result.summary.end(), [](const RecipeSummary& a, const RecipeSummary& b) {
+    return less_rel_l2(a.mean_rel_l2, b.mean_rel_l2);
+  });
 }
 
 }  // namespace
@@ -381,8 +383,7 @@ std::vector<int64_t> parse_layers(const std::string& text) {
   const auto number = [&](const std::string& part) -> int64_t {
     MOEFQ_CHECK(!part.empty() && part.size() <= 9 &&
                     std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; }),
-                "--layers '", text, "': '", part,
-                "' is not a layer index (expected e.g. 4, 3-10 or 3,5,7; indices >= 0)");
+                "--layers '", text, "': '", part, "' is not a layer index (expected e.g. 4, 3-10 or 3,5,7; indices >= 0)");
     return std::stoll(part);
   };
   std::set<int64_t> layers;
@@ -404,209 +405,170 @@ std::vector<int64_t> parse_layers(const std::string& text) {
   return {layers.begin(), layers.end()};
 }
 
+MemoryPlan plan_eval_memory(const EvalOptions& options) {
+  Prepared p;
+  prepare(options, false, p);
+  p.runner.eval_batches = options.eval_batches;
+  return plan_run_memory(p.runner, p.device);
+}
+
 CalibrationState run_calibration(const EvalOptions& options, EvalSetup* setup) {
-  const Prepared p = prepare(options, false);
-  CalibrationState state = calibrate_all(p);
+  Prepared p;
+  prepare(options, false, p);
+  const MemoryPlan plan = check_memory(p);
+  p.runner.prefetch = plan.streaming;
+  const std::unique_ptr<LayerRunner> runner = make_layer_runner(p.device, p.runner);
+  CalibrationState state;
+  state.source = calib_source(p.setup);
+  Progress progress(p, int64_t(p.setup.layers.size()) * 2);
+  for (size_t li = 0; li < p.setup.layers.size(); ++li) {
+    const int64_t layer = p.setup.layers[li];
+    progress.step("layer " + std::to_string(layer) + ": " + (p.runner.checkpoint_dir.empty() ? "generating" : "loading") +
+                  " weights and " + plural(p.runner.num_tokens(), "token") + " of activations");
+    runner->load(layer, true);
+    if (li + 1 < p.setup.layers.size()) runner->prefetch(p.setup.layers[li + 1]);
+    progress.step("layer " + std::to_string(layer) + ": calibrating on " + plural(p.setup.calib_batches, "batch"));
+    state.layers.push_back(calibrate_layer(*runner, layer));
+  }
   if (setup) *setup = p.setup;
   return state;
 }
 
 EvalResult run_eval(const EvalOptions& options) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const Prepared p = prepare(options, true);
+  const auto t0 = Clock::now();
+  Prepared p;
+  prepare(options, true, p);
   const EvalSetup& s = p.setup;
   EvalResult result;
   result.setup = s;
+  result.memory = check_memory(p);
+  p.runner.prefetch = result.memory.streaming;
   const bool loaded = !options.load_calibration.empty();
   if (loaded) {
-    result.calibration = load_eval_calibration(options.load_calibration, s.config, s.layers);
-    result.calibration.source = "loaded from " + options.load_calibration;
+    result.calibration = load_eval_calibration(options.load_calibration, s, &result.warnings);
   } else {
     result.calibration.source = calib_source(s);
   }
+  const std::unique_ptr<LayerRunner> runner = make_layer_runner(p.device, p.runner);
   const size_t num_recipes = p.recipes.size();
-  size_t step = 0;
-  for (int64_t layer : s.layers) {
-    LayerRun run = build_layer(p, layer, !loaded);
-    FakeQuantMoe& fq = *run.fq;
+  const int64_t H = s.config.hidden, R = s.ranks;
+  Progress progress(p, int64_t(s.layers.size()) * int64_t(num_recipes + (loaded ? 2 : 3)));
+  for (size_t li = 0; li < s.layers.size(); ++li) {
+    const int64_t layer = s.layers[li];
+    const std::string L = "layer " + std::to_string(layer);
+    StageTimes times;
+    times.layer = layer;
+    auto t = Clock::now();
+    progress.step(L + ": " + (p.runner.checkpoint_dir.empty() ? "generating" : "loading") + " weights and " +
+                  plural(p.runner.num_tokens(), "token") + " of activations");
+    runner->load(layer, !loaded);
+    if (li + 1 < s.layers.size()) runner->prefetch(s.layers[li + 1]);
     // Configuration errors of any recipe (a dynamic combine amax, ...) before the first forward.
-    for (const auto& cfgs : p.recipe_configs) fq.configure(cfgs);
+    for (const auto& cfgs : p.recipe_configs) runner->configure(cfgs);
+    times.load = seconds_since(t);
     if (!loaded) {
-      p.say("layer " + std::to_string(layer) + ": calibrating on " + plural(s.calib_batches, "batch") +
-            " (once for all recipes)");
-      result.calibration.layers.push_back(calibrate_layer(run, s));
+      t = Clock::now();
+      progress.step(L + ": calibrating on " + plural(s.calib_batches, "batch") + " (once for all recipes)");
+      result.calibration.layers.push_back(calibrate_layer(*runner, layer));
+      times.calibrate = seconds_since(t);
     }
     const LayerCalibration& cal = *result.calibration.find(layer);
 
-    // The shared expert on the unquantized x, and the unquantized reference, once per batch.
-    const int64_t T = s.tokens, H = s.config.hidden;
-    if (s.config.num_shared > 0)
-      for (Batch& b : run.eval)
-        for (int64_t r = 0; r < s.ranks; ++r) {
-          b.shared.emplace_back(size_t(T * H));
-          fq.backend().shared_expert(r, b.x[size_t(r)], T, b.shared.back().data());
-        }
-    p.say("layer " + std::to_string(layer) + ": unquantized reference on " + plural(s.eval_batches, "batch"));
-    fq.configure({});
-    const std::vector<float> reference = run_eval_batches(run, s);
+    t = Clock::now();
+    progress.step(L + ": unquantized reference on " + plural(s.eval_batches, "batch"));
+    runner->configure({});
+    const std::vector<double> ref_ch = runner->reference();
+    const std::vector<bool> outliers = outlier_channels(ref_ch);
+    times.reference = seconds_since(t);
 
     std::vector<EvalRow> rows;
     for (size_t i = 0; i < num_recipes; ++i) {
       const std::string& name = p.recipes[i].name;
-      p.say("[" + std::to_string(++step) + "/" + std::to_string(num_recipes * s.layers.size()) + "] layer " +
-            std::to_string(layer) + " " + name);
-      fq.configure(p.recipe_configs[i]);
-      fq.set_calibrated_amax(cal.dispatch_amax, cal.combine_amax);
-      const std::vector<float> y = run_eval_batches(run, s);
+      progress.step(L + " " + name);
+      t = Clock::now();
+      runner->configure(p.recipe_configs[i]);
+      runner->set_calibrated_amax(cal.dispatch_amax, cal.combine_amax);
+      const RecipeStats st = runner->evaluate();
+      times.recipes += seconds_since(t);
+      t = Clock::now();
       EvalRow row;
       row.layer = layer;
       row.recipe = name;
-      const Quantizer& d = fq.dispatch_quantizer(0);
-      const Quantizer& c = fq.combine_quantizer(0);
+      const Quantizer& d = runner->quantizers().dispatch(0);
+      const Quantizer& c = runner->quantizers().combine(0);
+      const auto clipped = [&](int which) {
+        uint64_t clip = 0, total = 0;
+        for (int64_t r = 0; r < int64_t(st.clips.size()) / 2; ++r) {
+          clip += st.clips[size_t(which * R + r)].clipped;
+          total += st.clips[size_t(which * R + r)].total;
+        }
+        return total ? double(clip) / double(total) : 0.0;
+      };
       if (d.enabled()) {
         row.dispatch_format = format_name(d.spec().format);
         row.dispatch_amax = d.amax();
+        if (row.dispatch_amax) row.dispatch_clipped_fraction = clipped(0);
       }
       if (c.enabled()) {
         row.combine_format = format_name(c.spec().format);
         row.combine_amax = c.amax();
-        for (int64_t r = 0; r < s.ranks; ++r)
-          MOEFQ_ASSERT(fq.layout_checked(r), "layer ", layer, ": the combine quantizer of rank ", r,
-                       " ran without a layout check");
+        if (row.combine_amax) row.combine_clipped_fraction = clipped(1);
+        for (int64_t r = 0; r < R; ++r)
+          MOEFQ_ASSERT(runner->layout_checked(r), L, ": the combine quantizer of rank ", r, " ran without a layout check");
       }
       row.layout_check = c.enabled() ? "pass" : "n/a";
-      row.metrics = compute_metrics(y.data(), reference.data(), int64_t(y.size()));
+      MetricSums all;
+      for (const MetricSums& tk : st.tokens) all.merge(tk);
+      row.metrics = finalize_metrics(all);
+      const TokenShape shape = token_shape(st.tokens);
+      row.rel_l2_token_p50 = shape.p50;
+      row.rel_l2_token_p99 = shape.p99;
+      row.rel_l2_token_max = shape.max;
+      // The error outside the outlier channels, from the per-channel sums.
+      double err2 = 0, ref2 = 0;
+      for (int64_t h = 0; h < H; ++h)
+        if (!outliers[size_t(h)]) {
+          err2 += st.channel_err2[size_t(h)];
+          ref2 += ref_ch[size_t(h)];
+        }
+      row.rel_l2_non_outlier = std::isnan(row.metrics.rel_l2) ? row.metrics.rel_l2
+                               : ref2 > 0                    ? std::sqrt(err2 / ref2)
+                                                             : 0.0;
+      const std::optional<Format> df = d.enabled() ? std::optional<Format>(d.spec().format) : std::nullopt;
+      const std::optional<Format> cf = c.enabled() ? std::optional<Format>(c.spec().format) : std::nullopt;
+      row.dispatch_wire_bytes_per_token = wire_bytes(df, H);
+      row.combine_wire_bytes_per_token = wire_bytes(cf, H);
+      row.wire_saving = 1.0 - (row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token) / (4.0 * double(H));
+      row.over_budget = s.max_rel_l2 && !(row.metrics.rel_l2 <= *s.max_rel_l2);
       rows.push_back(std::move(row));
+      times.metrics += seconds_since(t) + st.metrics_seconds;
+      times.recipes -= st.metrics_seconds;
     }
-    std::stable_sort(rows.begin(), rows.end(),
-                     [](const EvalRow& a, const EvalRow& b) { return less_rel_l2(a.metrics.rel_l2, b.metrics.rel_l2); });
+    // One warning per layer and quantizer that clipped: the largest fraction and its recipes.
+    for (int which = 0; which < 2; ++which) {
+      double worst = 0;
+      std::string names;
+      for (const EvalRow& r : rows) {
+        const auto& f = which == 0 ? r.dispatch_clipped_fraction : r.combine_clipped_fraction;
+        if (!f || *f <= 0) continue;
+        worst = std::max(worst, *f);
+        names += (names.empty() ? "" : ", ") + r.recipe;
+      }
+      if (worst > 0)
+        result.warnings.push_back(L + ": up to " + pct(worst) + " of the " + (which == 0 ? "dispatch" : "combine") +
+                                  " elements lie beyond the calibrated amax and saturate (" + names +
+                                  "); calibrate on more or more representative data");
+    }
+    std::stable_sort(rows.begin(), rows.end(), [](const EvalRow& a, const EvalRow& b) {
+      return less_rel_l2(a.metrics.rel_l2, b.metrics.rel_l2);
+    });
     result.rows.insert(result.rows.end(), rows.begin(), rows.end());
+    times.total = times.load + times.calibrate + times.reference + times.recipes + times.metrics;
+    result.stage_times.push_back(times);
   }
-
-  for (const std::string& name : s.recipe_names) {
-    RecipeSummary sum;
-    sum.recipe = name;
-    int64_t n = 0;
-    for (const EvalRow& r : result.rows) {
-      if (r.recipe != name) continue;
-      sum.mean_rel_l2 += r.metrics.rel_l2;
-      sum.max_rel_l2 = n == 0 ? r.metrics.rel_l2 : std::max(sum.max_rel_l2, r.metrics.rel_l2);
-      sum.min_cosine = n == 0 ? r.metrics.cosine : std::min(sum.min_cosine, r.metrics.cosine);
-      ++n;
-    }
-    sum.mean_rel_l2 /= double(std::max<int64_t>(n, 1));
-    result.summary.push_back(sum);
-  }
-  std::stable_sort(result.summary.begin(), result.summary.end(), [](const RecipeSummary& a, const RecipeSummary& b) {
-    return less_rel_l2(a.mean_rel_l2, b.mean_rel_l2);
-  });
-  result.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  summarise(result);
+  result.wall_seconds = seconds_since(t0);
   return result;
-}
-
-// ---- The calibration file.
-
-void save_eval_calibration(const std::string& path, const CalibrationState& state, const EvalSetup& s) {
-  json layers = json::object();
-  for (const LayerCalibration& l : state.layers) {
-    const auto side = [](float amax, const std::vector<float>& ranks) {
-      json j = {{"amax", amax}, {"amax_bits", hex32(amax)}, {"rank_amax", json::array()}};
-      for (float v : ranks) j["rank_amax"].push_back(v);
-      return j;
-    };
-    layers[std::to_string(l.layer)] = {{"dispatch", side(l.dispatch_amax, l.dispatch_rank_amax)},
-                                       {"combine", side(l.combine_amax, l.combine_rank_amax)}};
-  }
-  const json j = {
-      {"version", kCalibrationFileVersion},
-      {"kind", kCalibrationFileKind},
-      {"moefq_version", s.version},
-      {"algorithm", "max"},
-      {"source", state.source},
-      {"model", {{"name", s.config.name}, {"hidden", s.config.hidden}, {"num_experts", s.config.num_experts},
-                 {"top_k", s.config.top_k}}},
-      {"setup", {{"model", s.model_source}, {"weights", s.weights_source}, {"activations", s.activations_source},
-                 {"ranks", s.ranks}, {"tokens_per_rank", s.tokens}, {"calib_batches", s.calib_batches},
-                 {"seed", s.seed}}},
-      {"layers", layers}};
-  write_file_atomic(path, j.dump(2) + "\n");
-}
-
-CalibrationState load_eval_calibration(const std::string& path, const MoeConfig& config,
-                                       const std::vector<int64_t>& layers) {
-  std::ifstream in(path, std::ios::binary);
-  MOEFQ_CHECK(in.is_open(), "--load-calibration ", path, ": cannot open the file: ", std::strerror(errno));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  json root;
-  try {
-    root = json::parse(buf.str());
-  } catch (const json::exception& e) {
-    MOEFQ_FAIL(ErrorKind::kBadInput, "--load-calibration ", path, ": malformed JSON (", e.what(), ")");
-  }
-  const std::string where = "--load-calibration " + path;
-  MOEFQ_CHECK(root.is_object() && root.value("kind", json()) == kCalibrationFileKind, where,
-              ": not a calibration file of 'moefq calibrate --save' (no \"kind\": \"", kCalibrationFileKind, "\")");
-  MOEFQ_CHECK(root.value("version", json()) == kCalibrationFileVersion, where, ": version ",
-              root.value("version", json()).dump(), " is not supported (expected ", kCalibrationFileVersion, ")");
-  const json model = root.value("model", json());
-  MOEFQ_CHECK(model.is_object(), where, ": 'model' must be an object");
-  for (const auto& [key, want] : {std::pair<const char*, int64_t>{"hidden", config.hidden},
-                                  {"num_experts", config.num_experts},
-                                  {"top_k", config.top_k}}) {
-    const json v = model.value(key, json());
-    MOEFQ_CHECK(v.is_number_integer(), where, ": model.", key, " must be an integer");
-    MOEFQ_CHECK(v.get<int64_t>() == want, where, ": the file was made for a model with ", key, " ",
-                v.get<int64_t>(), ", but this run's model (", config.name, ") has ", want);
-  }
-  const json ls = root.value("layers", json());
-  MOEFQ_CHECK(ls.is_object(), where, ": 'layers' must be an object mapping layer indices to amax entries");
-  CalibrationState state;
-  for (int64_t l : layers) {
-    const std::string key = std::to_string(l);
-    MOEFQ_CHECK(ls.contains(key), where, ": no calibration for layer ", l, "; calibrate that layer (moefq "
-                "calibrate --layers ...) and save again");
-    const json& e = ls[key];
-    MOEFQ_CHECK(e.is_object(), where, ": layers.", key, " must be an object");
-    LayerCalibration c;
-    c.layer = l;
-    for (const char* side : {"dispatch", "combine"}) {
-      const std::string at = std::string("layers.") + key + "." + side;
-      const json q = e.value(side, json());
-      MOEFQ_CHECK(q.is_object(), where, ": ", at, " must be an object with amax, amax_bits, rank_amax");
-      float amax;
-      const json bits = q.value("amax_bits", json());
-      if (bits.is_string()) {
-        const std::string b = bits.get<std::string>();
-        char* end = nullptr;
-        const unsigned long u = std::strtoul(b.c_str(), &end, 16);
-        MOEFQ_CHECK(b.size() == 10 && b.rfind("0x", 0) == 0 && end && *end == '\0', where, ": ", at,
-                    ".amax_bits '", b, "' is not 0x followed by 8 hex digits");
-        const uint32_t u32 = uint32_t(u);
-        std::memcpy(&amax, &u32, 4);
-        const json a = q.value("amax", json());
-        MOEFQ_CHECK(!a.is_number() || float(a.get<double>()) == amax, where, ": ", at, ".amax ", a.dump(),
-                    " disagrees with amax_bits ", b);
-      } else {
-        const json a = q.value("amax", json());
-        MOEFQ_CHECK(a.is_number(), where, ": ", at, ".amax must be a number");
-        amax = float(a.get<double>());
-      }
-      MOEFQ_CHECK(std::isfinite(amax) && amax >= 0, where, ": ", at, ".amax must be finite and >= 0, got ", amax);
-      std::vector<float> ranks;
-      const json ra = q.value("rank_amax", json::array());
-      MOEFQ_CHECK(ra.is_array(), where, ": ", at, ".rank_amax must be an array of numbers");
-      for (const json& v : ra) {
-        MOEFQ_CHECK(v.is_number(), where, ": ", at, ".rank_amax must be an array of numbers");
-        ranks.push_back(float(v.get<double>()));
-      }
-      (std::string(side) == "dispatch" ? c.dispatch_amax : c.combine_amax) = amax;
-      (std::string(side) == "dispatch" ? c.dispatch_rank_amax : c.combine_rank_amax) = std::move(ranks);
-    }
-    state.layers.push_back(std::move(c));
-  }
-  state.source = "loaded from " + path;
-  return state;
 }
 
 }  // namespace moefq

@@ -18,8 +18,8 @@ namespace {
 // its layout reports.
 class MegaMoeBackend final : public ExpertBackend {
  public:
-  MegaMoeBackend(const MoeConfig& cfg, int64_t R, int64_t T, const std::vector<LayerWeights>& w, EngineOptions o)
-      : engine_(cfg, R, T, w, o) {}
+  MegaMoeBackend(const MoeConfig& cfg, int64_t R, int64_t T, std::vector<LayerWeights> w, EngineOptions o)
+      : engine_(cfg, R, T, std::move(w), o) {}
   std::string kind() const override { return "mega_moe"; }
   const MoeConfig& config() const override { return engine_.config(); }
   int64_t num_ranks() const override { return engine_.num_ranks(); }
@@ -41,8 +41,14 @@ class MegaMoeBackend final : public ExpertBackend {
 // its own [K + fused][T][H] arrays (offset 0), where the finalize step reads them.
 class RoutedExpertsBackend final : public ExpertBackend {
  public:
-  RoutedExpertsBackend(const MoeConfig& cfg, int64_t R, int64_t T, const std::vector<LayerWeights>& w, EngineOptions o)
-      : cfg_(cfg), R_(R), T_(T), fused_(o.fuse_shared && cfg.num_shared > 0), threads_(resolve_threads(o.num_threads)) {
+  RoutedExpertsBackend(const MoeConfig& cfg, int64_t R, int64_t T, std::vector<LayerWeights> weights, EngineOptions o)
+      : cfg_(cfg),
+        R_(R),
+        T_(T),
+        fused_(o.fuse_shared && cfg.num_shared > 0),
+        threads_(resolve_threads(o.num_threads)),
+        weights_(std::move(weights)) {
+    const std::vector<LayerWeights>& w = weights_;  // the views below point into these
     cfg.validate();
     MOEFQ_CHECK(R >= 1 && cfg.num_experts % R == 0 && int64_t(w.size()) == R, "routed_experts: ", w.size(),
                 " ranks of weights for ", R, " ranks of ", cfg.num_experts, " experts");
@@ -132,6 +138,7 @@ class RoutedExpertsBackend final : public ExpertBackend {
   int64_t R_, T_;
   bool fused_;
   int threads_;
+  std::vector<LayerWeights> weights_;    // [R], what experts_ and shared_ read
   std::vector<PreparedExpert> experts_;  // [E], global ids
   std::vector<PreparedExpert> shared_;   // [R] or empty
   std::vector<std::vector<uint8_t>> rows_;
@@ -143,12 +150,12 @@ struct Registry {
   std::mutex mu;
   std::map<std::string, ExpertBackendFactory> kinds;
   Registry() {
-    kinds["mega_moe"] = [](const MoeConfig& c, int64_t R, int64_t T, const std::vector<LayerWeights>& w, EngineOptions o) {
-      return std::unique_ptr<ExpertBackend>(new MegaMoeBackend(c, R, T, w, o));
+    kinds["mega_moe"] = [](const MoeConfig& c, int64_t R, int64_t T, std::vector<LayerWeights> w, EngineOptions o) {
+      return std::unique_ptr<ExpertBackend>(new MegaMoeBackend(c, R, T, std::move(w), o));
     };
-    kinds["routed_experts"] = [](const MoeConfig& c, int64_t R, int64_t T, const std::vector<LayerWeights>& w,
+    kinds["routed_experts"] = [](const MoeConfig& c, int64_t R, int64_t T, std::vector<LayerWeights> w,
                                  EngineOptions o) {
-      return std::unique_ptr<ExpertBackend>(new RoutedExpertsBackend(c, R, T, w, o));
+      return std::unique_ptr<ExpertBackend>(new RoutedExpertsBackend(c, R, T, std::move(w), o));
     };
   }
 };
@@ -172,7 +179,7 @@ std::vector<std::string> expert_backend_kinds() {
 }
 
 std::unique_ptr<ExpertBackend> make_expert_backend(const std::string& kind, const MoeConfig& cfg, int64_t R, int64_t T,
-                                                   const std::vector<LayerWeights>& w, EngineOptions o) {
+                                                   std::vector<LayerWeights> w, EngineOptions o) {
   ExpertBackendFactory f;
   {
     std::lock_guard<std::mutex> lock(registry().mu);
@@ -184,7 +191,7 @@ std::unique_ptr<ExpertBackend> make_expert_backend(const std::string& kind, cons
     for (const auto& k : expert_backend_kinds()) names += (names.empty() ? "" : ", ") + k;
     MOEFQ_FAIL(ErrorKind::kBadInput, "unknown expert back-end '", kind, "' (registered: ", names, ")");
   }
-  return f(cfg, R, T, w, o);
+  return f(cfg, R, T, std::move(w), o);
 }
 
 }  // namespace moefq

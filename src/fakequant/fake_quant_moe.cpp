@@ -1,9 +1,13 @@
+// FakeQuantMoe: the shared fake-quantization driver over host-loop primitives on an expert
+// back-end's host tensors.
 #include "moefq/fake_quant_moe.h"
 
-#include <cstring>
+#include <algorithm>
 
 #include "engine/expert_cpu.h"
+#include "fakequant/fake_quant_driver.h"
 #include "moefq/errors.h"
+#include "moefq/qdq.h"
 
 namespace moefq {
 namespace {
@@ -14,111 +18,178 @@ bool has_active_slot(const RankBatch& b, int64_t t, int64_t K) {
   return false;
 }
 
-}  // namespace
-
-FakeQuantMoe::FakeQuantMoe(std::unique_ptr<ExpertBackend> backend, int64_t layer)
-    : backend_(std::move(backend)), q_(layer, backend_->num_ranks()) {
-  checked_.assign(size_t(backend_->num_ranks()), false);
-}
-
-void FakeQuantMoe::configure(const std::map<std::string, QuantizerConfig>& configs) {
-  q_.configure(configs, backend_->fused_shared(), backend_->combine_offset().has_value(), backend_->kind());
-}
-
-const bf16* FakeQuantMoe::combine_row(int64_t rank, int64_t slot, int64_t token) const {
-  const int64_t T = backend_->max_tokens(), H = backend_->config().hidden;
-  const size_t offset = *backend_->combine_offset() + size_t((slot * T + token) * H) * 2;
-  const auto bytes = backend_->combine_bytes(rank);
-  if (offset + size_t(H) * 2 > bytes.size())
-    MOEFQ_FAIL(ErrorKind::kFailedCheck, q_.combine(0).name(), ": combine row (slot ", slot, ", token ", token,
-               ") at byte ", offset, " lies outside the ", bytes.size(), "-byte buffer of rank ", rank,
-               "; the back-end's layout does not match engine.md's [K + shared][T][H]");
-  return reinterpret_cast<const bf16*>(bytes.data() + offset);
-}
-
-// The unquantized re-sum of the rows must reproduce the engine's output bit for bit.
-void FakeQuantMoe::check_layout(int64_t rank, const RankBatch& b) const {
-  const int64_t K = backend_->config().top_k, H = backend_->config().hidden;
-  const bool fused = backend_->fused_shared();
-  std::vector<bf16> resum(static_cast<size_t>(H));
-  for (int64_t t = 0; t < b.num_tokens; ++t) {
-    const bf16* rows[kMaxCombineRows];
-    int n = 0;
-    for (int64_t k = 0; k < K + (fused ? 1 : 0); ++k)
-      if (k == K || b.topk_idx[t * K + k] >= 0) rows[n++] = combine_row(rank, k, t);
-    combine_rows(rows, n, H, resum.data());
-    for (int64_t h = 0; h < H; ++h) {
-      const uint16_t mine = resum[size_t(h)].bits, engine = b.y[t * H + h].bits;
-      if (mine != engine) q_.fail_layout_check(rank, t, h, engine, mine, *backend_->combine_offset());
-    }
+void fold(AmaxStats& s, const bf16* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_f32(x[i]);
+    s.max = max_ignore_nan(s.max, abs_f32(v));
+    s.nonfinite += is_finite(v) ? 0u : 1u;
   }
+  s.seen = 1;
 }
 
-void FakeQuantMoe::forward(std::span<const RankBatch> batches) {
-  const int64_t R = backend_->num_ranks(), K = backend_->config().top_k, H = backend_->config().hidden;
-  MOEFQ_CHECK(int64_t(batches.size()) == R, "forward: ", batches.size(), " batches for ", R, " ranks");
-  // Dispatch: QDQ of the tokens out of place (the caller's x is not modified); calibration sees
-  // only tokens with at least one active routed slot.
-  std::vector<std::vector<bf16>> xq(static_cast<size_t>(R));
-  std::vector<RankBatch> run(batches.begin(), batches.end());
-  for (int64_t r = 0; r < R; ++r) {
-    Quantizer& q = q_.dispatch(r);
-    const RankBatch& b = batches[size_t(r)];
-    if (!q.enabled() || b.num_tokens == 0) continue;
-    if (q.calibrating()) {
-      for (int64_t t = 0; t < b.num_tokens; ++t)
-        if (has_active_slot(b, t, K)) q.collect(b.x + t * H, H);
-      continue;
-    }
-    xq[size_t(r)].resize(size_t(b.num_tokens * H));
-    if (q.spec().amax_source == AmaxSource::kDynamic && format_has_global_amax(q.spec().format)) {
-      // A dynamic amax is over the tokens that are sent: those with an active routed slot.
-      float amax = 0.0f;
-      for (int64_t t = 0; t < b.num_tokens; ++t)
-        if (has_active_slot(b, t, K)) amax = max_ignore_nan(amax, amax_ref(b.x + t * H, H));
-      qdq_ref(q.spec().format, b.x, xq[size_t(r)].data(), b.num_tokens, H, amax);
-    } else {
-      q.qdq(b.x, xq[size_t(r)].data(), b.num_tokens, H);
-    }
-    run[size_t(r)].x = xq[size_t(r)].data();
-  }
-  backend_->forward(run);
+uint64_t count_above(const bf16* x, int64_t n, float amax) {
+  uint64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += abs_f32(to_f32(x[i])) > amax ? 1u : 0u;
+  return c;
+}
 
-  // Combine: layout check (once per buffer, first call with routed rows), then calibration or
-  // QDQ of the active routed rows and the re-sum in the engine's order.
-  const bool fused = backend_->fused_shared();
-  std::vector<bf16> qrows(static_cast<size_t>(K * H));
-  for (int64_t r = 0; r < R; ++r) {
-    Quantizer& q = q_.combine(r);
-    const RankBatch& b = batches[size_t(r)];
-    if (!q.enabled() || b.num_tokens == 0) continue;
-    bool any = false;
-    for (int64_t t = 0; t < b.num_tokens && !any; ++t) any = has_active_slot(b, t, K);
-    if (!any) continue;  // padding only: nothing to check or quantize
-    if (!checked_[size_t(r)]) {
-      check_layout(r, b);
-      checked_[size_t(r)] = true;
-    }
+class CpuFakeQuantOps final : public FakeQuantOps {
+ public:
+  explicit CpuFakeQuantOps(std::unique_ptr<ExpertBackend> backend) : backend_(std::move(backend)) {
+    const size_t R = size_t(backend_->num_ranks());
+    amax_.assign(2 * R, 0.0f);
+    calib_.assign(2 * R, AmaxStats{});
+    dynamic_.assign(R, AmaxStats{});
+    clips_.assign(2 * R, ClipCounts{});
+    xq_.resize(R);
+    mismatch_.resize(R);
+  }
+  ExpertBackend& backend() { return *backend_; }
+
+  std::string kind() const override { return backend_->kind(); }
+  const MoeConfig& config() const override { return backend_->config(); }
+  int64_t first_rank() const override { return 0; }
+  int64_t num_local_ranks() const override { return backend_->num_ranks(); }
+  int64_t max_tokens() const override { return backend_->max_tokens(); }
+  bool fused_shared() const override { return backend_->fused_shared(); }
+  std::optional<size_t> combine_offset() const override { return backend_->combine_offset(); }
+  size_t buffer_bytes() const override { return backend_->buffer_bytes(); }
+
+  void set_amax(const std::vector<float>& amax) override { amax_ = amax; }
+  void reset_calibration() override { std::fill(calib_.begin(), calib_.end(), AmaxStats{}); }
+  void token_stats(int64_t r, const RankBatch& b, TokenStats where) override {
+    AmaxStats& s = where == TokenStats::kCalibration ? calib_[size_t(r)] : dynamic_[size_t(r)];
+    const int64_t K = config().top_k, H = config().hidden;
+    for (int64_t t = 0; t < b.num_tokens; ++t)
+      if (has_active_slot(b, t, K)) fold(s, b.x + t * H, H);
+  }
+  void row_stats(int64_t r, const RankBatch& b) override {
+    AmaxStats& s = calib_[size_t(num_local_ranks() + r)];
+    const int64_t K = config().top_k, H = config().hidden;
+    for (int64_t t = 0; t < b.num_tokens; ++t)
+      for (int64_t k = 0; k < K; ++k)
+        if (b.topk_idx[t * K + k] >= 0) fold(s, row(r, k, t), H);
+  }
+  std::vector<AmaxStats> read_calibration() override { return calib_; }
+  void reset_dynamic(int64_t r) override { dynamic_[size_t(r)] = AmaxStats{}; }
+  void count_clipped(int64_t r, const RankBatch& b, int which) override {
+    const int64_t K = config().top_k, H = config().hidden, R = num_local_ranks();
+    ClipCounts& c = clips_[size_t(which * R + r)];
+    const float amax = amax_[size_t(which * R + r)];
     for (int64_t t = 0; t < b.num_tokens; ++t) {
-      if (q.calibrating()) {
-        for (int64_t k = 0; k < K; ++k)
-          if (b.topk_idx[t * K + k] >= 0) q.collect(combine_row(r, k, t), H);
+      if (which == 0) {
+        if (!has_active_slot(b, t, K)) continue;
+        c.clipped += count_above(b.x + t * H, H, amax);
+        c.total += uint64_t(H);
         continue;
+      }
+      for (int64_t k = 0; k < K; ++k)
+        if (b.topk_idx[t * K + k] >= 0) {
+          c.clipped += count_above(row(r, k, t), H, amax);
+          c.total += uint64_t(H);
+        }
+    }
+  }
+  std::vector<ClipCounts> read_clip_counts() override {
+    std::vector<ClipCounts> out = clips_;
+    std::fill(clips_.begin(), clips_.end(), ClipCounts{});
+    return out;
+  }
+
+  const bf16* dispatch_qdq(int64_t r, const RankBatch& b, Format f, bool dynamic) override {
+    const int64_t H = config().hidden;
+    std::vector<bf16>& xq = xq_[size_t(r)];
+    xq.resize(size_t(b.num_tokens * H));
+    qdq_ref(f, b.x, xq.data(), b.num_tokens, H, dynamic ? dynamic_[size_t(r)].max : amax_[size_t(r)]);
+    return xq.data();
+  }
+  void engine_forward(std::span<const RankBatch> batches, const std::vector<bool>&) override {
+    backend_->forward(batches);  // the host engines always combine: the caller overwrites y
+  }
+  bool has_routed_rows(int64_t, const RankBatch& b) override {
+    for (int64_t t = 0; t < b.num_tokens; ++t)
+      if (has_active_slot(b, t, config().top_k)) return true;
+    return false;
+  }
+  void combine(int64_t r, const RankBatch& b, std::optional<Format> format, bool check) override {
+    const int64_t K = config().top_k, H = config().hidden;
+    const bool fused = fused_shared();
+    const float amax = amax_[size_t(num_local_ranks() + r)];
+    std::vector<bf16> resum(static_cast<size_t>(H)), qrows(static_cast<size_t>(K * H));
+    for (int64_t t = 0; t < b.num_tokens; ++t) {
+      const bf16* rows[kMaxCombineRows];
+      int n = 0;
+      if (check) {
+        for (int64_t k = 0; k < K + (fused ? 1 : 0); ++k)
+          if (k == K || b.topk_idx[t * K + k] >= 0) rows[n++] = row(r, k, t);
+        combine_rows(rows, n, H, resum.data());
+        for (int64_t h = 0; h < H && !mismatch_[size_t(r)]; ++h)
+          if (resum[size_t(h)].bits != b.y[t * H + h].bits)
+            mismatch_[size_t(r)] = LayoutMismatch{t, h, b.y[t * H + h].bits, resum[size_t(h)].bits};
+        n = 0;
       }
       // QDQ each active routed row (read in place, into scratch rows), then the engine's re-sum
       // with the shared slot last and unquantized.
-      const bf16* rows[kMaxCombineRows];
-      int n = 0;
       for (int64_t k = 0; k < K; ++k) {
         if (b.topk_idx[t * K + k] < 0) continue;
+        if (!format) {
+          rows[n++] = row(r, k, t);
+          continue;
+        }
         bf16* q_row = qrows.data() + n * H;
-        q.qdq(combine_row(r, k, t), q_row, 1, H);
+        qdq_ref(*format, row(r, k, t), q_row, 1, H, amax);
         rows[n++] = q_row;
       }
-      if (fused) rows[n++] = combine_row(r, K, t);
+      if (fused) rows[n++] = row(r, K, t);
       combine_rows(rows, n, H, b.y + t * H);
     }
   }
+  std::optional<LayoutMismatch> read_check(int64_t r) override { return std::exchange(mismatch_[size_t(r)], {}); }
+  void synchronize() override {}
+
+ private:
+  const bf16* row(int64_t r, int64_t slot, int64_t token) const {
+    const int64_t T = max_tokens(), H = config().hidden;
+    const size_t offset = *backend_->combine_offset() + size_t((slot * T + token) * H) * 2;
+    return reinterpret_cast<const bf16*>(backend_->combine_bytes(r).data() + offset);
+  }
+
+  std::unique_ptr<ExpertBackend> backend_;
+  std::vector<float> amax_;         // [2][R]
+  std::vector<AmaxStats> calib_;    // [2][R]
+  std::vector<AmaxStats> dynamic_;  // [R]
+  std::vector<ClipCounts> clips_;   // [2][R]
+  std::vector<std::vector<bf16>> xq_;
+  std::vector<std::optional<LayoutMismatch>> mismatch_;
+};
+
+}  // namespace
+
+FakeQuantMoe::FakeQuantMoe(std::unique_ptr<ExpertBackend> backend, int64_t layer) {
+  auto ops = std::make_unique<CpuFakeQuantOps>(std::move(backend));
+  backend_ = &ops->backend();
+  driver_ = std::make_unique<FakeQuantDriver>(std::move(ops), layer);
 }
+FakeQuantMoe::~FakeQuantMoe() = default;
+
+std::vector<std::string> FakeQuantMoe::quantizer_names() const { return driver_->quantizers().names(); }
+void FakeQuantMoe::configure(const std::map<std::string, QuantizerConfig>& configs) { driver_->configure(configs); }
+void FakeQuantMoe::start_calibration() { driver_->start_calibration(); }
+void FakeQuantMoe::finish_calibration() { driver_->finish_calibration(); }
+const std::vector<float>& FakeQuantMoe::rank_amax(int which) const { return driver_->rank_amax(which); }
+void FakeQuantMoe::forward(std::span<const RankBatch> batches) { driver_->forward(batches); }
+const MoeQuantizers& FakeQuantMoe::quantizers() const { return driver_->quantizers(); }
+const Quantizer& FakeQuantMoe::dispatch_quantizer(int64_t rank) const { return driver_->quantizers().dispatch(rank); }
+const Quantizer& FakeQuantMoe::combine_quantizer(int64_t rank) const { return driver_->quantizers().combine(rank); }
+std::vector<const Quantizer*> FakeQuantMoe::calibration_state() const {
+  return driver_->quantizers().calibration_state();
+}
+void FakeQuantMoe::load_calibration_file(const std::string& path) { driver_->load_calibration_file(path); }
+void FakeQuantMoe::set_calibrated_amax(float dispatch_amax, float combine_amax) {
+  driver_->set_calibrated_amax(dispatch_amax, combine_amax);
+}
+bool FakeQuantMoe::layout_checked(int64_t rank) const { return driver_->layout_checked(rank); }
+void FakeQuantMoe::set_count_clipping(bool on) { driver_->set_count_clipping(on); }
+std::vector<ClipCounts> FakeQuantMoe::read_clip_counts() { return driver_->read_clip_counts(); }
 
 }  // namespace moefq

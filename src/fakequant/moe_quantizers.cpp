@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "moefq/calibration_file.h"
 #include "moefq/errors.h"
 
 namespace moefq {

@@ -25,6 +25,12 @@ json number(double v) {
   return v;
 }
 json opt_number(const std::optional<float>& v) { return v ? number(*v) : json(); }
+json opt_number(const std::optional<double>& v) { return v ? number(*v) : json(); }
+json numbers(const std::vector<float>& v) {
+  json a = json::array();
+  for (float x : v) a.push_back(number(x));
+  return a;
+}
 json opt_string(const std::optional<std::string>& v) { return v ? json(*v) : json(); }
 
 std::string fmt(double v, const char* spec = "%.4g") {
@@ -284,7 +290,68 @@ std::string rank_chart(const std::string& title, const std::vector<float>& value
   return s;
 }
 
+struct Point {
+  std::string label, colour;
+  double x, y;  // wire bytes per token, rel_l2
+};
+
+// The trade-off a user chooses on: rel_l2 (log10 y) against the wire bytes per token (linear x),
+// one labelled point per recipe; the budget as a dashed line when there is one.
+std::string tradeoff_chart(const std::string& title, const std::vector<Point>& points, std::optional<double> budget) {
+  std::vector<double> ys;
+  double xmax = 1;
+  for (const Point& p : points) {
+    ys.push_back(p.y);
+    xmax = std::max(xmax, p.x);
+  }
+  if (budget) ys.push_back(*budget);
+  const LogAxis ay(ys);
+  const double left = 70, right = 170, top = 34, width = 920, height = 400, bottom = height - 50;
+  const double plot_w = width - left - right, plot_h = bottom - top;
+  xmax *= 1.05;
+  const auto xpos = [&](double v) { return left + v / xmax * plot_w; };
+  const auto ypos = [&](double v) { return bottom - ay.frac(v) * plot_h; };
+  std::string s = "<svg class=\"chart\" role=\"img\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" + px(width) +
+                  "\" height=\"" + px(height) + "\" viewBox=\"0 0 " + px(width) + " " + px(height) + "\">\n";
+  s += "<title>" + esc(title) + "</title>\n";
+  s += "<text x=\"" + px(left) + "\" y=\"20\" class=\"ct\">" + esc(title) + "</text>\n";
+  for (double d : ay.decades()) {
+    const double y = ypos(d);
+    s += "<line x1=\"" + px(left) + "\" y1=\"" + px(y) + "\" x2=\"" + px(left + plot_w) + "\" y2=\"" + px(y) +
+         "\" class=\"grid\"/>\n";
+    s += "<text x=\"" + px(left - 6) + "\" y=\"" + px(y + 4) + "\" class=\"tick\" text-anchor=\"end\">" +
+         decade_label(d) + "</text>\n";
+  }
+  for (int g = 0; g <= 4; ++g) {
+    const double v = xmax / 1.05 * g / 4, x = xpos(v);
+    s += "<text x=\"" + px(x) + "\" y=\"" + px(bottom + 18) + "\" class=\"tick\" text-anchor=\"middle\">" +
+         fmt(v, "%.0f") + "</text>\n";
+  }
+  s += "<text x=\"" + px(left + plot_w / 2) + "\" y=\"" + px(bottom + 40) +
+       "\" class=\"tick\" text-anchor=\"middle\">wire bytes per token (dispatch + combine, per destination)</text>\n";
+  s += "<rect x=\"" + px(left) + "\" y=\"" + px(top) + "\" width=\"" + px(plot_w) + "\" height=\"" + px(plot_h) +
+       "\" class=\"frame\"/>\n";
+  if (budget && std::isfinite(*budget) && *budget > 0) {
+    const double y = ypos(*budget);
+    s += "<line x1=\"" + px(left) + "\" y1=\"" + px(y) + "\" x2=\"" + px(left + plot_w) + "\" y2=\"" + px(y) +
+         "\" class=\"maxline\"/>\n";
+    s += "<text x=\"" + px(left + plot_w + 6) + "\" y=\"" + px(y + 4) + "\" class=\"val\">budget " + fmt(*budget) +
+         "</text>\n";
+  }
+  for (const Point& p : points) {
+    if (!(std::isfinite(p.y) && p.y > 0)) continue;  // exact (0) or not finite: nothing on a log axis
+    s += "<circle class=\"point\" cx=\"" + px(xpos(p.x)) + "\" cy=\"" + px(ypos(p.y)) + "\" r=\"5\" fill=\"" +
+         p.colour + "\"><title>" + esc(p.label) + ": " + fmt(p.x, "%.0f") + " B/token, rel_l2 " + fmt(p.y) +
+         "</title></circle>\n";
+    s += "<text x=\"" + px(xpos(p.x) + 8) + "\" y=\"" + px(ypos(p.y) + 4) + "\" class=\"lbl\">" + esc(p.label) +
+         "</text>\n";
+  }
+  s += "</svg>\n";
+  return s;
+}
+
 std::string cell(const std::optional<std::string>& v) { return v ? esc(*v) : "&ndash;"; }
+std::string cell(const std::optional<double>& v) { return v ? fmt(*v, "%.3g") : "&ndash;"; }
 std::string cell(const std::optional<float>& v) { return v ? fmt(*v, "%.6g") : "&ndash;"; }
 
 const char* kStyle = R"(body{font-family:sans-serif;margin:24px;color:#222;max-width:1100px}
@@ -297,7 +364,7 @@ svg.chart{display:block;margin:8px 0;background:#fff}
 .ct{font-size:14px;font-weight:bold;fill:#222}.tick{font-size:11px;fill:#555}.lbl{font-size:12px;fill:#222}
 .val{font-size:11px;fill:#333}.grid{stroke:#e4e4e4;stroke-width:1}.axis{stroke:#888}
 .frame{fill:none;stroke:#bbb}.maxline{stroke:#222;stroke-width:1.5;stroke-dasharray:5 4}
-.pair{display:flex;flex-wrap:wrap;gap:12px}p.note{font-size:13px;color:#444})";
+.pair{display:flex;flex-wrap:wrap;gap:12px}p.note{font-size:13px;color:#444}ul.warn{font-size:13px;color:#8a4b00})";
 
 }  // namespace
 
@@ -307,6 +374,7 @@ std::string eval_report_json(const EvalResult& r) {
                  {"model_source", s.model_source},
                  {"weights", s.weights_source},
                  {"activations", s.activations_source},
+                 {"synthetic", s.synthetic},
                  {"layers", s.layers},
                  {"ranks", s.ranks},
                  {"tokens_per_rank", s.tokens},
@@ -316,14 +384,15 @@ std::string eval_report_json(const EvalResult& r) {
                  {"recipes", s.recipe_names},
                  {"backend", s.backend_kind},
                  {"shared_expert", "unfused (added to the routed output, computed on the unquantized x)"},
-                 {"calibration", r.calibration.source}};
+                 {"calibration", r.calibration.source},
+                 {"max_rel_l2", s.max_rel_l2 ? json(*s.max_rel_l2) : json()}};
   json calibration = json::array();
   for (const LayerCalibration& c : r.calibration.layers)
     calibration.push_back({{"layer", c.layer},
                            {"dispatch_amax", number(c.dispatch_amax)},
                            {"combine_amax", number(c.combine_amax)},
-                           {"dispatch_rank_amax", c.dispatch_rank_amax},
-                           {"combine_rank_amax", c.combine_rank_amax}});
+                           {"dispatch_rank_amax", numbers(c.dispatch_rank_amax)},
+                           {"combine_rank_amax", numbers(c.combine_rank_amax)}});
   json results = json::array();
   for (const EvalRow& row : r.rows) {
     const ErrorMetrics& m = row.metrics;
@@ -340,6 +409,16 @@ std::string eval_report_json(const EvalResult& r) {
                        {"snr_db", number(m.snr_db)},
                        {"count", m.count},
                        {"skipped_nonfinite", m.skipped_nonfinite},
+                       {"rel_l2_token_p50", number(row.rel_l2_token_p50)},
+                       {"rel_l2_token_p99", number(row.rel_l2_token_p99)},
+                       {"rel_l2_token_max", number(row.rel_l2_token_max)},
+                       {"rel_l2_non_outlier", number(row.rel_l2_non_outlier)},
+                       {"dispatch_clipped_fraction", opt_number(row.dispatch_clipped_fraction)},
+                       {"combine_clipped_fraction", opt_number(row.combine_clipped_fraction)},
+                       {"dispatch_wire_bytes_per_token", number(row.dispatch_wire_bytes_per_token)},
+                       {"combine_wire_bytes_per_token", number(row.combine_wire_bytes_per_token)},
+                       {"wire_saving_vs_bf16", number(row.wire_saving)},
+                       {"over_budget", s.max_rel_l2 ? json(row.over_budget) : json()},
                        {"layout_check", row.layout_check}});
   }
   json summary = json::array();
@@ -347,7 +426,13 @@ std::string eval_report_json(const EvalResult& r) {
     summary.push_back({{"recipe", x.recipe},
                        {"mean_rel_l2", number(x.mean_rel_l2)},
                        {"max_rel_l2", number(x.max_rel_l2)},
-                       {"min_cosine", number(x.min_cosine)}});
+                       {"min_cosine", number(x.min_cosine)},
+                       {"wire_bytes_per_token", number(x.wire_bytes_per_token)}});
+  json stages = json::array();
+  for (const StageTimes& t : r.stage_times)
+    stages.push_back({{"layer", t.layer}, {"load_s", t.load}, {"calibrate_s", t.calibrate},
+                      {"reference_s", t.reference}, {"recipes_s", t.recipes}, {"metrics_s", t.metrics},
+                      {"total_s", t.total}});
   const json j = {{"tool", "moefq eval"},
                   {"version", s.version},
                   {"device", s.device},
@@ -356,6 +441,9 @@ std::string eval_report_json(const EvalResult& r) {
                   {"calibration", calibration},
                   {"results", results},
                   {"summary", summary},
+                  {"cheapest_within_budget", r.cheapest_within_budget ? json(*r.cheapest_within_budget) : json()},
+                  {"warnings", r.warnings},
+                  {"stage_seconds", stages},
                   {"sort", "per layer, best first by rel_l2"},
                   {"wall_seconds", r.wall_seconds}};
   return j.dump(2) + "\n";
@@ -371,14 +459,21 @@ std::string eval_report_csv(const EvalResult& r) {
   const auto full = [](double v) { return fmt(v, "%.17g"); };
   std::string out =
       "layer,recipe,dispatch_format,combine_format,dispatch_amax,combine_amax,rel_l2,cosine,calc_diff,max_abs,"
-      "snr_db,count,layout_check\n";
+      "snr_db,count,rel_l2_token_p50,rel_l2_token_p99,rel_l2_token_max,rel_l2_non_outlier,dispatch_clipped_fraction,"
+      "combine_clipped_fraction,dispatch_wire_bytes_per_token,combine_wire_bytes_per_token,wire_saving_vs_bf16,"
+      "over_budget,layout_check\n";
+  const auto opt_full = [&](const std::optional<double>& v) { return v ? fmt(*v, "%.17g") : std::string(); };
   for (const EvalRow& row : r.rows) {
     const ErrorMetrics& m = row.metrics;
     out += std::to_string(row.layer) + "," + quote(row.recipe) + "," + quote(row.dispatch_format.value_or("")) + "," +
            quote(row.combine_format.value_or("")) + "," + (row.dispatch_amax ? full(*row.dispatch_amax) : "") + "," +
            (row.combine_amax ? full(*row.combine_amax) : "") + "," + full(m.rel_l2) + "," + full(m.cosine) + "," +
            full(m.calc_diff) + "," + full(m.max_abs) + "," + full(m.snr_db) + "," + std::to_string(m.count) + "," +
-           row.layout_check + "\n";
+           full(row.rel_l2_token_p50) + "," + full(row.rel_l2_token_p99) + "," + full(row.rel_l2_token_max) + "," +
+           full(row.rel_l2_non_outlier) + "," + opt_full(row.dispatch_clipped_fraction) + "," +
+           opt_full(row.combine_clipped_fraction) + "," + full(row.dispatch_wire_bytes_per_token) + "," +
+           full(row.combine_wire_bytes_per_token) + "," + full(row.wire_saving) + "," +
+           (r.setup.max_rel_l2 ? (row.over_budget ? "true" : "false") : "") + "," + row.layout_check + "\n";
   }
   return out;
 }
@@ -427,6 +522,26 @@ std::string eval_report_html(const EvalResult& r) {
   h += "<p class=\"note\">Colour: the format (fp8 blue, nvfp4 orange, mxfp8 green, mxfp4 red). The unquantized "
        "recipe reproduces the reference exactly (0).</p>\n";
 
+  h += "<h2>Error against bytes on the wire</h2>\n";
+  std::vector<Point> points;
+  for (const RecipeSummary& x : r.summary) points.push_back({x.recipe, colour_of[x.recipe], x.wire_bytes_per_token, x.mean_rel_l2});
+  h += tradeoff_chart(several ? "relative L2 error (mean over layers) against wire bytes per token"
+                              : "relative L2 error against wire bytes per token",
+                      points, s.max_rel_l2);
+  h += "<p class=\"note\">Bytes per token per destination rank, dispatch plus combine, scales included (bf16: " +
+       std::to_string(4 * s.config.hidden) + "). Lower left is better: the recipes on the lower-left edge are the "
+       "ones worth considering.";
+  if (s.max_rel_l2)
+    h += r.cheapest_within_budget ? " Within rel_l2 &le; " + fmt(*s.max_rel_l2) + " on every layer, the cheapest is <b>" +
+                                        esc(*r.cheapest_within_budget) + "</b>."
+                                  : " No recipe stays within rel_l2 &le; " + fmt(*s.max_rel_l2) + " on every layer.";
+  h += "</p>\n";
+  if (!r.warnings.empty()) {
+    h += "<h2>Warnings</h2>\n<ul class=\"warn\">\n";
+    for (const std::string& w : r.warnings) h += "<li>" + esc(w) + "</li>\n";
+    h += "</ul>\n";
+  }
+
   if (several) {
     h += "<h2>Error per layer</h2>\n";
     std::vector<Series> series;
@@ -458,16 +573,25 @@ std::string eval_report_html(const EvalResult& r) {
   }
 
   h += "<h2>Results</h2>\n<table>\n<thead><tr><th>layer</th><th>recipe</th><th>dispatch</th><th>combine</th>"
-       "<th>dispatch amax</th><th>combine amax</th><th>rel_l2</th><th>cosine</th><th>calc_diff</th><th>max_abs</th>"
-       "<th>snr_db</th><th>layout check</th></tr></thead>\n<tbody>\n";
+       "<th>dispatch amax</th><th>combine amax</th><th>rel_l2</th><th>token p50</th><th>token p99</th>"
+       "<th>token max</th><th>outside outliers</th><th>cosine</th><th>calc_diff</th><th>max_abs</th>"
+       "<th>snr_db</th><th>clipped (d)</th><th>clipped (c)</th><th>B/token</th><th>saving</th><th>layout check</th>" +
+       std::string(s.max_rel_l2 ? "<th>budget</th>" : "") + "</tr></thead>\n<tbody>\n";
   for (const EvalRow& row : r.rows) {
     const ErrorMetrics& m = row.metrics;
     h += "<tr><td class=\"n\">" + std::to_string(row.layer) + "</td><td>" + esc(row.recipe) + "</td><td>" +
          cell(row.dispatch_format) + "</td><td>" + cell(row.combine_format) + "</td><td class=\"n\">" +
          cell(row.dispatch_amax) + "</td><td class=\"n\">" + cell(row.combine_amax) + "</td><td class=\"n\">" +
-         fmt(m.rel_l2) + "</td><td class=\"n\">" + fmt(m.cosine, "%.6f") + "</td><td class=\"n\">" + fmt(m.calc_diff) +
-         "</td><td class=\"n\">" + fmt(m.max_abs) + "</td><td class=\"n\">" + fmt(m.snr_db, "%.2f") + "</td><td>" +
-         esc(row.layout_check) + "</td></tr>\n";
+         fmt(m.rel_l2) + "</td><td class=\"n\">" + fmt(row.rel_l2_token_p50) + "</td><td class=\"n\">" +
+         fmt(row.rel_l2_token_p99) + "</td><td class=\"n\">" + fmt(row.rel_l2_token_max) + "</td><td class=\"n\">" +
+         fmt(row.rel_l2_non_outlier) + "</td><td class=\"n\">" + fmt(m.cosine, "%.6f") + "</td><td class=\"n\">" + fmt(m.calc_diff) +
+         "</td><td class=\"n\">" + fmt(m.max_abs) + "</td><td class=\"n\">" + fmt(m.snr_db, "%.2f") +
+         "</td><td class=\"n\">" + cell(row.dispatch_clipped_fraction) + "</td><td class=\"n\">" +
+         cell(row.combine_clipped_fraction) + "</td><td class=\"n\">" +
+         fmt(row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token, "%.0f") + "</td><td class=\"n\">" +
+         fmt(100.0 * row.wire_saving, "%.1f") + "%</td><td>" + esc(row.layout_check) + "</td>" +
+         (s.max_rel_l2 ? std::string("<td>") + (row.over_budget ? "<b>over</b>" : "ok") + "</td>" : std::string()) +
+         "</tr>\n";
   }
   h += "</tbody>\n</table>\n";
   h += "<p class=\"note\">rel_l2 = ||y - r|| / ||r||; calc_diff = 1 - 2&Sigma;(y'r') / &Sigma;(y'&sup2; + r'&sup2;) "

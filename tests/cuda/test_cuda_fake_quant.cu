@@ -12,7 +12,7 @@
 #include <memory>
 #include <string>
 
-#include "cuda/cuda_fake_quant.cuh"
+#include "fakequant/cuda/cuda_fake_quant.cuh"
 #include "cuda/host_api.h"
 #include "cuda_moe_test_util.h"
 #include "moefq/expert_backend.h"

@@ -20,16 +20,14 @@
 #include "moefq/errors.h"
 #include "moefq/safetensors.h"
 #include "test_util.h"
+#include "weights_test_util.h"
 
 namespace moefq {
 namespace {
 
 namespace fs = std::filesystem;
 using test::bytes_equal;
-
-#define EXPECT_HAS(message, part)                                                  \
-  EXPECT_NE(std::string(message).find(part), std::string::npos)                    \
-      << "expected \"" << (part) << "\" in: " << (message)
+using test::expect_same_expert;
 
 // The message of the moefq::Error that f throws ("" when it throws none).
 std::string error_of(const std::function<void()>& f) {
@@ -41,27 +39,7 @@ std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
-// A config built by hand (the presets live elsewhere): E=4, H=256, I=128, one shared expert.
-MoeConfig small_config(bool noaux_tc = true) {
-  MoeConfig c;
-  c.name = "test";
-  c.hidden = 256;
-  c.intermediate = 128;
-  c.num_experts = 4;
-  c.top_k = 2;
-  c.num_shared = 1;
-  c.noaux_tc = noaux_tc;
-  return c;
-}
-
-MoeConfig tiny_like_config() {
-  MoeConfig c = small_config();
-  c.hidden = 512;
-  c.intermediate = 256;
-  c.num_experts = 32;
-  c.top_k = 8;
-  return c;
-}
+MoeConfig small_config(bool noaux_tc = true) { return test::small_weights_config(noaux_tc); }
 
 // A fresh directory, removed at the end of the test.
 class TempDir {
@@ -169,205 +147,6 @@ TEST(Dequant, InconsistentShapesAreCaught) {
   EXPECT_HAS(error_of([&] { w.down_f32(); }), "e4m3 codes");
   w.format = WeightFormat::kBf16;
   EXPECT_HAS(error_of([&] { w.down_f32(); }), "bf16 values");
-}
-
-// ---------------------------------------------------------------------------------------------
-// Synthetic weights
-
-void expect_same_expert(const ExpertWeights& a, const ExpertWeights& b) {
-  EXPECT_EQ(a.hidden, b.hidden);
-  EXPECT_EQ(a.intermediate, b.intermediate);
-  EXPECT_EQ(a.format, b.format);
-  EXPECT_TRUE(bytes_equal(a.gate_up_e4m3, b.gate_up_e4m3));
-  EXPECT_TRUE(bytes_equal(a.down_e4m3, b.down_e4m3));
-  EXPECT_TRUE(bytes_equal(a.gate_up_scale, b.gate_up_scale));
-  EXPECT_TRUE(bytes_equal(a.down_scale, b.down_scale));
-  EXPECT_TRUE(bytes_equal(a.gate_up_bf16, b.gate_up_bf16));
-  EXPECT_TRUE(bytes_equal(a.down_bf16, b.down_bf16));
-}
-
-TEST(Synthetic, ShapesOfTheE4m3Format) {
-  const MoeConfig cfg = small_config();
-  const LayerWeights lw = synthetic_weights(cfg, WeightFormat::kE4m3, 7, 1, 2);
-  EXPECT_EQ(lw.first_expert, 1);
-  ASSERT_EQ(lw.experts.size(), 2u);
-  ASSERT_EQ(lw.shared.size(), 1u);
-  for (const auto& e : lw.experts) {
-    EXPECT_EQ(e.format, WeightFormat::kE4m3);
-    EXPECT_EQ(e.gate_up_e4m3.size(), 256u * 256u);
-    EXPECT_EQ(e.gate_up_scale.size(), 2u * 2u);
-    EXPECT_EQ(e.down_e4m3.size(), 256u * 128u);
-    EXPECT_EQ(e.down_scale.size(), 2u * 1u);
-    EXPECT_TRUE(e.gate_up_bf16.empty() && e.down_bf16.empty());
-  }
-  EXPECT_EQ(lw.shared[0].intermediate, 128);
-  EXPECT_EQ(lw.gate.size(), 4u * 256u);
-  EXPECT_EQ(lw.gate_bias.size(), 4u);
-
-  MoeConfig two_shared = cfg;
-  two_shared.num_shared = 2;
-  two_shared.noaux_tc = false;
-  const LayerWeights lw2 = synthetic_weights(two_shared, WeightFormat::kE4m3, 7, 0, 0);
-  EXPECT_TRUE(lw2.experts.empty());
-  ASSERT_EQ(lw2.shared.size(), 1u);
-  EXPECT_EQ(lw2.shared[0].intermediate, 256);
-  EXPECT_EQ(lw2.shared[0].gate_up_e4m3.size(), 512u * 256u);
-  EXPECT_EQ(lw2.shared[0].down_scale.size(), 2u * 2u);
-  EXPECT_TRUE(lw2.gate_bias.empty());
-
-  MoeConfig no_shared = cfg;
-  no_shared.num_shared = 0;
-  EXPECT_TRUE(synthetic_weights(no_shared, WeightFormat::kE4m3, 7, 0, 1).shared.empty());
-}
-
-TEST(Synthetic, SameSeedSameBytes) {
-  const MoeConfig cfg = small_config();
-  const LayerWeights a = synthetic_weights(cfg, WeightFormat::kE4m3, 42, 0, 4);
-  const LayerWeights b = synthetic_weights(cfg, WeightFormat::kE4m3, 42, 0, 4);
-  for (size_t e = 0; e < 4; ++e) expect_same_expert(a.experts[e], b.experts[e]);
-  expect_same_expert(a.shared[0], b.shared[0]);
-  EXPECT_TRUE(bytes_equal(a.gate, b.gate));
-  EXPECT_TRUE(bytes_equal(a.gate_bias, b.gate_bias));
-}
-
-TEST(Synthetic, ExpertDependsOnlyOnSeedAndGlobalId) {
-  MoeConfig cfg = small_config();
-  cfg.num_experts = 8;
-  const LayerWeights lo = synthetic_weights(cfg, WeightFormat::kE4m3, 5, 0, 4);
-  const LayerWeights hi = synthetic_weights(cfg, WeightFormat::kE4m3, 5, 2, 4);
-  const LayerWeights one = synthetic_weights(cfg, WeightFormat::kE4m3, 5, 3, 1);
-  expect_same_expert(lo.experts[2], hi.experts[0]);
-  expect_same_expert(lo.experts[3], hi.experts[1]);
-  expect_same_expert(lo.experts[3], one.experts[0]);
-  // Shared expert and router are the same on every rank.
-  expect_same_expert(lo.shared[0], hi.shared[0]);
-  EXPECT_TRUE(bytes_equal(lo.gate, hi.gate));
-  EXPECT_TRUE(bytes_equal(lo.gate_bias, one.gate_bias));
-  // Distinct experts differ.
-  EXPECT_NE(lo.experts[0].gate_up_e4m3, lo.experts[1].gate_up_e4m3);
-  EXPECT_NE(lo.experts[0].down_scale, lo.experts[1].down_scale);
-  EXPECT_NE(lo.experts[0].gate_up_e4m3, lo.shared[0].gate_up_e4m3);
-}
-
-TEST(Synthetic, DifferentSeedsDiffer) {
-  const MoeConfig cfg = small_config();
-  const LayerWeights a = synthetic_weights(cfg, WeightFormat::kE4m3, 1, 0, 2);
-  const LayerWeights b = synthetic_weights(cfg, WeightFormat::kE4m3, 2, 0, 2);
-  for (size_t e = 0; e < 2; ++e) {
-    EXPECT_NE(a.experts[e].gate_up_e4m3, b.experts[e].gate_up_e4m3);
-    EXPECT_NE(a.experts[e].down_e4m3, b.experts[e].down_e4m3);
-    EXPECT_NE(a.experts[e].gate_up_scale, b.experts[e].gate_up_scale);
-  }
-  EXPECT_NE(a.shared[0].down_e4m3, b.shared[0].down_e4m3);
-  EXPECT_NE(a.gate, b.gate);
-  EXPECT_NE(a.gate_bias, b.gate_bias);
-}
-
-TEST(Synthetic, DistributionsResembleCheckpoints) {
-  const MoeConfig cfg = tiny_like_config();
-  const LayerWeights lw = synthetic_weights(cfg, WeightFormat::kE4m3, 123, 0, cfg.num_experts);
-  ASSERT_EQ(lw.experts.size(), 32u);
-
-  size_t num_codes = 0, num_saturated = 0, num_nan = 0, num_zero = 0;
-  double sum_abs_code = 0;
-  float min_scale = INFINITY, max_scale = 0;
-  int binade_count[4] = {0, 0, 0, 0};
-  auto scan = [&](const std::vector<uint8_t>& codes, const std::vector<float>& scales) {
-    for (const uint8_t c : codes) {
-      ++num_codes;
-      num_saturated += (c & 0x7F) == 0x7E;
-      num_nan += (c & 0x7F) == 0x7F;
-      num_zero += (c & 0x7F) == 0;
-      sum_abs_code += std::fabs(e4m3_decode(c));
-    }
-    for (const float s : scales) {
-      min_scale = std::min(min_scale, s);
-      max_scale = std::max(max_scale, s);
-      const int e = std::ilogb(s);
-      if (e >= -12 && e <= -9) ++binade_count[e + 12];
-    }
-  };
-  for (const auto& e : lw.experts) {
-    scan(e.gate_up_e4m3, e.gate_up_scale);
-    scan(e.down_e4m3, e.down_scale);
-  }
-  scan(lw.shared[0].gate_up_e4m3, lw.shared[0].gate_up_scale);
-  EXPECT_GE(min_scale, 0x1p-12f);
-  EXPECT_LE(max_scale, 0x1p-8f);
-  for (int b = 0; b < 4; ++b) EXPECT_GT(binade_count[b], 50) << "binade 2^" << (b - 12);
-  EXPECT_EQ(num_nan, 0u);
-  const double saturated = double(num_saturated) / double(num_codes);
-  EXPECT_GT(saturated, 1e-4);  // the tails reach 448 sometimes...
-  EXPECT_LT(saturated, 0.03);  // ...but rarely
-  EXPECT_LT(double(num_zero) / double(num_codes), 0.02);
-  // Mean |N(0, sigma)| = 0.8 sigma with sigma in 0.3..0.5 of 448: about 143.
-  const double mean_abs = sum_abs_code / double(num_codes);
-  EXPECT_GT(mean_abs, 110.0);
-  EXPECT_LT(mean_abs, 180.0);
-
-  // Symmetric: about as many negative as positive codes.
-  size_t neg = 0;
-  for (const uint8_t c : lw.experts[0].gate_up_e4m3) neg += (c & 0x80) != 0;
-  const double frac_neg = double(neg) / double(lw.experts[0].gate_up_e4m3.size());
-  EXPECT_NEAR(frac_neg, 0.5, 0.02);
-
-  // Router: bf16-representable, std about 1/sqrt(H); bias small.
-  double sum_sq = 0;
-  for (const float g : lw.gate) {
-    ASSERT_EQ(f32_bits(g) & 0xFFFFu, 0u) << g << " is not a bf16 value";
-    sum_sq += double(g) * double(g);
-  }
-  const double gate_std = std::sqrt(sum_sq / double(lw.gate.size()));
-  EXPECT_NEAR(gate_std * std::sqrt(double(cfg.hidden)), 1.0, 0.05);
-  ASSERT_EQ(lw.gate_bias.size(), 32u);
-  double bias_sq = 0;
-  for (const float b : lw.gate_bias) {
-    EXPECT_LT(std::fabs(b), 0.05f);
-    bias_sq += double(b) * double(b);
-  }
-  const double bias_std = std::sqrt(bias_sq / 32.0);
-  EXPECT_GT(bias_std, 0.005);
-  EXPECT_LT(bias_std, 0.02);
-}
-
-TEST(Synthetic, Bf16IsTheRoundingOfTheE4m3Weights) {
-  const MoeConfig cfg = small_config();
-  const LayerWeights q = synthetic_weights(cfg, WeightFormat::kE4m3, 9, 1, 2);
-  const LayerWeights b = synthetic_weights(cfg, WeightFormat::kBf16, 9, 1, 2);
-  ASSERT_EQ(b.experts.size(), 2u);
-  ASSERT_EQ(b.shared.size(), 1u);
-  auto check = [](const ExpertWeights& qe, const ExpertWeights& be) {
-    EXPECT_EQ(be.format, WeightFormat::kBf16);
-    EXPECT_TRUE(be.gate_up_e4m3.empty() && be.gate_up_scale.empty());
-    EXPECT_TRUE(be.down_e4m3.empty() && be.down_scale.empty());
-    EXPECT_TRUE(bytes_equal(test::to_bf16(qe.gate_up_f32()), be.gate_up_bf16));
-    EXPECT_TRUE(bytes_equal(test::to_bf16(qe.down_f32()), be.down_bf16));
-    const auto f = be.gate_up_f32();
-    ASSERT_EQ(f.size(), be.gate_up_bf16.size());
-    EXPECT_EQ(f32_bits(f[3]), uint32_t(be.gate_up_bf16[3].bits) << 16);
-  };
-  check(q.experts[0], b.experts[0]);
-  check(q.experts[1], b.experts[1]);
-  check(q.shared[0], b.shared[0]);
-  EXPECT_TRUE(bytes_equal(q.gate, b.gate));
-}
-
-TEST(Synthetic, RejectsBadRangesAndShapes) {
-  const MoeConfig cfg = small_config();
-  EXPECT_HAS(error_of([&] { synthetic_weights(cfg, WeightFormat::kE4m3, 1, 3, 2); }),
-             "expert range [3, 5)");
-  EXPECT_HAS(error_of([&] { synthetic_weights(cfg, WeightFormat::kE4m3, 1, -1, 1); }),
-             "first_expert -1");
-  EXPECT_HAS(error_of([&] { synthetic_weights(cfg, WeightFormat::kE4m3, 1, 0, -2); }),
-             "num_local -2");
-  MoeConfig bad = cfg;
-  bad.hidden = 200;
-  EXPECT_HAS(error_of([&] { synthetic_weights(bad, WeightFormat::kE4m3, 1, 0, 1); }),
-             "hidden size 200");
-  bad = cfg;
-  bad.intermediate = 0;
-  EXPECT_HAS(error_of([&] { synthetic_weights(bad, WeightFormat::kE4m3, 1, 0, 1); }),
-             "intermediate size 0");
 }
 
 // ---------------------------------------------------------------------------------------------

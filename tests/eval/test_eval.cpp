@@ -11,6 +11,9 @@
 #include <random>
 #include <string>
 
+#include <functional>
+#include <nlohmann/json.hpp>
+
 #include "moefq/eval.h"
 #include "moefq/qdq.h"
 #include "test_util.h"
@@ -52,6 +55,11 @@ TEST(DefaultSweep, ThirteenRecipes) {
       EXPECT_EQ(format_name((d ? cfg.at(q[0]) : cfg.at(q[1])).spec.format), fmt);
     }
   }
+}
+
+std::string read_text_of(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 class EvalLib : public ::testing::Test {
@@ -104,7 +112,11 @@ TEST_F(EvalLib, CalibrationIsSharedAndTheFileRoundTrips) {
   const CalibrationState alone = run_calibration(o_, &setup);
   const std::string file = (root_ / "cal.json").string();
   save_eval_calibration(file, alone, setup);
-  const CalibrationState back = load_eval_calibration(file, setup.config, {5, 0});
+  EvalSetup both = setup;
+  both.layers = {5, 0};
+  std::vector<std::string> warnings;
+  const CalibrationState back = load_eval_calibration(file, both, &warnings);
+  EXPECT_TRUE(warnings.empty()) << warnings[0];
   ASSERT_EQ(back.layers.size(), 2u);
   for (const LayerCalibration& c : r.calibration.layers) {
     const LayerCalibration& b = *back.find(c.layer);
@@ -114,21 +126,112 @@ TEST_F(EvalLib, CalibrationIsSharedAndTheFileRoundTrips) {
     EXPECT_EQ(b.combine_rank_amax, c.combine_rank_amax);
   }
   // Errors name the file: a missing layer, another model, disagreeing amax bits.
-  EXPECT_NE(error_of([&] { load_eval_calibration(file, setup.config, {1}); }).find("layer 1"), std::string::npos);
-  MoeConfig other = setup.config;
-  other.top_k = 4;
-  EXPECT_NE(error_of([&] { load_eval_calibration(file, other, {0}); }).find("top_k"), std::string::npos);
-  std::string text;
-  {
-    std::ifstream in(file);
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
+  EvalSetup one = setup;
+  one.layers = {1};
+  EXPECT_NE(error_of([&] { load_eval_calibration(file, one); }).find("layer 1"), std::string::npos);
+  EvalSetup other = setup;
+  other.config.top_k = 4;
+  EXPECT_NE(error_of([&] { load_eval_calibration(file, other); }).find("top_k"), std::string::npos);
+  const std::string text = read_text_of(file);
+  const auto edited = [&](const std::string& from, const std::string& to) {
+    std::string t = text;
+    const size_t at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) t.replace(at, from.size(), to);
+    const std::string path = (root_ / "edited.json").string();
+    std::ofstream(path) << t;
+    return path;
+  };
   const size_t at = text.find("\"amax_bits\": \"0x");
   ASSERT_NE(at, std::string::npos);
-  text.replace(at + 16, 8, "3f800000");  // 1.0, which the "amax" beside it is not
-  std::ofstream(root_ / "bad.json") << text;
-  EXPECT_NE(error_of([&] { load_eval_calibration((root_ / "bad.json").string(), setup.config, {0, 5}); }).find("disagrees"),
+  const std::string bits = text.substr(at, 25);  // "amax_bits": "0x........"
+  EXPECT_NE(error_of([&] { load_eval_calibration(edited(bits, "\"amax_bits\": \"0x3F800000\""), both); })
+                .find("disagree"),
             std::string::npos);
+}
+
+// A calibration file made for another setup is used, with a warning naming each difference; an
+// amax of 0, negative or not finite, or per-rank lists of the wrong length, are errors.
+TEST_F(EvalLib, CalibrationFilesMatchTheirUse) {
+  o_.layers = {0};
+  EvalSetup setup;
+  const CalibrationState cal = run_calibration(o_, &setup);
+  const std::string file = (root_ / "cal.json").string();
+  save_eval_calibration(file, cal, setup);
+  EvalSetup changed = setup;
+  changed.seed = 7;
+  changed.tokens = 32;
+  changed.activations_source = "acts.safetensors";
+  std::vector<std::string> warnings;
+  load_eval_calibration(file, changed, &warnings);
+  ASSERT_EQ(warnings.size(), 1u);
+  for (const char* part : {"seed '1' (this run: '7')", "tokens_per_rank '16' (this run: '32')", "activations"})
+    EXPECT_NE(warnings[0].find(part), std::string::npos) << warnings[0];
+
+  // Edits of the file: the first quantizer's entry changed.
+  const auto with = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = nlohmann::json::parse(read_text_of(file));
+    edit(j["quantizers"].begin().value());
+    const std::string path = (root_ / "edited.json").string();
+    std::ofstream(path) << j.dump(2);
+    return path;
+  };
+  for (const double bad : {0.0, -1.0})
+    EXPECT_NE(error_of([&] {
+                load_eval_calibration(with([&](nlohmann::json& e) {
+                                        e["amax"] = bad;
+                                        e.erase("amax_bits");
+                                      }),
+                                      setup);
+              }).find(bad == 0.0 ? "finite and > 0" : ">= 0"),
+              std::string::npos)
+        << bad;
+  EXPECT_NE(error_of([&] { load_eval_calibration(with([](nlohmann::json& e) { e["rank_amax"].push_back(1.0); }), setup); })
+                .find("per-rank maxima"),
+            std::string::npos);
+}
+
+// The new rows: the error's shape, clipping and wire bytes are in every row, finite; a budget
+// marks the rows over it and names the cheapest recipe within it.
+TEST_F(EvalLib, RowsShowTheErrorsShapeAndTheBudgetsAnswer) {
+  o_.layers = {0};
+  o_.max_rel_l2 = 0.05;
+  const EvalResult r = run_eval(o_);
+  ASSERT_EQ(r.rows.size(), 13u);
+  const int64_t H = 256;
+  for (const EvalRow& row : r.rows) {
+    SCOPED_TRACE(row.recipe);
+    for (double v : {row.rel_l2_token_p50, row.rel_l2_token_p99, row.rel_l2_token_max, row.rel_l2_non_outlier})
+      EXPECT_TRUE(std::isfinite(v));
+    EXPECT_LE(row.rel_l2_token_p50, row.rel_l2_token_p99);
+    EXPECT_LE(row.rel_l2_token_p99, row.rel_l2_token_max);
+    EXPECT_EQ(row.dispatch_clipped_fraction.has_value(), row.dispatch_amax.has_value());
+    EXPECT_EQ(row.combine_clipped_fraction.has_value(), row.combine_amax.has_value());
+    const double disp = row.dispatch_format == std::optional<std::string>("nvfp4") ? H / 2 + H / 16
+                        : row.dispatch_format                                      ? -1
+                                                                                   : 2 * H;
+    if (disp > 0) {
+      EXPECT_EQ(row.dispatch_wire_bytes_per_token, disp);
+    }
+    EXPECT_EQ(row.over_budget, !(row.metrics.rel_l2 <= 0.05));
+    if (row.recipe == "none") {
+      EXPECT_EQ(row.wire_saving, 0.0);
+      EXPECT_EQ(row.rel_l2_token_max, 0.0);
+    }
+  }
+  ASSERT_TRUE(r.cheapest_within_budget.has_value());
+  // The answer: within the budget, and no recipe within it is cheaper.
+  double best = 0;
+  for (const EvalRow& row : r.rows)
+    if (row.recipe == *r.cheapest_within_budget) {
+      EXPECT_FALSE(row.over_budget);
+      best = row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token;
+    }
+  for (const EvalRow& row : r.rows) {
+    if (!row.over_budget) {
+      EXPECT_GE(row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token, best) << row.recipe;
+    }
+  }
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "moefq/calibration_file.h"
 #include "moefq/errors.h"
 #include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
@@ -651,14 +652,23 @@ TEST(FakeQuantMoe, NonFiniteCalibrationDataIsAnErrorNamingTheQuantizer) {
     }
     ASSERT_GE(active_t, 0);
     ASSERT_GE(pad_t, 0);
+    // In a padding token it is not seen; in an active token it is an error at the end of the
+    // calibration (the statistics are gathered where the data is, on every device, and checked
+    // once), naming the quantizer and the rank.
+    {
+      auto fq = make_fq("mega_moe", c, R, n, false);
+      configure(*fq, "$import: [moe_dispatch_fp8]\n");
+      fq->start_calibration();
+      p.x[1][size_t(pad_t * c.hidden + 3)].bits = bf16_round(bad);
+      host_forward(*fq, p);
+      EXPECT_NO_THROW(fq->finish_calibration()) << bad;
+    }
     auto fq = make_fq("mega_moe", c, R, n, false);
     configure(*fq, "$import: [moe_dispatch_fp8]\n");
     fq->start_calibration();
-    // In a padding token it is not seen.
-    p.x[1][size_t(pad_t * c.hidden + 3)].bits = bf16_round(bad);
-    EXPECT_NO_THROW(host_forward(*fq, p)) << bad;
     p.x[1][size_t(active_t * c.hidden + 3)].bits = bf16_round(bad);
-    const auto e = expect_error([&] { host_forward(*fq, p); }, {FakeQuantMoe::dispatch_name(0)});
+    host_forward(*fq, p);
+    const auto e = expect_error([&] { fq->finish_calibration(); }, {FakeQuantMoe::dispatch_name(0), "rank 1", "NaN or inf"});
     if (e) {
       EXPECT_EQ(e->kind(), ErrorKind::kBadInput) << bad;
     }

@@ -1,6 +1,7 @@
 // Quantizer: spec validation, max calibration (collect, cross-replica MAX, finish), QDQ against
 // the CPU reference, and the calibration file (exact round trip, errors, atomic writes).
 #include "moefq/quantizer.h"
+#include "moefq/calibration_file.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -480,7 +481,7 @@ TEST(CalibrationFile, SaveThenLoadIsExact) {
 
   const std::string text = read_text(path);
   EXPECT_NE(text.find("\"0x41480000\""), std::string::npos) << text;  // 12.5
-  EXPECT_NE(text.find("\"version\": 1"), std::string::npos) << text;
+  EXPECT_NE(text.find("\"version\": 2"), std::string::npos) << text;
   EXPECT_NE(text.find("\"nvfp4\""), std::string::npos) << text;
 
   std::vector<Quantizer> loaded;
@@ -585,7 +586,8 @@ TEST_F(CalibrationFileErrors, WrongTypes) {
        "'scale'"},
       {head + R"([1, 2]}})", "object"},
       {R"({"version": "1", "quantizers": {}})", "'version'"},
-      {R"({"version": 2, "quantizers": {}})", "version 2"},
+      {R"({"version": 3, "quantizers": {}})", "version 3"},
+      {R"({"version": 2, "quantizers": {}})", "'kind'"},
       {R"({"version": 1, "quantizers": []})", "'quantizers'"},
       {R"([])", "JSON object"},
   };

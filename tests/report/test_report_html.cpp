@@ -206,8 +206,10 @@ TEST_F(BrowserTest, ReportLoadsWithoutConsoleErrorsAndShowsTheCharts) {
   EXPECT_GT(page.png.size(), 4 * blank.png.size())
       << "the screenshot looks empty: " << page.png.size() << " bytes vs a blank page's " << blank.png.size();
 
-  // The DOM as the browser built it: bar chart, line chart (3 layers), amax per rank (2 per layer).
-  EXPECT_EQ(count(page.dom, "<svg"), 1u + 1u + 2u * 3u) << page.dom.substr(0, 2000);
+  // The DOM as the browser built it: bar chart, error against bytes, line chart (3 layers), amax
+  // per rank (2 per layer).
+  EXPECT_EQ(count(page.dom, "<svg"), 1u + 1u + 1u + 2u * 3u) << page.dom.substr(0, 2000);
+  EXPECT_EQ(count(page.dom, "class=\"point\""), 12u) << "one point per quantized recipe (none is exact: 0)";
   EXPECT_EQ(count(page.dom, "class=\"bar\""), 12u + 2u * 3u * 4u) << "12 recipe bars (none is exact) and 4 bars per amax chart";
   EXPECT_EQ(count(page.dom, "<polyline"), 12u) << "one line per quantized recipe";
   EXPECT_EQ(count(page.dom, "<tr>"), 1u + 13u * 3u) << "the results table";
@@ -231,7 +233,7 @@ TEST_F(BrowserTest, SingleLayerPageHasNoLineChart) {
   const PageLoad page = load(write_page("one.html", eval_report_html(r)));
   ASSERT_EQ(page.status, 0) << page.log;
   EXPECT_TRUE(page.console.empty()) << ::testing::PrintToString(page.console);
-  EXPECT_EQ(count(page.dom, "<svg"), 1u + 2u);
+  EXPECT_EQ(count(page.dom, "<svg"), 1u + 1u + 2u);
   EXPECT_EQ(count(page.dom, "<polyline"), 0u);
 }
 
@@ -275,7 +277,10 @@ TEST(ReportCsv, OneLinePerRowQuotedAndExact) {
   const std::vector<std::string> lines = test::split_lines(csv);
   ASSERT_EQ(lines.size(), 14u);
   EXPECT_EQ(lines[0], "layer,recipe,dispatch_format,combine_format,dispatch_amax,combine_amax,rel_l2,cosine,"
-                      "calc_diff,max_abs,snr_db,count,layout_check");
+                      "calc_diff,max_abs,snr_db,count,rel_l2_token_p50,rel_l2_token_p99,rel_l2_token_max,"
+                      "rel_l2_non_outlier,dispatch_clipped_fraction,combine_clipped_fraction,"
+                      "dispatch_wire_bytes_per_token,combine_wire_bytes_per_token,wire_saving_vs_bf16,over_budget,"
+                      "layout_check");
   EXPECT_EQ(lines[1].substr(0, 9), "3,none,,,");
   EXPECT_NE(lines[1].find(",inf,"), std::string::npos) << lines[1];
   EXPECT_EQ(lines[3].substr(0, 24), "3,\"my, \"\"odd\"\" recipe\",,");

@@ -1,12 +1,13 @@
 // Fake quantization of MoE dispatch and combine (fake_quant.md) around the CUDA engine, all on the
-// device: dispatch QDQ out of place, combine QDQ + exact re-sum in one kernel that reads the rows
-// once, max calibration on the device (MAX over the ranks at the end: simulated ones on the host,
-// real ones through the engine's RankLink all-reduce), and the layout check: eager (one host
-// synchronisation, once per buffer, on the first call with routed rows) or, when a CUDA graph is
-// captured before a buffer was checked, recorded in the graph: every replay compares on the
-// device and a mismatch sets the buffer's error record, which synchronize() turns into the eager
-// check's error (or, opt-in, traps and kills the context). It works on the ranks its engine
-// computes; a per-rank index i below is rank engine().first_rank() + i.
+// device: the shared driver (fakequant/fake_quant_driver.h) over device primitives. Dispatch QDQ
+// out of place, combine QDQ + exact re-sum in one kernel that reads the rows once, max calibration
+// on the device (MAX over the ranks at the end: simulated ones on the host, real ones through the
+// engine's RankLink all-reduce), and the layout check: eager (one host synchronisation, once per
+// buffer, on the first call with routed rows) or, when a CUDA graph is captured before a buffer was
+// checked, recorded in the graph: every replay compares on the device and a mismatch sets the
+// buffer's error record, which synchronize() turns into the eager check's error (or, opt-in,
+// traps and kills the context). It works on the ranks its engine computes; a per-rank index i
+// below is rank engine().first_rank() + i.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,34 +18,34 @@
 #include <string>
 #include <vector>
 
-#include "cuda/combine_kernels.cuh"
 #include "cuda/cuda_engine.cuh"
 #include "cuda/device_buffer.h"
 #include "moefq/moe_quantizers.h"
 
+namespace moefq {
+class FakeQuantDriver;
+}
+
 namespace moefq::cuda {
 
-// Max calibration state of one quantizer replica on the device. max: the largest |x| over non-NaN
-// elements seen (its bits compare as unsigned since it is >= 0); seen: any data; nonfinite: count
-// of NaN or inf elements.
-struct DeviceAmax {
-  float max;
-  unsigned seen, nonfinite, pad;
-};
+class CudaFakeQuantOps;
 
 class CudaFakeQuantMoe {
  public:
   CudaFakeQuantMoe(std::unique_ptr<CudaEngine> engine, int64_t layer);
   ~CudaFakeQuantMoe();
 
-  std::vector<std::string> quantizer_names() const { return q_.names(); }
+  std::vector<std::string> quantizer_names() const;
   // As FakeQuantMoe::configure (the same errors), then the amax values go to the device.
   void configure(const std::map<std::string, QuantizerConfig>& configs);
   // Calibration starts and finishes on the host (both synchronise the device); the forwards in
   // between collect on the device. Real ranks: finish_calibration is collective.
   void start_calibration();
   void finish_calibration();
+  // Each local rank's own max of the last calibration, before the reduction (which 0: dispatch).
+  const std::vector<float>& rank_amax(int which) const;
   void load_calibration_file(const std::string& path);
+  void set_calibrated_amax(float dispatch_amax, float combine_amax);
 
   // One call of every rank, enqueued on `stream`; batches[r].y receives rank r's output. No host
   // synchronisation, except the eager layout check (once per buffer). Once a rank's buffer passed
@@ -60,36 +61,28 @@ class CudaFakeQuantMoe {
   void synchronize(cudaStream_t stream);
   // Opt-in: a device-side mismatch traps (the CUDA context is lost) instead of being recorded.
   // Also set by MOEFQ_LAYOUT_CHECK_TRAP=1. Applies to checks enqueued or captured afterwards.
-  void set_trap_on_mismatch(bool trap) { trap_ = trap; }
+  void set_trap_on_mismatch(bool trap);
+  // Counting of elements beyond the global amax in the forwards that quantize ([2][R]: dispatch,
+  // combine), read (synchronising) and reset.
+  void set_count_clipping(bool on);
+  std::vector<ClipCounts> read_clip_counts(cudaStream_t stream);
 
   // The global amax every QDQ reads on the device ([2][R]: dispatch, combine), which graphs read
   // at replay, not at capture: a caller that replays graphs captured under different
   // configurations restores each one's values first (bench moe does).
-  DeviceBuffer<float>& device_amax() { return amax_; }
+  DeviceBuffer<float>& device_amax();
 
-  CudaEngine& engine() { return *engine_; }
-  const MoeQuantizers& quantizers() const { return q_; }
-  bool layout_checked(int64_t rank) const { return checked_[size_t(rank)]; }
+  CudaEngine& engine();
+  const MoeQuantizers& quantizers() const;
+  bool layout_checked(int64_t rank) const;
   // Where the combine rows are read: the engine layout's combine offset. Changing it simulates a
   // back-end whose layout changed (the layout check's own tests use this).
-  size_t combine_offset() const { return combine_offset_; }
-  void set_combine_offset(size_t offset) { combine_offset_ = offset; }
+  size_t combine_offset() const;
+  void set_combine_offset(size_t offset);
 
  private:
-  void run(std::span<const DeviceBatch> batches, cudaStream_t stream, bool with_engine);
-  void upload_amax();
-  void raise_recorded(int64_t rank, cudaStream_t stream);
-
-  std::unique_ptr<CudaEngine> engine_;
-  MoeQuantizers q_;
-  DeviceBuffer<bf16> xq_;            // [R][T][H] dispatch-quantized tokens
-  DeviceBuffer<DeviceAmax> calib_;   // [2][R]: dispatch, combine
-  DeviceBuffer<DeviceAmax> dynamic_; // [R]: per-call dispatch amax
-  DeviceBuffer<float> amax_;         // [2][R]: the global amax each QDQ reads
-  DeviceBuffer<CheckRecord> records_;  // [R]
-  std::vector<bool> checked_, pending_;
-  size_t combine_offset_ = 0;
-  bool trap_ = false;
+  CudaFakeQuantOps* ops_;  // owned by the driver
+  std::unique_ptr<FakeQuantDriver> driver_;
 };
 
 }  // namespace moefq::cuda

@@ -1,0 +1,236 @@
+// The device-resident runner of the evaluation (eval/layer_runner.h): the layer lives on the GPU
+// from start to finish. Synthetic weights are generated straight into the engine's weight sets
+// (checkpoint weights are read on the host and copied in), activations generated there (or copied
+// from the file), routed by the CUDA router, run through CudaFakeQuantMoe, and reduced to metric
+// sums in fp64 on the device: only the per-token and per-channel sums come back. Where the memory
+// plan allows, the next layer's synthetic weights are generated on a second stream while the
+// current layer is evaluated.
+#include <chrono>
+
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_engine.cuh"
+#include "cuda/device_buffer.h"
+#include "cuda/router_kernels.cuh"
+#include "cuda/synthetic_kernels.cuh"
+#include "eval/cuda/eval_kernels.cuh"
+#include "eval/layer_runner.h"
+#include "fakequant/cuda/cuda_fake_quant.cuh"
+#include "moefq/errors.h"
+#include "moefq/weights.h"
+
+namespace moefq {
+namespace cuda {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class Stream {
+ public:
+  Stream() { MOEFQ_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  ~Stream() { cudaStreamDestroy(s_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  operator cudaStream_t() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+// A layer's engine with its weights, and what made them.
+struct LayerEngine {
+  int64_t layer = -1;
+  std::unique_ptr<DeviceSyntheticLayer> model;  // synthetic weights and activations
+  std::unique_ptr<CudaEngine> engine;
+  std::vector<float> gate, bias;  // the router, on the host until the layer is loaded
+  cudaEvent_t ready = nullptr;    // the weights are complete (recorded on the stream that made them)
+  ~LayerEngine() {
+    if (ready) cudaEventDestroy(ready);
+  }
+};
+
+class DeviceRunner final : public LayerRunner {
+ public:
+  explicit DeviceRunner(const RunnerSetup& s) : s_(s) {
+    const MoeConfig& c = s_.config;
+    const int64_t R = s_.ranks, T = s_.tokens, H = c.hidden, K = c.top_k;
+    const int64_t batches = s_.calib_batches + s_.eval_batches, eval_rows = int64_t(s_.eval_batches) * R * T;
+    acts_ = DeviceBuffer<bf16>(size_t(s_.num_tokens() * H));
+    idx_ = DeviceBuffer<int32_t>(size_t(batches * R * T * K));
+    wts_ = DeviceBuffer<float>(size_t(batches * R * T * K));
+    y_ = DeviceBuffer<bf16>(size_t(R * T * H));
+    if (c.num_shared > 0) shared_ = DeviceBuffer<bf16>(size_t(eval_rows * H));
+    ref_ = DeviceBuffer<bf16>(size_t(eval_rows * H));
+    out_ = DeviceBuffer<bf16>(size_t(eval_rows * H));
+    sums_ = DeviceBuffer<MetricSums>(size_t(eval_rows));
+    channels_ = DeviceBuffer<double>(size_t(H));
+    route_ws_ = DeviceBuffer<uint8_t>(route_workspace_bytes(c, T));
+    gate_ = DeviceBuffer<float>(size_t(c.num_experts * H));
+    if (c.noaux_tc) bias_ = DeviceBuffer<float>(size_t(c.num_experts));
+  }
+
+  ~DeviceRunner() override { cudaStreamSynchronize(side_); }
+
+  void load(int64_t layer, bool need_calibration) override {
+    const MoeConfig& c = s_.config;
+    const int64_t R = s_.ranks, T = s_.tokens, H = c.hidden, K = c.top_k;
+    fq_.reset();  // the previous layer's engine goes before this one's is made
+    std::unique_ptr<LayerEngine> le = next_ && next_->layer == layer ? std::move(next_) : make_engine(layer, stream_);
+    next_.reset();
+    MOEFQ_CUDA_CHECK(cudaStreamWaitEvent(stream_, le->ready, 0));
+    gate_.upload(le->gate);
+    if (c.noaux_tc) bias_.upload(le->bias);
+    // Activations of every batch from the first one needed.
+    b0_ = need_calibration ? 0 : s_.calib_batches;
+    const int64_t first = int64_t(b0_) * R * T, rows = s_.num_tokens() - first;
+    if (le->model) {
+      le->model->generate_activations(first, rows, acts_.get(), stream_);
+    } else {
+      const std::vector<bf16> x = layer_activations(s_, layer, first, rows);
+      MOEFQ_CUDA_CHECK(cudaMemcpyAsync(acts_.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice, stream_));
+      MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    for (int b = b0_; b < s_.calib_batches + s_.eval_batches; ++b)
+      for (int64_t r = 0; r < R; ++r)
+        launch_route(c, x_of(b, r), T, gate_.get(), c.noaux_tc ? bias_.get() : nullptr, nullptr, route_ws_.get(),
+                     idx_.get() + slot(b, r) * T * K, wts_.get() + slot(b, r) * T * K, stream_);
+    model_ = std::move(le->model);
+    fq_ = std::make_unique<CudaFakeQuantMoe>(std::move(le->engine), layer);
+    // The shared expert on the unquantized x of the evaluation batches, as the model runs it.
+    if (c.num_shared > 0)
+      for (int i = 0; i < s_.eval_batches; ++i)
+        for (int64_t r = 0; r < R; ++r)
+          fq_->engine().shared_expert(r, x_of(s_.calib_batches + i, r), T, shared_.get() + (i * R + r) * T * H, stream_);
+    MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  // Synthetic weights only: their generation runs on the side stream, concurrently with this
+  // layer's evaluation (a checkpoint's layer is read when it is loaded).
+  void prefetch(int64_t layer) override {
+    if (!s_.prefetch || !s_.checkpoint_dir.empty()) return;
+    next_ = make_engine(layer, side_);
+  }
+
+  void configure(const std::map<std::string, QuantizerConfig>& configs) override { fq_->configure(configs); }
+  void set_calibrated_amax(float d, float c) override { fq_->set_calibrated_amax(d, c); }
+  const MoeQuantizers& quantizers() const override { return fq_->quantizers(); }
+  bool layout_checked(int64_t r) const override { return fq_->layout_checked(r); }
+
+  LayerCalibration calibrate() override {
+    return calibrate_with(*fq_, s_.calib_batches, [&](int b) { fq_->forward(views(b), stream_); });
+  }
+
+  std::vector<double> reference() override {
+    run_outputs(ref_.get());
+    const int64_t H = s_.config.hidden, n = int64_t(s_.eval_batches) * s_.ranks * s_.tokens;
+    launch_channel_sums(nullptr, ref_.get(), n, H, nullptr, channels_.get(), stream_);
+    fq_->synchronize(stream_);
+    return channels_.download();
+  }
+
+  RecipeStats evaluate() override {
+    fq_->set_count_clipping(true);
+    run_outputs(out_.get());
+    fq_->synchronize(stream_);
+    const auto t0 = Clock::now();
+    const int64_t H = s_.config.hidden, n = int64_t(s_.eval_batches) * s_.ranks * s_.tokens;
+    launch_token_sums(out_.get(), ref_.get(), n, H, sums_.get(), stream_);
+    launch_channel_sums(out_.get(), ref_.get(), n, H, channels_.get(), nullptr, stream_);
+    MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    RecipeStats st;
+    st.tokens = sums_.download();
+    st.channel_err2 = channels_.download();
+    st.clips = fq_->read_clip_counts(stream_);
+    st.metrics_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    return st;
+  }
+
+ private:
+  // Batch b's rank r: its index among the batches held, its tokens.
+  int64_t slot(int b, int64_t r) const { return int64_t(b - b0_) * s_.ranks + r; }
+  const bf16* x_of(int b, int64_t r) const { return acts_.get() + slot(b, r) * s_.tokens * s_.config.hidden; }
+
+  std::vector<DeviceBatch> views(int b) {
+    const int64_t T = s_.tokens, H = s_.config.hidden, K = s_.config.top_k;
+    std::vector<DeviceBatch> v;
+    for (int64_t r = 0; r < s_.ranks; ++r)
+      v.push_back({x_of(b, r), T, idx_.get() + slot(b, r) * T * K, wts_.get() + slot(b, r) * T * K,
+                   y_.get() + r * T * H});
+    return v;
+  }
+
+  // The evaluation batches' outputs into out ([batch][rank][token][H]): bf16(routed + shared).
+  void run_outputs(bf16* out) {
+    const int64_t R = s_.ranks, T = s_.tokens, H = s_.config.hidden;
+    for (int i = 0; i < s_.eval_batches; ++i) {
+      fq_->forward(views(s_.calib_batches + i), stream_);
+      const int64_t o = int64_t(i) * R * T * H;
+      launch_assemble_output(y_.get(), shared_.get() ? shared_.get() + o : nullptr, out + o, R * T, H, stream_);
+    }
+  }
+
+  // The engine of `layer` with its weights, made on `stream` (synthetic: generated there;
+  // checkpoint: read on the host, rank by rank, and copied).
+  std::unique_ptr<LayerEngine> make_engine(int64_t layer, cudaStream_t stream) {
+    const MoeConfig& c = s_.config;
+    const int64_t R = s_.ranks, T = s_.tokens, el = c.num_experts / R;
+    auto le = std::make_unique<LayerEngine>();
+    le->layer = layer;
+    MOEFQ_CUDA_CHECK(cudaEventCreateWithFlags(&le->ready, cudaEventDisableTiming));
+    EngineOptions eo;
+    eo.fuse_shared = false;  // the model's shared expert runs on the unquantized x
+    if (s_.checkpoint_dir.empty()) {
+      const SyntheticLayer L = s_.synthetic_layer(layer);
+      le->model = std::make_unique<DeviceSyntheticLayer>(L, c);
+      synthetic_router(L, c, le->gate, le->bias);
+      const DeviceSyntheticLayer& m = *le->model;
+      le->engine = std::make_unique<CudaEngine>(
+          c, R, T, WeightFormat::kE4m3,
+          [&](int64_t rank, const DeviceExpertSet& routed, const DeviceExpertSet& shared) {
+            m.generate_experts(rank * el, false, routed, stream);
+            m.generate_experts(0, true, shared, stream);
+          },
+          eo);
+    } else {
+      std::vector<LayerWeights> w;
+      for (int64_t r = 0; r < R; ++r) w.push_back(rank_weights(s_, layer, r));
+      le->gate = w[0].gate;
+      le->bias = w[0].gate_bias;
+      le->engine = std::make_unique<CudaEngine>(c, R, T, w, eo);
+    }
+    MOEFQ_CUDA_CHECK(cudaEventRecord(le->ready, stream));
+    return le;
+  }
+
+  RunnerSetup s_;
+  Stream stream_, side_;
+  int b0_ = 0;  // the first batch held (0, or the first evaluation batch with a loaded calibration)
+  std::unique_ptr<CudaFakeQuantMoe> fq_;
+  std::unique_ptr<DeviceSyntheticLayer> model_;
+  std::unique_ptr<LayerEngine> next_;
+  DeviceBuffer<bf16> acts_;       // [batches held][R][T][H]
+  DeviceBuffer<int32_t> idx_;     // [batches][R][T][K]
+  DeviceBuffer<float> wts_;       // [batches][R][T][K]
+  DeviceBuffer<bf16> y_;          // [R][T][H] the routed output of one call
+  DeviceBuffer<bf16> shared_;     // [eval][R][T][H]
+  DeviceBuffer<bf16> ref_, out_;  // [eval][R][T][H]
+  DeviceBuffer<MetricSums> sums_; // [eval * R * T]
+  DeviceBuffer<double> channels_; // [H]
+  DeviceBuffer<uint8_t> route_ws_;
+  DeviceBuffer<float> gate_, bias_;
+};
+
+}  // namespace
+}  // namespace cuda
+
+void register_cuda_layer_runner() {
+  register_layer_runner(EvalDevice::kCuda, [](const RunnerSetup& s) -> std::unique_ptr<LayerRunner> {
+    return std::make_unique<cuda::DeviceRunner>(s);
+  });
+  set_device_memory_query([] {
+    size_t free = 0, total = 0;
+    MOEFQ_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return std::pair<double, double>(double(free), double(total));
+  });
+}
+
+}  // namespace moefq

@@ -1,0 +1,28 @@
+// The evaluation's reductions on the GPU (eval/layer_runner.h): the layer's output assembled from
+// the routed output and the separately run shared expert, and the metric sums of an output against
+// the reference, per token and per channel, in fp64. Plain host launchers on a stream.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "moefq/metrics.h"
+#include "moefq/numerics.h"
+
+namespace moefq::cuda {
+
+// out = bf16(float(y) + float(shared)) (one RN rounding, as the model adds them), or out = y when
+// shared is null. y, shared, out: [n, H] bf16.
+void launch_assemble_output(const bf16* y, const bf16* shared, bf16* out, int64_t n, int64_t H, cudaStream_t stream);
+
+// sums[t] = MetricSums of out[t] against ref[t] (each [H] bf16), for t < n: the same sums as
+// MetricSums::add over the row (the order of the additions within a row may differ).
+void launch_token_sums(const bf16* out, const bf16* ref, int64_t n, int64_t H, MetricSums* sums, cudaStream_t stream);
+
+// err2[h] = sum over the n rows of (out - ref)^2, ref2[h] = sum of ref^2, over the positions with
+// a finite reference (either may be null; out null: only ref2). [H] fp64, rows in ascending order.
+void launch_channel_sums(const bf16* out, const bf16* ref, int64_t n, int64_t H, double* err2, double* ref2,
+                         cudaStream_t stream);
+
+}  // namespace moefq::cuda

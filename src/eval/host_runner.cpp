@@ -1,0 +1,218 @@
+// The host runner of the evaluation (layer_runner.h): FakeQuantMoe around a host-tensor expert
+// back-end, with the data, routing, reference and metric sums in host memory.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "engine/expert_cpu.h"
+#include "engine/parallel.h"
+#include "eval/layer_runner.h"
+#include "moefq/errors.h"
+#include "moefq/expert_backend.h"
+#include "moefq/fake_quant_moe.h"
+#include "moefq/router.h"
+#include "moefq/weights.h"
+
+namespace moefq {
+
+uint64_t RunnerSetup::layer_seed(int64_t layer) const {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * uint64_t(layer + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+SyntheticLayer RunnerSetup::synthetic_layer(int64_t layer) const {
+  return moefq::synthetic_layer(config, layer_seed(layer), synthetic, layer < kEarlySyntheticLayers);
+}
+
+std::vector<bf16> layer_activations(const RunnerSetup& s, int64_t layer, int64_t first, int64_t n) {
+  const int64_t H = s.config.hidden;
+  if (!s.acts) return synthetic_activations(s.synthetic_layer(layer), first, n, s.num_threads);
+  const TensorInfo& t = *s.acts->find(s.act_tensor.at(layer));
+  const auto bytes = s.acts->bytes(t);
+  std::vector<bf16> out(size_t(n * H));
+  if (t.dtype == StDtype::kBF16) {
+    std::memcpy(out.data(), bytes.data() + size_t(first * H) * 2, out.size() * 2);
+  } else {
+    for (size_t i = 0; i < out.size(); ++i) {
+      float v;
+      std::memcpy(&v, bytes.data() + (size_t(first * H) + i) * 4, 4);
+      out[i].bits = bf16_round(v);
+    }
+  }
+  return out;
+}
+
+LayerWeights rank_weights(const RunnerSetup& s, int64_t layer, int64_t rank) {
+  const int64_t el = s.config.num_experts / s.ranks;
+  if (!s.checkpoint_dir.empty()) return load_deepseek_layer(s.checkpoint_dir, layer, s.config, rank * el, el);
+  return synthetic_layer_weights(s.synthetic_layer(layer), s.config, WeightFormat::kE4m3, rank * el, el,
+                                 s.num_threads);
+}
+
+namespace {
+
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<EvalDevice, LayerRunnerFactory>& registry() {
+  static std::map<EvalDevice, LayerRunnerFactory> r;
+  return r;
+}
+
+// One batch: every rank's tokens (pointing into the layer's activations), routing and output.
+struct Batch {
+  std::vector<const bf16*> x;             // [R] -> [T, H]
+  std::vector<Routing> routing;           // [R]
+  std::vector<std::vector<bf16>> y;       // [R][T * H]
+  std::vector<std::vector<bf16>> shared;  // [R][T * H] the separately run shared expert (evaluation)
+  std::vector<RankBatch> views() {
+    std::vector<RankBatch> b;
+    for (size_t r = 0; r < x.size(); ++r)
+      b.push_back({x[r], routing[r].num_tokens, routing[r].topk_idx.data(), routing[r].topk_weights.data(),
+                   y[r].data()});
+    return b;
+  }
+};
+
+class HostRunner final : public LayerRunner {
+ public:
+  explicit HostRunner(const RunnerSetup& s) : s_(s), threads_(resolve_threads(s.num_threads)) {}
+
+  void load(int64_t layer, bool need_calibration) override {
+    const MoeConfig& cfg = s_.config;
+    const int64_t R = s_.ranks, T = s_.tokens, H = cfg.hidden;
+    fq_.reset();  // the previous layer's weights go before the next one's arrive
+    calib_.clear();
+    eval_.clear();
+    std::vector<LayerWeights> w;
+    for (int64_t r = 0; r < R; ++r) w.push_back(rank_weights(s_, layer, r));
+    const std::vector<float> gate = w[0].gate, bias = w[0].gate_bias;
+    const int64_t first = need_calibration ? 0 : int64_t(s_.calib_batches) * s_.batch_tokens();
+    acts_ = layer_activations(s_, layer, first, s_.num_tokens() - first);
+    EngineOptions eo;
+    eo.fuse_shared = false;  // the model's shared expert runs on the unquantized x
+    eo.num_threads = s_.num_threads;
+    fq_ = std::make_unique<FakeQuantMoe>(make_expert_backend(s_.backend_kind, cfg, R, T, std::move(w), eo), layer);
+    const auto make_batch = [&](int64_t b) {
+      Batch batch;
+      for (int64_t r = 0; r < R; ++r) {
+        const bf16* x = acts_.data() + ((b * R + r) * T - first) * H;
+        batch.x.push_back(x);
+        batch.routing.push_back(route(cfg, x, T, gate, bias, {}, s_.num_threads));
+        batch.y.emplace_back(size_t(T * H));
+      }
+      return batch;
+    };
+    if (need_calibration)
+      for (int64_t b = 0; b < s_.calib_batches; ++b) calib_.push_back(make_batch(b));
+    for (int64_t b = 0; b < s_.eval_batches; ++b) eval_.push_back(make_batch(s_.calib_batches + b));
+    if (cfg.num_shared > 0)
+      for (Batch& b : eval_)
+        for (int64_t r = 0; r < R; ++r) {
+          b.shared.emplace_back(size_t(T * H));
+          fq_->backend().shared_expert(r, b.x[size_t(r)], T, b.shared.back().data());
+        }
+  }
+
+  void configure(const std::map<std::string, QuantizerConfig>& configs) override { fq_->configure(configs); }
+  void set_calibrated_amax(float d, float c) override { fq_->set_calibrated_amax(d, c); }
+  const MoeQuantizers& quantizers() const override { return fq_->quantizers(); }
+  bool layout_checked(int64_t r) const override { return fq_->layout_checked(r); }
+
+  LayerCalibration calibrate() override {
+    return calibrate_with(*fq_, int(calib_.size()), [&](int b) { fq_->forward(calib_[size_t(b)].views()); });
+  }
+
+  std::vector<double> reference() override {
+    reference_ = run_outputs();
+    const int64_t H = s_.config.hidden;
+    std::vector<double> ch(size_t(H), 0.0);
+    for (size_t i = 0; i < reference_.size(); ++i) {
+      const double r = to_f32(reference_[i]);
+      if (std::isfinite(r)) ch[i % size_t(H)] += r * r;
+    }
+    return ch;
+  }
+
+  RecipeStats evaluate() override {
+    fq_->set_count_clipping(true);
+    const std::vector<bf16> out = run_outputs();
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t H = s_.config.hidden, n = int64_t(out.size()) / H;
+    RecipeStats st;
+    st.tokens.resize(size_t(n));
+    parallel_for(n, threads_, [&](int64_t t) {
+      MetricSums& m = st.tokens[size_t(t)];
+      for (int64_t h = 0; h < H; ++h) m.add(to_f32(out[size_t(t * H + h)]), to_f32(reference_[size_t(t * H + h)]));
+    });
+    st.channel_err2.assign(size_t(H), 0.0);
+    for (size_t i = 0; i < out.size(); ++i) {
+      const double r = to_f32(reference_[i]);
+      if (!std::isfinite(r)) continue;
+      const double d = double(to_f32(out[i])) - r;
+      st.channel_err2[i % size_t(H)] += d * d;
+    }
+    st.clips = fq_->read_clip_counts();
+    st.metrics_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return st;
+  }
+
+ private:
+  // The evaluation batches' outputs, [batch][rank][token][H]: bf16(routed + shared), as the model
+  // adds them.
+  std::vector<bf16> run_outputs() {
+    const int64_t T = s_.tokens, H = s_.config.hidden, R = s_.ranks;
+    std::vector<bf16> out(size_t(int64_t(eval_.size()) * R * T * H));
+    for (size_t i = 0; i < eval_.size(); ++i) {
+      Batch& b = eval_[i];
+      fq_->forward(b.views());
+      for (int64_t r = 0; r < R; ++r) {
+        bf16* o = out.data() + (int64_t(i) * R + r) * T * H;
+        const std::vector<bf16>& y = b.y[size_t(r)];
+        if (b.shared.empty()) {
+          std::copy(y.begin(), y.end(), o);
+          continue;
+        }
+        const std::vector<bf16>& sh = b.shared[size_t(r)];
+        for (size_t k = 0; k < y.size(); ++k) o[k].bits = bf16_round(add_rn(to_f32(y[k]), to_f32(sh[k])));
+      }
+    }
+    return out;
+  }
+
+  RunnerSetup s_;
+  int threads_;
+  std::unique_ptr<FakeQuantMoe> fq_;
+  std::vector<bf16> acts_;  // the layer's activations from the first batch loaded
+  std::vector<Batch> calib_, eval_;
+  std::vector<bf16> reference_;
+};
+
+}  // namespace
+
+void register_layer_runner(EvalDevice device, LayerRunnerFactory factory) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry()[device] = std::move(factory);
+}
+
+std::unique_ptr<LayerRunner> make_layer_runner(EvalDevice device, const RunnerSetup& setup) {
+  if (device == EvalDevice::kCpu) return make_host_runner(setup);
+  LayerRunnerFactory f;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    const auto it = registry().find(device);
+    if (it != registry().end()) f = it->second;
+  }
+  MOEFQ_CHECK(f != nullptr, "--device cuda: this build has no CUDA support (rebuild with nvcc) or the GPU "
+              "back-ends were not registered");
+  return f(setup);
+}
+
+std::unique_ptr<LayerRunner> make_host_runner(const RunnerSetup& setup) { return std::make_unique<HostRunner>(setup); }
+
+}  // namespace moefq

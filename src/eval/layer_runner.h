@@ -1,0 +1,127 @@
+// One layer's evaluation on one device, behind the pipeline of src/eval/eval.cpp: the host runner
+// (the CPU engine or any host-tensor expert back-end; host_runner.cpp) and the device-resident
+// CUDA runner (eval/cuda/device_runner.cu). A runner holds one layer at a time: its weights, the
+// activations of every batch (calibration batches first, then the held-out evaluation batches,
+// each ranks x tokens rows, rank-major), their routing, the fake-quantized layer with the shared
+// expert unfused (the model adds the shared expert, computed on the unquantized x, to the routed
+// output, in fp32 with one bf16 rounding) and the unquantized reference of the evaluation batches.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moefq/eval.h"
+#include "moefq/metrics.h"
+#include "moefq/moe_quantizers.h"
+#include "moefq/safetensors.h"
+#include "moefq/synthetic.h"
+
+namespace moefq {
+
+// What every runner needs to know of the run (resolved from EvalOptions).
+struct RunnerSetup {
+  MoeConfig config;
+  int64_t ranks = 0, tokens = 0;
+  int calib_batches = 0, eval_batches = 0;
+  uint64_t seed = 0;
+  SyntheticKind synthetic = SyntheticKind::kModel;
+  std::string checkpoint_dir;                  // empty: synthetic weights
+  const SafetensorsFile* acts = nullptr;       // null: synthetic activations
+  std::map<int64_t, std::string> act_tensor;   // layer -> tensor name in acts
+  int num_threads = 0;
+  std::string backend_kind;  // the host runner's expert back-end
+  bool prefetch = false;     // the memory plan allows preparing the next layer meanwhile
+
+  int64_t batch_tokens() const { return ranks * tokens; }
+  int64_t num_tokens() const { return int64_t(calib_batches + eval_batches) * batch_tokens(); }
+  // The seed of layer i's synthetic model: distinct per layer, fixed per (seed, i).
+  uint64_t layer_seed(int64_t layer) const;
+  SyntheticLayer synthetic_layer(int64_t layer) const;
+};
+
+// What one recipe's evaluation gives: the metric sums per evaluation token (in the batches'
+// order), the squared error per channel, and the quantizers' clip counters ([2][R]).
+struct RecipeStats {
+  std::vector<MetricSums> tokens;
+  std::vector<double> channel_err2;  // [H]
+  std::vector<ClipCounts> clips;
+  double metrics_seconds = 0;  // of the evaluation's time, the reduction of the sums
+};
+
+class LayerRunner {
+ public:
+  virtual ~LayerRunner() = default;
+  // Makes `layer` the current one: weights generated or loaded, activations, routing, the shared
+  // expert's output on the evaluation batches. need_calibration: the calibration batches too.
+  virtual void load(int64_t layer, bool need_calibration) = 0;
+  // Starts preparing `layer` (the next load's) while the current one is evaluated, where the
+  // runner can (setup.prefetch); load() then takes it over.
+  virtual void prefetch(int64_t /*layer*/) {}
+
+  // As FakeQuantMoe's (configuration errors before any forward).
+  virtual void configure(const std::map<std::string, QuantizerConfig>& configs) = 0;
+  virtual void set_calibrated_amax(float dispatch_amax, float combine_amax) = 0;
+  virtual const MoeQuantizers& quantizers() const = 0;
+  virtual bool layout_checked(int64_t rank) const = 0;
+
+  // Max calibration on the calibration batches with both quantizers enabled (no QDQ meanwhile):
+  // the reduced amax and each rank's own.
+  virtual LayerCalibration calibrate() = 0;
+  // The unquantized output of the evaluation batches, kept as the reference; returns the sum of
+  // its squares per channel ([H]), which picks the layer's outlier channels.
+  virtual std::vector<double> reference() = 0;
+  // The evaluation batches under the current configuration, against the reference.
+  virtual RecipeStats evaluate() = 0;
+};
+
+// The bytes a run needs on the host and the device, by item, against what is available (the
+// device's figures come from the function registered with set_device_memory_query). A run may
+// use kUsableFraction of what is available; streaming (the next layer prepared meanwhile) is
+// planned when it fits too.
+inline constexpr double kUsableFraction = 0.9;
+MemoryPlan plan_run_memory(const RunnerSetup& setup, EvalDevice device);
+// Free and total bytes of the current GPU (registered with the CUDA runner).
+void set_device_memory_query(std::function<std::pair<double, double>()> query);
+
+// The calibration sequence every runner shares: start, one forward per calibration batch, finish,
+// then the reduced amax and each rank's own from the fake-quantized layer (FakeQuantMoe or
+// CudaFakeQuantMoe).
+template <typename Layer, typename Forward>
+LayerCalibration calibrate_with(Layer& fq, int num_batches, Forward&& forward) {
+  fq.start_calibration();
+  for (int b = 0; b < num_batches; ++b) forward(b);
+  fq.finish_calibration();
+  LayerCalibration c;
+  c.dispatch_rank_amax = fq.rank_amax(0);
+  c.combine_rank_amax = fq.rank_amax(1);
+  c.dispatch_amax = *fq.quantizers().dispatch(0).amax();
+  c.combine_amax = *fq.quantizers().combine(0).amax();
+  return c;
+}
+
+// Creates the runner for a device; the CUDA one is registered by cuda::register_cuda_backends().
+using LayerRunnerFactory = std::function<std::unique_ptr<LayerRunner>(const RunnerSetup&)>;
+void register_layer_runner(EvalDevice device, LayerRunnerFactory factory);
+std::unique_ptr<LayerRunner> make_layer_runner(EvalDevice device, const RunnerSetup& setup);
+
+// Registers the device-resident CUDA runner and the GPU memory query (builds with CUDA only;
+// src/eval/cuda/device_runner.cu). Idempotent.
+void register_cuda_layer_runner();
+
+// The host runner (the CPU engine, or setup.backend_kind's host-tensor back-end).
+std::unique_ptr<LayerRunner> make_host_runner(const RunnerSetup& setup);
+
+// Rows [first, first + n) of the layer's activations: synthetic (the layer model) or from the
+// activations file (F32 rounded to bf16, as the layer's input is bf16). [n, H] bf16.
+std::vector<bf16> layer_activations(const RunnerSetup& setup, int64_t layer, int64_t first, int64_t n);
+
+// The layer's weights for rank r (its E/R experts, the shared expert, the router): synthetic or
+// from the checkpoint.
+LayerWeights rank_weights(const RunnerSetup& setup, int64_t layer, int64_t rank);
+
+}  // namespace moefq

@@ -1,0 +1,145 @@
+// The memory plan of an evaluation (layer_runner.h): every large allocation of the runners,
+// counted from the shapes before any is made, against the host's available memory (the smaller of
+// MemAvailable and what the cgroup still allows) and the GPU's free memory.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "engine/expert_cpu.h"
+#include "eval/layer_runner.h"
+#include "moefq/buffer_layout.h"
+
+namespace moefq {
+namespace {
+
+std::mutex& query_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::function<std::pair<double, double>()>& device_query() {
+  static std::function<std::pair<double, double>()> q;
+  return q;
+}
+
+// A number from a file that holds one (cgroup limits), or nullopt ("max", absent, unreadable).
+std::optional<double> read_number(const char* path) {
+  std::ifstream in(path);
+  std::string s;
+  if (!(in >> s) || s == "max") return std::nullopt;
+  try {
+    return std::stod(s);
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+// What this process may still allocate on the host.
+double host_available() {
+  double avail = 0;
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kb;
+  std::string unit;
+  while (in >> key >> kb >> unit)
+    if (key == "MemAvailable:") avail = kb * 1024.0;
+  for (const auto& [limit, usage] : {std::pair{"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"},
+                                     std::pair{"/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                               "/sys/fs/cgroup/memory/memory.usage_in_bytes"}}) {
+    const auto l = read_number(limit), u = read_number(usage);
+    if (l && u && *l < 1e18) avail = avail > 0 ? std::min(avail, std::max(0.0, *l - *u)) : std::max(0.0, *l - *u);
+  }
+  return avail;
+}
+
+double expert_bytes(int64_t H, int64_t I) {
+  const double params = 3.0 * double(H) * double(I);
+  return params + params / (128.0 * 128.0) * 4.0;  // e4m3 codes and fp32 128 x 128 block scales
+}
+
+}  // namespace
+
+void set_device_memory_query(std::function<std::pair<double, double>()> query) {
+  std::lock_guard<std::mutex> lock(query_mutex());
+  device_query() = std::move(query);
+}
+
+std::string MemoryPlan::describe() const {
+  const auto gib = [](double b) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%9.2f", b / double(1ull << 30));
+    return std::string(buf);
+  };
+  std::ostringstream out;
+  out << "memory plan (GiB)                          host     device\n";
+  for (const MemoryItem& m : items) {
+    char name[48];
+    std::snprintf(name, sizeof name, "  %-38s", m.what.c_str());
+    out << name << gib(m.host_bytes) << "  " << gib(m.device_bytes) << "\n";
+  }
+  out << "  total" << std::string(33, ' ') << gib(host_bytes) << "  " << gib(device_bytes) << "\n";
+  out << "  available" << std::string(29, ' ') << gib(host_available) << "  " << gib(device_available);
+  if (streaming) out << "\n  (the next layer's weights are prepared while a layer is evaluated)";
+  return out.str();
+}
+
+MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
+  const MoeConfig& c = s.config;
+  const int64_t R = s.ranks, T = s.tokens, H = c.hidden, I = c.intermediate, E = c.num_experts, K = c.top_k;
+  const double rows = double(s.num_tokens()), eval_rows = double(s.eval_batches) * double(R * T);
+  const double weights = double(E) * expert_bytes(H, I) +
+                         double(R) * (c.num_shared > 0 ? expert_bytes(H, I * c.num_shared) : 0.0);
+  const double router = double(R) * double(E) * double(H + 1) * 4.0;
+  BufferShape shape;
+  shape.num_ranks = R;
+  shape.num_experts = E;
+  shape.max_tokens = T;
+  shape.top_k = K;
+  shape.hidden = H;
+  shape.intermediate = I;
+  const double buffers = double(R) * double(BufferLayout(shape).total_bytes());
+  const double acts = rows * double(H) * 2.0;
+  // The batches' outputs, the shared expert's, the reference and one recipe's output.
+  const double outputs = (rows + 3.0 * eval_rows) * double(H) * 2.0;
+  const double sums = eval_rows * double(sizeof(MetricSums)) + double(H) * 16.0;
+  const double xq = double(R * T * H) * 2.0;
+  const bool cuda = device == EvalDevice::kCuda;
+  MemoryPlan p;
+  const auto add = [&](const std::string& what, double bytes, bool on_device) {
+    p.items.push_back({what, on_device ? 0.0 : bytes, on_device ? bytes : 0.0});
+  };
+  add("expert weights (e4m3, 1 layer)", weights, cuda);
+  add("router weights", router, false);
+  add("engine buffers (" + std::to_string(R) + " ranks)", buffers, cuda);
+  add("activations", acts, cuda);
+  add("outputs, reference, metric sums", outputs + sums, cuda);
+  add("dispatch QDQ output", xq, cuda);
+  if (!cuda) {
+    const int threads = resolve_threads(s.num_threads);
+    const double scratch = double(threads) * (128.0 * double(std::max(H, I)) + 64.0 * double(std::max(H, I) + std::max(2 * I, H))) * 4.0;
+    add("CPU GEMM scratch", scratch, false);
+  }
+  for (const MemoryItem& m : p.items) {
+    p.host_bytes += m.host_bytes;
+    p.device_bytes += m.device_bytes;
+  }
+  p.host_available = host_available();
+  {
+    std::lock_guard<std::mutex> lock(query_mutex());
+    if (cuda && device_query()) p.device_available = device_query()().first;
+  }
+  // Streaming (the GPU runner): a second layer's weights generated or loaded on a side stream while
+  // the current one is evaluated, where that fits too. The host runner has no cores to spare for it.
+  const double budget = cuda ? kUsableFraction * p.device_available : kUsableFraction * p.host_available;
+  const double need = (cuda ? p.device_bytes : p.host_bytes) + weights;
+  if (cuda && budget > 0 && need <= budget) {
+    p.streaming = true;
+    add("next layer's weights (streaming)", weights, cuda);
+    (cuda ? p.device_bytes : p.host_bytes) += weights;
+  }
+  return p;
+}
+
+}  // namespace moefq

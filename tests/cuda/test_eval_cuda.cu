@@ -1,0 +1,134 @@
+// The device-resident evaluation against the two host paths: the same CUDA engine behind the
+// host-tensor back-end ("mega_moe_cuda": the same data and engine, so every figure within fp64
+// reduction order, 1e-12 relative), and the CPU engine (everything before the expert GEMMs
+// identical: routing, the dispatch amax; the rest within the GEMM tolerance). And the memory plan
+// refusing a run that does not fit the GPU, before any allocation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "cuda/host_api.h"
+#include "eval/layer_runner.h"
+#include "gpu_test.h"
+#include "moefq/errors.h"
+#include "moefq/eval.h"
+
+namespace moefq {
+namespace {
+
+EvalOptions small_run(EvalDevice device, const std::string& backend) {
+  cuda::register_cuda_backends();
+  register_cuda_layer_runner();
+  EvalOptions o;
+  o.preset = "tiny";
+  o.ranks = 4;
+  o.tokens = 64;
+  o.calib_batches = 1;
+  o.eval_batches = 1;
+  o.layers = {0, 3};  // an early layer (super experts) and a middle one
+  o.device = device;
+  o.backend_kind = backend;
+  return o;
+}
+
+bool close(double a, double b, double rel) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
+  if (std::isinf(a) || std::isinf(b)) return a == b;
+  return std::fabs(a - b) <= rel * std::max(std::fabs(a), std::fabs(b));
+}
+
+const EvalRow& row_of(const EvalResult& r, int64_t layer, const std::string& recipe) {
+  for (const EvalRow& row : r.rows)
+    if (row.layer == layer && row.recipe == recipe) return row;
+  throw std::runtime_error("no row " + recipe);
+}
+
+TEST(EvalCuda, DeviceResidentEqualsTheHostPathOnTheSameEngine) {
+  SKIP_WITHOUT_GPU();
+  const EvalResult dev = run_eval(small_run(EvalDevice::kCuda, "mega_moe"));
+  const EvalResult host = run_eval(small_run(EvalDevice::kCpu, "mega_moe_cuda"));
+  ASSERT_EQ(dev.rows.size(), host.rows.size());
+  ASSERT_EQ(dev.calibration.layers.size(), 2u);
+  for (size_t l = 0; l < 2; ++l) {
+    const LayerCalibration &a = dev.calibration.layers[l], &b = host.calibration.layers[l];
+    EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);
+    EXPECT_EQ(a.combine_amax, b.combine_amax);
+    EXPECT_EQ(a.dispatch_rank_amax, b.dispatch_rank_amax);
+    EXPECT_EQ(a.combine_rank_amax, b.combine_rank_amax);
+  }
+  for (const EvalRow& a : dev.rows) {
+    SCOPED_TRACE("layer " + std::to_string(a.layer) + " " + a.recipe);
+    const EvalRow& b = row_of(host, a.layer, a.recipe);
+    const double tol = 1e-12;
+    EXPECT_TRUE(close(a.metrics.rel_l2, b.metrics.rel_l2, tol)) << a.metrics.rel_l2 << " vs " << b.metrics.rel_l2;
+    EXPECT_TRUE(close(a.metrics.cosine, b.metrics.cosine, tol));
+    EXPECT_TRUE(close(a.metrics.calc_diff, b.metrics.calc_diff, 1e-9));  // a difference of sums
+    EXPECT_EQ(a.metrics.max_abs, b.metrics.max_abs);
+    EXPECT_TRUE(close(a.metrics.snr_db, b.metrics.snr_db, tol));
+    EXPECT_EQ(a.metrics.count, b.metrics.count);
+    EXPECT_TRUE(close(a.rel_l2_token_p50, b.rel_l2_token_p50, tol));
+    EXPECT_TRUE(close(a.rel_l2_token_p99, b.rel_l2_token_p99, tol));
+    EXPECT_TRUE(close(a.rel_l2_token_max, b.rel_l2_token_max, tol));
+    EXPECT_TRUE(close(a.rel_l2_non_outlier, b.rel_l2_non_outlier, tol));
+    EXPECT_EQ(a.dispatch_clipped_fraction, b.dispatch_clipped_fraction);
+    EXPECT_EQ(a.combine_clipped_fraction, b.combine_clipped_fraction);
+    EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);
+    EXPECT_EQ(a.combine_amax, b.combine_amax);
+    EXPECT_EQ(a.layout_check, b.layout_check);
+  }
+}
+
+TEST(EvalCuda, DeviceResidentAgainstTheCpuEngine) {
+  SKIP_WITHOUT_GPU();
+  const EvalResult dev = run_eval(small_run(EvalDevice::kCuda, "mega_moe"));
+  const EvalResult cpu = run_eval(small_run(EvalDevice::kCpu, "mega_moe"));
+  for (size_t l = 0; l < 2; ++l) {
+    const LayerCalibration &a = dev.calibration.layers[l], &b = cpu.calibration.layers[l];
+    // The dispatch amax is over the tokens: the same data, the same routing (which tokens are sent).
+    EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);
+    EXPECT_EQ(a.dispatch_rank_amax, b.dispatch_rank_amax);
+    // The combine amax is over the expert outputs: within the GEMMs' accumulation tolerance.
+    EXPECT_TRUE(close(a.combine_amax, b.combine_amax, 2e-2)) << a.combine_amax << " vs " << b.combine_amax;
+  }
+  for (const EvalRow& a : dev.rows) {
+    SCOPED_TRACE("layer " + std::to_string(a.layer) + " " + a.recipe);
+    const EvalRow& b = row_of(cpu, a.layer, a.recipe);
+    EXPECT_EQ(a.layout_check, b.layout_check);
+    if (a.recipe == "none") {
+      EXPECT_EQ(a.metrics.rel_l2, 0.0);
+      EXPECT_EQ(b.metrics.rel_l2, 0.0);
+      continue;
+    }
+    // The error of a recipe, measured on either engine's own reference: within 10% of each other
+    // (the GEMMs' accumulation order moves both the reference and the quantized output).
+    EXPECT_TRUE(close(a.metrics.rel_l2, b.metrics.rel_l2, 0.1)) << a.metrics.rel_l2 << " vs " << b.metrics.rel_l2;
+    EXPECT_TRUE(close(a.rel_l2_token_p50, b.rel_l2_token_p50, 0.1));
+  }
+}
+
+TEST(EvalCuda, MemoryPlanRefusesARunThatDoesNotFit) {
+  SKIP_WITHOUT_GPU();
+  EvalOptions o = small_run(EvalDevice::kCuda, "mega_moe");
+  o.preset = "deepseek-v3";
+  o.preset_given = true;
+  o.ranks = 8;
+  o.tokens = 1 << 17;  // 8 ranks x 131072 tokens: terabytes of buffers
+  o.layers = {0};
+  try {
+    run_eval(o);
+    ADD_FAILURE() << "not refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kBadInput);
+    const std::string m = e.what();
+    EXPECT_NE(m.find("GiB of GPU memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("memory plan"), std::string::npos) << m;
+  }
+  // The plan of the target run fits an H200-class GPU.
+  o.tokens = 256;
+  const MemoryPlan plan = plan_eval_memory(o);
+  EXPECT_GT(plan.device_bytes, 10e9);  // one layer's weights alone are 11 GB
+  std::printf("%s\n", plan.describe().c_str());
+}
+
+}  // namespace
+}  // namespace moefq

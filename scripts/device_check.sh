@@ -4,9 +4,11 @@
 # packed into $OUT/device_run.tar.gz (the device tool returns at most 8 files); a summary is
 # printed and kept in $OUT/summary.txt.
 # Needs .deps/ from scripts/fetch_device_deps.sh (carried along with the working tree).
-# Usage: scripts/device_check.sh [quick|gpu|full|bench] [benchmark ...]
+# Usage: scripts/device_check.sh [quick|gpu|full|bench|eval] [benchmark ...]
 #   quick: build + GPU tests; gpu: + benchmarks; full: + CPU tests, sanitizers and benchmarks;
-#   bench: build + benchmarks. MOEFQ_SASS=1 also saves the SASS of the GEMM and combine kernels;
+#   bench: build + benchmarks; eval: build + GPU tests + the main job's timings (one deepseek-v3
+#   layer, 20 layers through bench eval) and the device-resident reports against the host
+#   pipeline's. MOEFQ_SASS=1 also saves the SASS of the GEMM and combine kernels;
 #   MOEFQ_NCU=1 adds ncu counters of the combine kernels inside the layer benchmark and alone;
 #   MOEFQ_NCU_CUBLAS=1 times cuBLASLt's GEMMs of `bench gemm` under ncu at the locked base clock
 #   (real operands, then constant ones: the same work, so a difference outside ncu is the clock).
@@ -48,7 +50,7 @@ test_rc=0
 if [ "$mode" != bench ]; then
   step "tests"
   labels="gpu|cpu"
-  [ "$mode" = quick ] || [ "$mode" = gpu ] && labels="gpu"
+  [ "$mode" = quick ] || [ "$mode" = gpu ] || [ "$mode" = eval ] && labels="gpu"
   ctest --test-dir build-dev -L "$labels" --output-on-failure -j4 --timeout 300 > "$LOG/ctest.log" 2>&1
   test_rc=$?
   grep -E "tests passed|tests failed|Failed|\*\*\*|Test +#.*(Failed|Exception)" "$LOG/ctest.log" | tail -n 40
@@ -73,7 +75,28 @@ if [ "$mode" = full ]; then
   sanitize test_cuda_engine 'CudaEngine.StagingDispatch*:CudaEngine.Padding*'
 fi
 
-if [ "$mode" != quick ]; then
+if [ "$mode" = eval ]; then
+  step "eval: one deepseek-v3 layer, 8 ranks x 256 tokens, the default sweep"
+  /usr/bin/time -f "wall %e s, max RSS %M KB" build-dev/moefq eval --preset deepseek-v3 --ranks 8 --device cuda \
+    --out "$LOG/ds_layer" > "$LOG/eval_ds.txt" 2> "$LOG/eval_ds.err"
+  echo "rc=$?"; tail -n 3 "$LOG/eval_ds.err"; tail -n 18 "$LOG/eval_ds.txt" | cut -c1-200
+  step "bench eval: deepseek-v3 layers 0-19"
+  timeout 300 build-dev/moefq bench eval --preset deepseek-v3 --layers 0-19 --ranks 8 --tokens 256 \
+    --json "$LOG/bench_eval.json" > "$LOG/bench_eval.txt" 2> "$LOG/bench_eval.err"
+  echo "rc=$?"; cat "$LOG/bench_eval.txt"
+  cp "$LOG/bench_eval.json" "$OUT/" 2>/dev/null
+  step "device-resident reports against the host pipeline (same data, same engine)"
+  for run in "tiny:" "ds:--preset deepseek-v3 --ranks 8 --tokens 64 --calib-batches 1 --eval-batches 1 --layers 0,3"; do
+    name=${run%%:*}; args=${run#*:}
+    for p in device host; do
+      build-dev/moefq eval $args --device cuda --pipeline $p --out "$LOG/cmp_${name}_$p" > "$LOG/cmp_${name}_$p.txt" 2>&1
+      echo "$name $p rc=$? $(grep -E '^rows:' "$LOG/cmp_${name}_$p.txt" | grep -oE '[0-9.]+ s$')"
+    done
+    python3 scripts/compare_reports.py "$LOG/cmp_${name}_device/report.json" "$LOG/cmp_${name}_host/report.json" | tail -n 25
+  done
+fi
+
+if [ "$mode" != quick ] && [ "$mode" != eval ]; then
   step "benchmarks"
   # The SM clock and power while the benchmarks run (issue-bound kernels slow with the clock).
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 200 > "$LOG/clocks.csv" 2>&1 &

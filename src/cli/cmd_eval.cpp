@@ -28,7 +28,7 @@ namespace fs = std::filesystem;
 
 struct EvalCliOptions {
   EvalOptions eval;
-  std::string layers, device = "auto", out, save, synthetic = "model";
+  std::string layers, device = "auto", out, save, synthetic = "model", pipeline = "device";
   int64_t seed = 1;  // parsed signed so that a negative seed is an error, not a wrapped value
   double max_rel_l2 = 0;
 };
@@ -55,6 +55,9 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--device", o.device, "auto | cpu | cuda (default auto: cuda when a GPU is visible)");
   sub->add_option("--threads", o.eval.num_threads, "CPU engine threads (default 0: all)")->check(CLI::Range(0, 1024));
+  sub->add_option("--pipeline", o.pipeline,
+                  "with a GPU: device (default: the layer stays on the GPU) or host (the CUDA engine behind host "
+                  "tensors, the earlier path, kept to compare with)");
 }
 
 // Resolves --device, --layers and the preset flag into the library options.
@@ -72,10 +75,14 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
 #ifdef MOEFQ_HAS_CUDA
     cuda::register_cuda_backends();
     register_cuda_layer_runner();
-    o.eval.device = EvalDevice::kCuda;
-    o.eval.device_name = cuda::device_description();
+    MOEFQ_CHECK(o.pipeline == "device" || o.pipeline == "host", "--pipeline: unknown pipeline '", o.pipeline,
+                "' (expected device or host)");
+    o.eval.device = o.pipeline == "device" ? EvalDevice::kCuda : EvalDevice::kCpu;
+    o.eval.backend_kind = "mega_moe_cuda";
+    o.eval.device_name = cuda::device_description() + (o.pipeline == "host" ? " (host pipeline)" : "");
 #endif
   } else {
+    MOEFQ_CHECK(o.pipeline == "device", "--pipeline ", o.pipeline, " needs a GPU (--device cuda)");
     o.eval.device = EvalDevice::kCpu;
     o.eval.backend_kind = "mega_moe";
     const unsigned hw = std::max(1u, std::thread::hardware_concurrency());

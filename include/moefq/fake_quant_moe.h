@@ -48,6 +48,9 @@ class FakeQuantMoe {
   // One call of every rank; batches[r].y receives rank r's output. A dynamic dispatch amax is the
   // max |x| over the rank's tokens that have an active routed slot (the tokens that are sent).
   void forward(std::span<const RankBatch> batches);
+  // The quantizers' work in forward() alone, on the combine rows the last call left (the engine is
+  // not called): a combine quantizer configured since re-sums those rows into y.
+  void quantizers_only(std::span<const RankBatch> batches);
 
   ExpertBackend& backend() { return *backend_; }
   const MoeQuantizers& quantizers() const;

@@ -99,7 +99,7 @@ std::vector<MoeConfig> all_presets() {
       make_preset("deepseek-v4-pro", 7168, 3072, 384, 6, 1, S::kSqrtSoftplus, true, 1, 1, 1.0f, 10.0f),
       make_preset("kimi-k3", 3584, 3072, 896, 16, 2, S::kSigmoid, true, 1, 1, 1.0f, std::nullopt),
       // The built-in default: DeepSeek-V3's structure (shared expert, groups, K = 8) at CPU size.
-      make_preset("tiny", 512, 256, 32, 8, 1, S::kSigmoid, true, 4, 2, 2.5f, std::nullopt),
+      make_preset("tiny", 1024, 256, 32, 8, 1, S::kSigmoid, true, 4, 2, 2.5f, std::nullopt),
   };
 }
 

@@ -26,9 +26,12 @@ constexpr float kOutlierMin = 15, kOutlierMax = 30;  // ... at 15-30x
 constexpr int64_t kSeqMin = 2048, kSeqSpan = 2049;   // sequences of 2048-4096 tokens, a sink each
 constexpr double kSinkOverMedian = 1000;             // massive activations: ~10^3 x the token's median
 // Super experts: on a sink token their gate/up pre-activations reach ~kSuperPreact standard
-// normals, their outputs on the sink channels ~kSuperOutput (10^2-10^3), and the router's logit
-// for them ~kSuperLogit per sink channel, so sink tokens route to them.
-constexpr double kSuperPreact = 6, kSuperOutput = 100, kSuperLogit = 8;
+// normals, their outputs on the sink channels ~kSuperOutput (10^2-10^3) at the hidden size of the
+// models they were measured in (kSuperWidth), and the router's logit for them ~kSuperLogit per
+// sink channel, so sink tokens route to them. At other widths the outputs scale with sqrt(H /
+// kSuperWidth): a sink token's share of the layer's output energy stays what it is at full size
+// (a small test model is not dominated by its one sink token).
+constexpr double kSuperPreact = 6, kSuperOutput = 300, kSuperWidth = 7168, kSuperLogit = 8;
 // A super expert's SwiGLU output on a sink token, for the down gain: silu(6) * 6 times a router
 // weight of about 1/4.
 constexpr double kSuperHidden = 9;
@@ -187,7 +190,8 @@ SyntheticLayer synthetic_layer(const MoeConfig& cfg, uint64_t seed, SyntheticKin
   L.sink_value = float(c * e);
   L.super_up_gain = float(kSuperPreact / (double(L.sink_value) * double(L.weight_sigma)));
   if (cfg.intermediate > 0)
-    L.super_down_gain = float(kSuperOutput / (kSuperHidden * std::sqrt(double(cfg.intermediate)) * double(L.weight_sigma)));
+    L.super_down_gain = float(kSuperOutput * std::sqrt(double(H) / kSuperWidth) /
+                              (kSuperHidden * std::sqrt(double(cfg.intermediate)) * double(L.weight_sigma)));
   L.router_sink_super = float(kSuperLogit / double(L.sink_value));
   return L;
 }

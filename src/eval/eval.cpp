@@ -273,6 +273,15 @@ double wire_bytes(std::optional<Format> f, int64_t cols) {
   return 2 * c;
 }
 
+// The global amax a quantizer configured this way uses: the calibrated one, its constant, or none
+// (a dynamic amax, a format without one, disabled).
+std::optional<float> global_amax(const QuantizerConfig& c, float calibrated) {
+  if (!c.enable || !format_has_global_amax(c.spec.format)) return std::nullopt;
+  if (c.spec.amax_source == AmaxSource::kCalibrated) return calibrated;
+  if (c.spec.amax_source == AmaxSource::kConstant) return c.spec.constant_amax;
+  return std::nullopt;
+}
+
 std::string pct(double f) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.3g%%", 100.0 * f);
@@ -452,7 +461,7 @@ EvalResult run_eval(const EvalOptions& options) {
   const std::unique_ptr<LayerRunner> runner = make_layer_runner(p.device, p.runner);
   const size_t num_recipes = p.recipes.size();
   const int64_t H = s.config.hidden, R = s.ranks;
-  Progress progress(p, int64_t(s.layers.size()) * int64_t(num_recipes + (loaded ? 2 : 3)));
+  Progress progress(p, int64_t(s.layers.size()) * ((loaded ? 1 : 2) + int64_t(s.eval_batches) * int64_t(num_recipes + 1)));
   for (size_t li = 0; li < s.layers.size(); ++li) {
     const int64_t layer = s.layers[li];
     const std::string L = "layer " + std::to_string(layer);
@@ -474,49 +483,67 @@ EvalResult run_eval(const EvalOptions& options) {
     }
     const LayerCalibration& cal = *result.calibration.find(layer);
 
-    t = Clock::now();
-    progress.step(L + ": unquantized reference on " + plural(s.eval_batches, "batch"));
-    runner->configure({});
-    const std::vector<double> ref_ch = runner->reference();
-    const std::vector<bool> outliers = outlier_channels(ref_ch);
-    times.reference = seconds_since(t);
-
-    std::vector<EvalRow> rows;
+    // The recipes in the order they run: those that leave dispatch unquantized first (they reuse
+    // the reference's engine call), then the others grouped by their dispatch configuration, the
+    // engine once per group.
+    const std::string dname = FakeQuantMoe::dispatch_name(layer), cname = FakeQuantMoe::combine_name(layer);
+    const auto config_of = [&](size_t i, const std::string& q) {
+      const auto it = p.recipe_configs[i].find(q);
+      return it == p.recipe_configs[i].end() ? QuantizerConfig{} : it->second;
+    };
+    std::vector<size_t> order;
+    std::vector<RecipeStep> steps;
+    for (size_t i = 0; i < num_recipes; ++i)
+      if (!config_of(i, dname).enable) {
+        order.push_back(i);
+        steps.push_back({p.recipes[i].name, p.recipe_configs[i], false});
+      }
     for (size_t i = 0; i < num_recipes; ++i) {
-      const std::string& name = p.recipes[i].name;
-      progress.step(L + " " + name);
-      t = Clock::now();
-      runner->configure(p.recipe_configs[i]);
-      runner->set_calibrated_amax(cal.dispatch_amax, cal.combine_amax);
-      const RecipeStats st = runner->evaluate();
-      times.recipes += seconds_since(t);
-      t = Clock::now();
-      EvalRow row;
+      const QuantizerConfig d = config_of(i, dname);
+      if (!d.enable || std::find(order.begin(), order.end(), i) != order.end()) continue;
+      for (size_t j = i; j < num_recipes; ++j) {
+        const QuantizerConfig dj = config_of(j, dname);
+        if (!dj.enable || !(dj.spec == d.spec) || std::find(order.begin(), order.end(), j) != order.end()) continue;
+        order.push_back(j);
+        steps.push_back({p.recipes[j].name, p.recipe_configs[j], j == i});
+      }
+    }
+    const EvalPassStats pass = runner->evaluate(steps, cal.dispatch_amax, cal.combine_amax,
+                                                [&](const std::string& what) { progress.step(L + " " + what); });
+    times.reference = pass.reference_seconds;
+    times.recipes = pass.recipes_seconds;
+    t = Clock::now();
+    const std::vector<bool> outliers = outlier_channels(pass.reference_channels);
+
+    std::vector<EvalRow> rows(num_recipes);
+    for (size_t k = 0; k < order.size(); ++k) {
+      const size_t i = order[k];
+      const RecipeStats& st = pass.steps[k];
+      EvalRow& row = rows[i];
       row.layer = layer;
-      row.recipe = name;
-      const Quantizer& d = runner->quantizers().dispatch(0);
-      const Quantizer& c = runner->quantizers().combine(0);
+      row.recipe = p.recipes[i].name;
+      const QuantizerConfig d = config_of(i, dname), c = config_of(i, cname);
       const auto clipped = [&](int which) {
         uint64_t clip = 0, total = 0;
-        for (int64_t r = 0; r < int64_t(st.clips.size()) / 2; ++r) {
+        for (int64_t r = 0; r < R; ++r) {
           clip += st.clips[size_t(which * R + r)].clipped;
           total += st.clips[size_t(which * R + r)].total;
         }
         return total ? double(clip) / double(total) : 0.0;
       };
-      if (d.enabled()) {
-        row.dispatch_format = format_name(d.spec().format);
-        row.dispatch_amax = d.amax();
+      if (d.enable) {
+        row.dispatch_format = format_name(d.spec.format);
+        row.dispatch_amax = global_amax(d, cal.dispatch_amax);
         if (row.dispatch_amax) row.dispatch_clipped_fraction = clipped(0);
       }
-      if (c.enabled()) {
-        row.combine_format = format_name(c.spec().format);
-        row.combine_amax = c.amax();
+      if (c.enable) {
+        row.combine_format = format_name(c.spec.format);
+        row.combine_amax = global_amax(c, cal.combine_amax);
         if (row.combine_amax) row.combine_clipped_fraction = clipped(1);
         for (int64_t r = 0; r < R; ++r)
           MOEFQ_ASSERT(runner->layout_checked(r), L, ": the combine quantizer of rank ", r, " ran without a layout check");
       }
-      row.layout_check = c.enabled() ? "pass" : "n/a";
+      row.layout_check = c.enable ? "pass" : "n/a";
       MetricSums all;
       for (const MetricSums& tk : st.tokens) all.merge(tk);
       row.metrics = finalize_metrics(all);
@@ -529,21 +556,15 @@ EvalResult run_eval(const EvalOptions& options) {
       for (int64_t h = 0; h < H; ++h)
         if (!outliers[size_t(h)]) {
           err2 += st.channel_err2[size_t(h)];
-          ref2 += ref_ch[size_t(h)];
+          ref2 += pass.reference_channels[size_t(h)];
         }
-      row.rel_l2_non_outlier = std::isnan(row.metrics.rel_l2) ? row.metrics.rel_l2
-                               : ref2 > 0                    ? std::sqrt(err2 / ref2)
-                                                             : 0.0;
-      const std::optional<Format> df = d.enabled() ? std::optional<Format>(d.spec().format) : std::nullopt;
-      const std::optional<Format> cf = c.enabled() ? std::optional<Format>(c.spec().format) : std::nullopt;
-      row.dispatch_wire_bytes_per_token = wire_bytes(df, H);
-      row.combine_wire_bytes_per_token = wire_bytes(cf, H);
+      row.rel_l2_non_outlier = std::isnan(row.metrics.rel_l2) ? row.metrics.rel_l2 : ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
+      row.dispatch_wire_bytes_per_token = wire_bytes(d.enable ? std::optional<Format>(d.spec.format) : std::nullopt, H);
+      row.combine_wire_bytes_per_token = wire_bytes(c.enable ? std::optional<Format>(c.spec.format) : std::nullopt, H);
       row.wire_saving = 1.0 - (row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token) / (4.0 * double(H));
       row.over_budget = s.max_rel_l2 && !(row.metrics.rel_l2 <= *s.max_rel_l2);
-      rows.push_back(std::move(row));
-      times.metrics += seconds_since(t) + st.metrics_seconds;
-      times.recipes -= st.metrics_seconds;
     }
+    times.metrics = pass.metrics_seconds + seconds_since(t);
     // One warning per layer and quantizer that clipped: the largest fraction and its recipes.
     for (int which = 0; which < 2; ++which) {
       double worst = 0;

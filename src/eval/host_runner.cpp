@@ -55,6 +55,9 @@ LayerWeights rank_weights(const RunnerSetup& s, int64_t layer, int64_t rank) {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
 std::mutex& registry_mutex() {
   static std::mutex m;
   return m;
@@ -128,59 +131,82 @@ class HostRunner final : public LayerRunner {
     return calibrate_with(*fq_, int(calib_.size()), [&](int b) { fq_->forward(calib_[size_t(b)].views()); });
   }
 
-  std::vector<double> reference() override {
-    reference_ = run_outputs();
-    const int64_t H = s_.config.hidden;
-    std::vector<double> ch(size_t(H), 0.0);
-    for (size_t i = 0; i < reference_.size(); ++i) {
-      const double r = to_f32(reference_[i]);
-      if (std::isfinite(r)) ch[i % size_t(H)] += r * r;
+  EvalPassStats evaluate(const std::vector<RecipeStep>& steps, float dispatch_amax, float combine_amax,
+                         const std::function<void(const std::string&)>& on_step) override {
+    const auto say = [&](int i, const std::string& what) {
+      if (on_step) on_step("batch " + std::to_string(i + 1) + "/" + std::to_string(s_.eval_batches) + " " + what);
+    };
+    const int64_t H = s_.config.hidden, R = s_.ranks, T = s_.tokens;
+    EvalPassStats st;
+    st.reference_channels.assign(size_t(H), 0.0);
+    st.steps.resize(steps.size());
+    for (RecipeStats& r : st.steps) {
+      r.channel_err2.assign(size_t(H), 0.0);
+      r.clips.assign(size_t(2 * R), ClipCounts{});
     }
-    return ch;
-  }
-
-  RecipeStats evaluate() override {
     fq_->set_count_clipping(true);
-    const std::vector<bf16> out = run_outputs();
-    const auto t0 = std::chrono::steady_clock::now();
-    const int64_t H = s_.config.hidden, n = int64_t(out.size()) / H;
-    RecipeStats st;
-    st.tokens.resize(size_t(n));
-    parallel_for(n, threads_, [&](int64_t t) {
-      MetricSums& m = st.tokens[size_t(t)];
-      for (int64_t h = 0; h < H; ++h) m.add(to_f32(out[size_t(t * H + h)]), to_f32(reference_[size_t(t * H + h)]));
-    });
-    st.channel_err2.assign(size_t(H), 0.0);
-    for (size_t i = 0; i < out.size(); ++i) {
-      const double r = to_f32(reference_[i]);
-      if (!std::isfinite(r)) continue;
-      const double d = double(to_f32(out[i])) - r;
-      st.channel_err2[i % size_t(H)] += d * d;
+    for (size_t i = 0; i < eval_.size(); ++i) {
+      Batch& b = eval_[i];
+      say(int(i), "reference");
+      auto t = Clock::now();
+      fq_->configure({});
+      fq_->forward(b.views());
+      const std::vector<bf16> ref = output(b);
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const double r = to_f32(ref[i]);
+        if (std::isfinite(r)) st.reference_channels[i % size_t(H)] += r * r;
+      }
+      st.reference_seconds += seconds_since(t);
+      for (size_t k = 0; k < steps.size(); ++k) {
+        say(int(i), steps[k].name);
+        t = Clock::now();
+        fq_->configure(steps[k].configs);
+        fq_->set_calibrated_amax(dispatch_amax, combine_amax);
+        if (steps[k].with_engine)
+          fq_->forward(b.views());
+        else
+          fq_->quantizers_only(b.views());
+        const std::vector<bf16> out = output(b);
+        st.recipes_seconds += seconds_since(t);
+        t = Clock::now();
+        RecipeStats& rs = st.steps[k];
+        const size_t first = rs.tokens.size();
+        rs.tokens.resize(first + size_t(R * T));
+        parallel_for(R * T, threads_, [&](int64_t i) {
+          MetricSums& m = rs.tokens[first + size_t(i)];
+          for (int64_t h = 0; h < H; ++h) m.add(to_f32(out[size_t(i * H + h)]), to_f32(ref[size_t(i * H + h)]));
+        });
+        for (size_t i = 0; i < out.size(); ++i) {
+          const double r = to_f32(ref[i]);
+          if (!std::isfinite(r)) continue;
+          const double d = double(to_f32(out[i])) - r;
+          rs.channel_err2[i % size_t(H)] += d * d;
+        }
+        const std::vector<ClipCounts> clips = fq_->read_clip_counts();
+        for (size_t i = 0; i < clips.size(); ++i) {
+          rs.clips[i].clipped += clips[i].clipped;
+          rs.clips[i].total += clips[i].total;
+        }
+        st.metrics_seconds += seconds_since(t);
+      }
     }
-    st.clips = fq_->read_clip_counts();
-    st.metrics_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return st;
   }
 
  private:
-  // The evaluation batches' outputs, [batch][rank][token][H]: bf16(routed + shared), as the model
-  // adds them.
-  std::vector<bf16> run_outputs() {
+  // A batch's output after a call, [rank][token][H]: bf16(routed + shared), as the model adds them.
+  std::vector<bf16> output(const Batch& b) const {
     const int64_t T = s_.tokens, H = s_.config.hidden, R = s_.ranks;
-    std::vector<bf16> out(size_t(int64_t(eval_.size()) * R * T * H));
-    for (size_t i = 0; i < eval_.size(); ++i) {
-      Batch& b = eval_[i];
-      fq_->forward(b.views());
-      for (int64_t r = 0; r < R; ++r) {
-        bf16* o = out.data() + (int64_t(i) * R + r) * T * H;
-        const std::vector<bf16>& y = b.y[size_t(r)];
-        if (b.shared.empty()) {
-          std::copy(y.begin(), y.end(), o);
-          continue;
-        }
-        const std::vector<bf16>& sh = b.shared[size_t(r)];
-        for (size_t k = 0; k < y.size(); ++k) o[k].bits = bf16_round(add_rn(to_f32(y[k]), to_f32(sh[k])));
+    std::vector<bf16> out(size_t(R * T * H));
+    for (int64_t r = 0; r < R; ++r) {
+      bf16* o = out.data() + r * T * H;
+      const std::vector<bf16>& y = b.y[size_t(r)];
+      if (b.shared.empty()) {
+        std::copy(y.begin(), y.end(), o);
+        continue;
       }
+      const std::vector<bf16>& sh = b.shared[size_t(r)];
+      for (size_t k = 0; k < y.size(); ++k) o[k].bits = bf16_round(add_rn(to_f32(y[k]), to_f32(sh[k])));
     }
     return out;
   }
@@ -190,7 +216,6 @@ class HostRunner final : public LayerRunner {
   std::unique_ptr<FakeQuantMoe> fq_;
   std::vector<bf16> acts_;  // the layer's activations from the first batch loaded
   std::vector<Batch> calib_, eval_;
-  std::vector<bf16> reference_;
 };
 
 }  // namespace

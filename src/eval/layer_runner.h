@@ -50,7 +50,24 @@ struct RecipeStats {
   std::vector<MetricSums> tokens;
   std::vector<double> channel_err2;  // [H]
   std::vector<ClipCounts> clips;
-  double metrics_seconds = 0;  // of the evaluation's time, the reduction of the sums
+};
+
+// One recipe as the evaluation runs it: its quantizer configurations, and whether the engine runs
+// for it. Without, it reuses the combine rows the previous engine call left (the reference's for
+// the first steps): recipes that quantize dispatch the same way share one expert computation, and
+// only their combine quantizers run again.
+struct RecipeStep {
+  std::string name;
+  std::map<std::string, QuantizerConfig> configs;
+  bool with_engine = true;
+};
+
+// What a whole evaluation gives: the reference's sum of squares per channel ([H], which picks the
+// layer's outlier channels), each step's stats, and where the time went.
+struct EvalPassStats {
+  std::vector<double> reference_channels;
+  std::vector<RecipeStats> steps;
+  double reference_seconds = 0, recipes_seconds = 0, metrics_seconds = 0;
 };
 
 class LayerRunner {
@@ -72,11 +89,12 @@ class LayerRunner {
   // Max calibration on the calibration batches with both quantizers enabled (no QDQ meanwhile):
   // the reduced amax and each rank's own.
   virtual LayerCalibration calibrate() = 0;
-  // The unquantized output of the evaluation batches, kept as the reference; returns the sum of
-  // its squares per channel ([H]), which picks the layer's outlier channels.
-  virtual std::vector<double> reference() = 0;
-  // The evaluation batches under the current configuration, against the reference.
-  virtual RecipeStats evaluate() = 0;
+  // The evaluation batches, one at a time: the unquantized reference first, then every step in
+  // order (each configured with `configs` and the calibrated amax), its output compared with the
+  // batch's reference. on_step (may be empty) hears "batch 1/2 reference", "batch 1/2 <name>", ...
+  // before each.
+  virtual EvalPassStats evaluate(const std::vector<RecipeStep>& steps, float dispatch_amax, float combine_amax,
+                                 const std::function<void(const std::string&)>& on_step) = 0;
 };
 
 // The bytes a run needs on the host and the device, by item, against what is available (the

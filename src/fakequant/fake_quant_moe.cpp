@@ -178,6 +178,7 @@ void FakeQuantMoe::start_calibration() { driver_->start_calibration(); }
 void FakeQuantMoe::finish_calibration() { driver_->finish_calibration(); }
 const std::vector<float>& FakeQuantMoe::rank_amax(int which) const { return driver_->rank_amax(which); }
 void FakeQuantMoe::forward(std::span<const RankBatch> batches) { driver_->forward(batches); }
+void FakeQuantMoe::quantizers_only(std::span<const RankBatch> batches) { driver_->forward(batches, false); }
 const MoeQuantizers& FakeQuantMoe::quantizers() const { return driver_->quantizers(); }
 const Quantizer& FakeQuantMoe::dispatch_quantizer(int64_t rank) const { return driver_->quantizers().dispatch(rank); }
 const Quantizer& FakeQuantMoe::combine_quantizer(int64_t rank) const { return driver_->quantizers().combine(rank); }

@@ -102,7 +102,7 @@ std::vector<std::string> default_recipes() {
 TEST_F(EvalCli, DefaultRunTableJsonAndCsvAgree) {
   const RunResult r = moefq("eval --out rep");
   ASSERT_EQ(r.status, 0) << describe(r);
-  EXPECT_NE(r.err.find("[16/16] layer 0 both_mxfp4 ("), std::string::npos) << "progress on stderr:\n" << r.err;
+  EXPECT_NE(r.err.find("[30/30] layer 0 batch 2/2 "), std::string::npos) << "progress on stderr:\n" << r.err;
   EXPECT_NE(r.err.find(" s, eta "), std::string::npos) << "progress shows an ETA:\n" << r.err;
   EXPECT_EQ(listing(), (std::vector<std::string>{"rep", "rep/report.csv", "rep/report.html", "rep/report.json"}));
 
@@ -146,7 +146,7 @@ TEST_F(EvalCli, DefaultRunTableJsonAndCsvAgree) {
       EXPECT_EQ(clip.is_null(), row.at(std::string(side) + "_amax").is_null()) << side;
       if (!clip.is_null()) EXPECT_TRUE(clip.get<double>() >= 0 && clip.get<double>() <= 1) << side;
     }
-    EXPECT_EQ(row.at("count"), 2 * 4 * 256 * 512) << "metrics over the whole evaluation set";
+    EXPECT_EQ(row.at("count"), 2 * 4 * 256 * 1024) << "metrics over the whole evaluation set";
     const bool comb = !row.at("combine_format").is_null();
     EXPECT_EQ(row.at("layout_check"), comb ? "pass" : "n/a");
     EXPECT_EQ(t.col(i, "layout"), comb ? "pass" : "n/a");
@@ -323,10 +323,10 @@ TEST_F(EvalCli, CheckpointLayersUseTheirOwnWeights) {
 // Activations from a file.
 
 TEST_F(EvalCli, ActivationsFromAFile) {
-  // tiny: H 512; 2 ranks x 32 tokens x (1 + 1) batches = 128 tokens needed.
-  write_activations(path("a_bf16.safetensors"), "layers.0", 128, 512, 3);
-  write_activations(path("a_f32.safetensors"), "layers.0", 128, 512, 3, /*f32=*/true);
-  write_activations(path("b.safetensors"), "hidden_states", 200, 512, 4);
+  // tiny: H 1024; 2 ranks x 32 tokens x (1 + 1) batches = 128 tokens needed.
+  write_activations(path("a_bf16.safetensors"), "layers.0", 128, 1024, 3);
+  write_activations(path("a_f32.safetensors"), "layers.0", 128, 1024, 3, /*f32=*/true);
+  write_activations(path("b.safetensors"), "hidden_states", 200, 1024, 4);
   const std::string recipes = " --recipe moe_combine_nvfp4 --recipe moe_dispatch_mxfp4";
   RunResult r = moefq("eval --activations a_bf16.safetensors " + kSmall + recipes + " --out x");
   ASSERT_EQ(r.status, 0) << describe(r);
@@ -344,9 +344,9 @@ TEST_F(EvalCli, ActivationsFromAFile) {
   EXPECT_NE(x.at("results"), s.at("results")) << "the file, not the synthetic activations, must be used";
   // The calibrated dispatch amax is the max |x| over the calibration batch's routed tokens: every
   // token is routed, so it is the file's max over the calibration tokens (the first 64).
-  const auto acts = test::to_bf16(synthetic_activations(128, 512, 3));
+  const auto acts = test::to_bf16(synthetic_activations(128, 1024, 3));
   float mx = 0;
-  for (size_t i = 0; i < 64 * 512; ++i) mx = std::max(mx, std::fabs(to_f32(acts[i])));
+  for (size_t i = 0; i < 64 * 1024; ++i) mx = std::max(mx, std::fabs(to_f32(acts[i])));
   const double damax = x.at("calibration")[0].at("dispatch_amax");
   EXPECT_EQ(damax, double(mx));
 }
@@ -425,11 +425,11 @@ class EvalBadInput : public EvalCli {
     std::ofstream(path("othercal.json")) << R"({"version": 2, "kind": "moefq calibration",
         "setup": {"hidden": 7168, "num_experts": 256, "top_k": 8}, "quantizers": {}})";
     fs::create_directories(path("emptydir"));
-    write_activations(path("acts.safetensors"), "layers.0", 100, 512, 1);
+    write_activations(path("acts.safetensors"), "layers.0", 100, 1024, 1);
     write_activations(path("acts256.safetensors"), "layers.0", 256, 256, 1);
     SafetensorsWriter w;
-    const std::vector<int32_t> ints(128 * 512, 1);
-    w.add("hidden_states", StDtype::kI32, {128, 512}, span_of(ints));
+    const std::vector<int32_t> ints(128 * 1024, 1);
+    w.add("hidden_states", StDtype::kI32, {128, 1024}, span_of(ints));
     w.write(path("ints.safetensors").string());
   }
 
@@ -501,7 +501,7 @@ TEST_F(EvalBadInput, Activations) {
   expect_rejected("eval " + kSmall + " --activations file.txt --out rep", {"file.txt"});
   expect_rejected("eval " + kSmall + " --layers 1 --activations acts.safetensors --out rep",
                   {"--activations", "layers.1", "hidden_states", "layers.0"});
-  expect_rejected("eval " + kSmall + " --activations acts256.safetensors --out rep", {"acts256.safetensors", "512"});
+  expect_rejected("eval " + kSmall + " --activations acts256.safetensors --out rep", {"acts256.safetensors", "1024"});
   expect_rejected("eval " + kSmall + " --activations ints.safetensors --out rep", {"ints.safetensors", "I32"});
   // 100 tokens, but (1 + 1) batches x 2 ranks x 32 tokens = 128 are needed.
   expect_rejected("eval " + kSmall + " --activations acts.safetensors --out rep", {"acts.safetensors", "100", "128"});

@@ -61,7 +61,7 @@ TEST(MoePresets, EngineTableValues) {
       {"deepseek-v4-flash", 4096, 2048, 256, 6, 1, 1, 1, S::kSqrtSoftplus, true, 1.5f, 10.0f},
       {"deepseek-v4-pro", 7168, 3072, 384, 6, 1, 1, 1, S::kSqrtSoftplus, true, 1.0f, 10.0f},
       {"kimi-k3", 3584, 3072, 896, 16, 2, 1, 1, S::kSigmoid, true, 1.0f, std::nullopt},
-      {"tiny", 512, 256, 32, 8, 1, 4, 2, S::kSigmoid, true, 2.5f, std::nullopt},
+      {"tiny", 1024, 256, 32, 8, 1, 4, 2, S::kSigmoid, true, 2.5f, std::nullopt},
   };
   for (const Row& r : rows) {
     SCOPED_TRACE(r.name);

@@ -191,6 +191,38 @@ TEST_F(EvalLib, CalibrationFilesMatchTheirUse) {
             std::string::npos);
 }
 
+// Recipes that share a dispatch configuration share one engine call per batch (the others reuse
+// its combine rows): each row equals the row of the same recipe evaluated alone, bit for bit.
+TEST_F(EvalLib, SharedEngineCallsGiveTheSameRowsAsRecipesAlone) {
+  o_.layers = {0};
+  const EvalResult sweep = run_eval(o_);
+  for (const char* name : {"both_fp8", "combine_nvfp4", "both_mxfp4", "dispatch_nvfp4"}) {
+    SCOPED_TRACE(name);
+    EvalOptions one = o_;
+    const std::string side = std::string(name).substr(0, std::string(name).find('_'));
+    const std::string fmt = std::string(name).substr(side.size() + 1);
+    const std::string yaml = (root_ / (std::string(name) + ".yaml")).string();
+    std::ofstream(yaml) << (side == "both" ? "$import: [moe_dispatch_" + fmt + ", moe_combine_" + fmt + "]\n"
+                                           : "$import: [moe_" + side + "_" + fmt + "]\n")
+                        << "algorithm: max\n";
+    one.recipes = {yaml};
+    const EvalResult alone = run_eval(one);
+    ASSERT_EQ(alone.rows.size(), 1u);
+    const EvalRow* in_sweep = nullptr;
+    for (const EvalRow& r : sweep.rows)
+      if (r.recipe == name) in_sweep = &r;
+    ASSERT_NE(in_sweep, nullptr);
+    const EvalRow& a = alone.rows[0];
+    EXPECT_EQ(a.metrics.rel_l2, in_sweep->metrics.rel_l2);
+    EXPECT_EQ(a.metrics.max_abs, in_sweep->metrics.max_abs);
+    EXPECT_EQ(a.metrics.calc_diff, in_sweep->metrics.calc_diff);
+    EXPECT_EQ(a.rel_l2_token_p99, in_sweep->rel_l2_token_p99);
+    EXPECT_EQ(a.rel_l2_non_outlier, in_sweep->rel_l2_non_outlier);
+    EXPECT_EQ(a.combine_clipped_fraction, in_sweep->combine_clipped_fraction);
+    EXPECT_EQ(a.dispatch_clipped_fraction, in_sweep->dispatch_clipped_fraction);
+  }
+}
+
 // The new rows: the error's shape, clipping and wire bytes are in every row, finite; a budget
 // marks the rows over it and names the cheapest recipe within it.
 TEST_F(EvalLib, RowsShowTheErrorsShapeAndTheBudgetsAnswer) {

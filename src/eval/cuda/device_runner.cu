@@ -23,6 +23,7 @@ namespace cuda {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 class Stream {
  public:
@@ -59,10 +60,9 @@ class DeviceRunner final : public LayerRunner {
     wts_ = DeviceBuffer<float>(size_t(batches * R * T * K));
     y_ = DeviceBuffer<bf16>(size_t(R * T * H));
     if (c.num_shared > 0) shared_ = DeviceBuffer<bf16>(size_t(eval_rows * H));
-    ref_ = DeviceBuffer<bf16>(size_t(eval_rows * H));
-    out_ = DeviceBuffer<bf16>(size_t(eval_rows * H));
-    sums_ = DeviceBuffer<MetricSums>(size_t(eval_rows));
-    channels_ = DeviceBuffer<double>(size_t(H));
+    ref_ = DeviceBuffer<bf16>(size_t(R * T * H));
+    out_ = DeviceBuffer<bf16>(size_t(R * T * H));
+    sums_ = DeviceBuffer<MetricSums>(size_t(R * T));
     route_ws_ = DeviceBuffer<uint8_t>(route_workspace_bytes(c, T));
     gate_ = DeviceBuffer<float>(size_t(c.num_experts * H));
     if (c.noaux_tc) bias_ = DeviceBuffer<float>(size_t(c.num_experts));
@@ -119,28 +119,60 @@ class DeviceRunner final : public LayerRunner {
     return calibrate_with(*fq_, s_.calib_batches, [&](int b) { fq_->forward(views(b), stream_); });
   }
 
-  std::vector<double> reference() override {
-    run_outputs(ref_.get());
-    const int64_t H = s_.config.hidden, n = int64_t(s_.eval_batches) * s_.ranks * s_.tokens;
-    launch_channel_sums(nullptr, ref_.get(), n, H, nullptr, channels_.get(), stream_);
-    fq_->synchronize(stream_);
-    return channels_.download();
-  }
-
-  RecipeStats evaluate() override {
+  EvalPassStats evaluate(const std::vector<RecipeStep>& steps, float dispatch_amax, float combine_amax,
+                         const std::function<void(const std::string&)>& on_step) override {
+    const auto say = [&](int i, const std::string& what) {
+      if (on_step) on_step("batch " + std::to_string(i + 1) + "/" + std::to_string(s_.eval_batches) + " " + what);
+    };
+    const int64_t H = s_.config.hidden, R = s_.ranks, T = s_.tokens, n = R * T;
+    EvalPassStats st;
+    st.steps.resize(steps.size());
+    // Per-channel sums on the device, [1 + steps][H]: the reference's, then each step's error.
+    DeviceBuffer<double> channels(std::vector<double>(size_t(H) * (1 + steps.size()), 0.0));
+    std::vector<MetricSums> sums(static_cast<size_t>(n));
+    for (RecipeStats& r : st.steps) r.clips.assign(size_t(2 * R), ClipCounts{});
     fq_->set_count_clipping(true);
-    run_outputs(out_.get());
-    fq_->synchronize(stream_);
-    const auto t0 = Clock::now();
-    const int64_t H = s_.config.hidden, n = int64_t(s_.eval_batches) * s_.ranks * s_.tokens;
-    launch_token_sums(out_.get(), ref_.get(), n, H, sums_.get(), stream_);
-    launch_channel_sums(out_.get(), ref_.get(), n, H, channels_.get(), nullptr, stream_);
-    MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    RecipeStats st;
-    st.tokens = sums_.download();
-    st.channel_err2 = channels_.download();
-    st.clips = fq_->read_clip_counts(stream_);
-    st.metrics_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    for (int i = 0; i < s_.eval_batches; ++i) {
+      const int b = s_.calib_batches + i;
+      say(i, "reference");
+      auto t = Clock::now();
+      fq_->configure({});
+      fq_->forward(views(b), stream_);
+      assemble(i, ref_.get());
+      launch_channel_sums(nullptr, ref_.get(), n, H, nullptr, channels.get(), stream_);
+      fq_->synchronize(stream_);
+      st.reference_seconds += seconds_since(t);
+      for (size_t k = 0; k < steps.size(); ++k) {
+        say(i, steps[k].name);
+        t = Clock::now();
+        fq_->configure(steps[k].configs);
+        fq_->set_calibrated_amax(dispatch_amax, combine_amax);
+        if (steps[k].with_engine)
+          fq_->forward(views(b), stream_);
+        else
+          fq_->quantizers_only(views(b), stream_);
+        assemble(i, out_.get());
+        fq_->synchronize(stream_);
+        st.recipes_seconds += seconds_since(t);
+        t = Clock::now();
+        launch_token_sums(out_.get(), ref_.get(), n, H, sums_.get(), stream_);
+        launch_channel_sums(out_.get(), ref_.get(), n, H, channels.get() + (k + 1) * H, nullptr, stream_);
+        MOEFQ_CUDA_CHECK(cudaMemcpyAsync(sums.data(), sums_.get(), sums.size() * sizeof(MetricSums),
+                                         cudaMemcpyDeviceToHost, stream_));
+        RecipeStats& rs = st.steps[k];
+        const std::vector<ClipCounts> clips = fq_->read_clip_counts(stream_);  // synchronises
+        rs.tokens.insert(rs.tokens.end(), sums.begin(), sums.end());
+        for (size_t c = 0; c < clips.size(); ++c) {
+          rs.clips[c].clipped += clips[c].clipped;
+          rs.clips[c].total += clips[c].total;
+        }
+        st.metrics_seconds += seconds_since(t);
+      }
+    }
+    const std::vector<double> ch = channels.download();
+    st.reference_channels.assign(ch.begin(), ch.begin() + H);
+    for (size_t k = 0; k < steps.size(); ++k)
+      st.steps[k].channel_err2.assign(ch.begin() + int64_t(k + 1) * H, ch.begin() + int64_t(k + 2) * H);
     return st;
   }
 
@@ -158,14 +190,11 @@ class DeviceRunner final : public LayerRunner {
     return v;
   }
 
-  // The evaluation batches' outputs into out ([batch][rank][token][H]): bf16(routed + shared).
-  void run_outputs(bf16* out) {
+  // Evaluation batch i's output after a call into out ([rank][token][H]): bf16(routed + shared).
+  void assemble(int i, bf16* out) {
     const int64_t R = s_.ranks, T = s_.tokens, H = s_.config.hidden;
-    for (int i = 0; i < s_.eval_batches; ++i) {
-      fq_->forward(views(s_.calib_batches + i), stream_);
-      const int64_t o = int64_t(i) * R * T * H;
-      launch_assemble_output(y_.get(), shared_.get() ? shared_.get() + o : nullptr, out + o, R * T, H, stream_);
-    }
+    launch_assemble_output(y_.get(), shared_.get() ? shared_.get() + int64_t(i) * R * T * H : nullptr, out, R * T, H,
+                           stream_);
   }
 
   // The engine of `layer` with its weights, made on `stream` (synthetic: generated there;
@@ -212,9 +241,8 @@ class DeviceRunner final : public LayerRunner {
   DeviceBuffer<float> wts_;       // [batches][R][T][K]
   DeviceBuffer<bf16> y_;          // [R][T][H] the routed output of one call
   DeviceBuffer<bf16> shared_;     // [eval][R][T][H]
-  DeviceBuffer<bf16> ref_, out_;  // [eval][R][T][H]
-  DeviceBuffer<MetricSums> sums_; // [eval * R * T]
-  DeviceBuffer<double> channels_; // [H]
+  DeviceBuffer<bf16> ref_, out_;  // [R][T][H] one batch's reference and a step's output
+  DeviceBuffer<MetricSums> sums_; // [R * T]
   DeviceBuffer<uint8_t> route_ws_;
   DeviceBuffer<float> gate_, bias_;
 };

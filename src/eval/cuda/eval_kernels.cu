@@ -78,12 +78,12 @@ __global__ void channel_sums_kernel(const bf16* out, const bf16* ref, int64_t n,
                                     double* ref2) {
   const int64_t h = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (h >= H) return;
-  double e = 0, q = 0;
+  double e = err2 ? err2[h] : 0, q = ref2 ? ref2[h] : 0;
   for (int64_t t = 0; t < n; ++t) {
     const double r = bf16_to_f32(ref[t * H + h].bits);
     if (!isfinite(r)) continue;
-    q += r * r;
-    if (out) {
+    if (ref2) q += r * r;
+    if (out && err2) {
       const double d = double(bf16_to_f32(out[t * H + h].bits)) - r;
       e += d * d;
     }

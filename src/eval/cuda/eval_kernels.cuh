@@ -20,8 +20,9 @@ void launch_assemble_output(const bf16* y, const bf16* shared, bf16* out, int64_
 // MetricSums::add over the row (the order of the additions within a row may differ).
 void launch_token_sums(const bf16* out, const bf16* ref, int64_t n, int64_t H, MetricSums* sums, cudaStream_t stream);
 
-// err2[h] = sum over the n rows of (out - ref)^2, ref2[h] = sum of ref^2, over the positions with
-// a finite reference (either may be null; out null: only ref2). [H] fp64, rows in ascending order.
+// err2[h] += sum over the n rows of (out - ref)^2, ref2[h] += sum of ref^2, over the positions with
+// a finite reference (either may be null; out null: only ref2). [H] fp64, added row by row in
+// ascending order onto what the arrays hold (successive batches sum as one pass over all rows).
 void launch_channel_sums(const bf16* out, const bf16* ref, int64_t n, int64_t H, double* err2, double* ref2,
                          cudaStream_t stream);
 

@@ -338,13 +338,24 @@ std::string tradeoff_chart(const std::string& title, const std::vector<Point>& p
     s += "<text x=\"" + px(left + plot_w + 6) + "\" y=\"" + px(y + 4) + "\" class=\"val\">budget " + fmt(*budget) +
          "</text>\n";
   }
+  // Labels right of their points, moved down past a label already placed where they would overlap.
+  std::vector<std::pair<double, double>> placed;
   for (const Point& p : points) {
     if (!(std::isfinite(p.y) && p.y > 0)) continue;  // exact (0) or not finite: nothing on a log axis
-    s += "<circle class=\"point\" cx=\"" + px(xpos(p.x)) + "\" cy=\"" + px(ypos(p.y)) + "\" r=\"5\" fill=\"" +
-         p.colour + "\"><title>" + esc(p.label) + ": " + fmt(p.x, "%.0f") + " B/token, rel_l2 " + fmt(p.y) +
-         "</title></circle>\n";
-    s += "<text x=\"" + px(xpos(p.x) + 8) + "\" y=\"" + px(ypos(p.y) + 4) + "\" class=\"lbl\">" + esc(p.label) +
-         "</text>\n";
+    const double cx = xpos(p.x), cy = ypos(p.y);
+    s += "<circle class=\"point\" cx=\"" + px(cx) + "\" cy=\"" + px(cy) + "\" r=\"5\" fill=\"" + p.colour +
+         "\"><title>" + esc(p.label) + ": " + fmt(p.x, "%.0f") + " B/token, rel_l2 " + fmt(p.y) + "</title></circle>\n";
+    double ly = cy + 4;
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (const auto& [px_, py_] : placed)
+        if (std::fabs(px_ - cx) < 120 && std::fabs(py_ - ly) < 13) {
+          ly = py_ + 13;
+          moved = true;
+        }
+    }
+    placed.push_back({cx, ly});
+    s += "<text x=\"" + px(cx + 8) + "\" y=\"" + px(ly) + "\" class=\"lbl\">" + esc(p.label) + "</text>\n";
   }
   s += "</svg>\n";
   return s;
@@ -364,7 +375,8 @@ svg.chart{display:block;margin:8px 0;background:#fff}
 .ct{font-size:14px;font-weight:bold;fill:#222}.tick{font-size:11px;fill:#555}.lbl{font-size:12px;fill:#222}
 .val{font-size:11px;fill:#333}.grid{stroke:#e4e4e4;stroke-width:1}.axis{stroke:#888}
 .frame{fill:none;stroke:#bbb}.maxline{stroke:#222;stroke-width:1.5;stroke-dasharray:5 4}
-.pair{display:flex;flex-wrap:wrap;gap:12px}p.note{font-size:13px;color:#444}ul.warn{font-size:13px;color:#8a4b00})";
+.pair{display:flex;flex-wrap:wrap;gap:12px}p.note{font-size:13px;color:#444}ul.warn{font-size:13px;color:#8a4b00}
+div.scroll{overflow-x:auto})";
 
 }  // namespace
 
@@ -572,7 +584,7 @@ std::string eval_report_html(const EvalResult& r) {
     h += "</div>\n";
   }
 
-  h += "<h2>Results</h2>\n<table>\n<thead><tr><th>layer</th><th>recipe</th><th>dispatch</th><th>combine</th>"
+  h += "<h2>Results</h2>\n<div class=\"scroll\"><table>\n<thead><tr><th>layer</th><th>recipe</th><th>dispatch</th><th>combine</th>"
        "<th>dispatch amax</th><th>combine amax</th><th>rel_l2</th><th>token p50</th><th>token p99</th>"
        "<th>token max</th><th>outside outliers</th><th>cosine</th><th>calc_diff</th><th>max_abs</th>"
        "<th>snr_db</th><th>clipped (d)</th><th>clipped (c)</th><th>B/token</th><th>saving</th><th>layout check</th>" +
@@ -593,7 +605,7 @@ std::string eval_report_html(const EvalResult& r) {
          (s.max_rel_l2 ? std::string("<td>") + (row.over_budget ? "<b>over</b>" : "ok") + "</td>" : std::string()) +
          "</tr>\n";
   }
-  h += "</tbody>\n</table>\n";
+  h += "</tbody>\n</table></div>\n";
   h += "<p class=\"note\">rel_l2 = ||y - r|| / ||r||; calc_diff = 1 - 2&Sigma;(y'r') / &Sigma;(y'&sup2; + r'&sup2;) "
        "with y' = y + 1, r' = r + 1; snr_db = 10 log10(&Sigma;r&sup2; / &Sigma;(y - r)&sup2;). Rows: per layer, best "
        "first by rel_l2. Layout check: pass = the combine quantizer read the rows the engine summed (checked bit for "

@@ -11,6 +11,7 @@
 #include <exception>
 #include <functional>
 #include <random>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -44,6 +45,12 @@ inline std::vector<bf16> to_bf16(const std::vector<float>& x) {
   std::vector<bf16> y(x.size());
   for (size_t i = 0; i < x.size(); ++i) y[i].bits = bf16_round(x[i]);
   return y;
+}
+
+// The bytes of a vector, as SafetensorsWriter::add takes them.
+template <typename T>
+std::span<const uint8_t> span_of(const std::vector<T>& v) {
+  return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T)};
 }
 
 // Byte-for-byte equality of two arrays of elements of `elem` bytes.

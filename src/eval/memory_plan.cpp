@@ -111,6 +111,8 @@ MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
     p.items.push_back({what, on_device ? 0.0 : bytes, on_device ? bytes : 0.0});
   };
   add("expert weights (e4m3, 1 layer)", weights, cuda);
+  // A checkpoint layer passes through the host on its way to the GPU.
+  if (cuda && !s.checkpoint_dir.empty()) add("checkpoint layer read on the host", weights, false);
   add("router weights", router, false);
   add("engine buffers (" + std::to_string(R) + " ranks)", buffers, cuda);
   add("activations", acts, cuda);
@@ -130,14 +132,17 @@ MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
     std::lock_guard<std::mutex> lock(query_mutex());
     if (cuda && device_query()) p.device_available = device_query()().first;
   }
-  // Streaming (the GPU runner): a second layer's weights generated or loaded on a side stream while
-  // the current one is evaluated, where that fits too. The host runner has no cores to spare for it.
+  // Streaming (the GPU runner): a second layer's weights generated on a side stream (or read from
+  // the checkpoint on the host) while the current one is evaluated, where that fits too. The host
+  // runner has no cores to spare for it.
   const double budget = cuda ? kUsableFraction * p.device_available : kUsableFraction * p.host_available;
   const double need = (cuda ? p.device_bytes : p.host_bytes) + weights;
-  if (cuda && budget > 0 && need <= budget) {
+  const bool from_host = !s.checkpoint_dir.empty();
+  const double host_budget = kUsableFraction * p.host_available;
+  if (cuda && budget > 0 && need <= budget && (!from_host || p.host_bytes + weights <= host_budget)) {
     p.streaming = true;
-    add("next layer's weights (streaming)", weights, cuda);
-    (cuda ? p.device_bytes : p.host_bytes) += weights;
+    add("next layer's weights (streaming)", weights, !from_host);
+    (from_host ? p.host_bytes : p.device_bytes) += weights;
   }
   return p;
 }

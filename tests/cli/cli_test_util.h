@@ -125,10 +125,4 @@ inline std::vector<std::string> split_words(const std::string& line) {
   return words;
 }
 
-// The bytes of a vector, as SafetensorsWriter::add takes them.
-template <typename T>
-std::span<const uint8_t> span_of(const std::vector<T>& v) {
-  return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T)};
-}
-
 }  // namespace moefq::test

@@ -7,6 +7,10 @@
 
 #include <cmath>
 
+#include <filesystem>
+
+#include "checkpoint_test_util.h"
+#include "cli/cli_test_util.h"
 #include "cuda/host_api.h"
 #include "eval/layer_runner.h"
 #include "gpu_test.h"
@@ -104,6 +108,34 @@ TEST(EvalCuda, DeviceResidentAgainstTheCpuEngine) {
     EXPECT_TRUE(close(a.metrics.rel_l2, b.metrics.rel_l2, 0.1)) << a.metrics.rel_l2 << " vs " << b.metrics.rel_l2;
     EXPECT_TRUE(close(a.rel_l2_token_p50, b.rel_l2_token_p50, 0.1));
   }
+}
+
+// A checkpoint's layers, read on the host and copied through pinned staging buffers (the next one
+// read ahead by a host thread), give what the host pipeline gives on the same checkpoint.
+TEST(EvalCuda, CheckpointLayersThroughPinnedStagingEqualTheHostPath) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path dir = test::unique_temp_path("moefq_ckpt_cuda_");
+  test::write_checkpoint(dir, {{1, 7}, {2, 8}, {3, 9}});
+  const auto run = [&](EvalDevice device, const std::string& backend) {
+    EvalOptions o = small_run(device, backend);
+    o.preset = "tiny";
+    o.checkpoint_dir = dir.string();
+    o.layers = {1, 2, 3};
+    o.ranks = 2;
+    o.tokens = 32;
+    return run_eval(o);
+  };
+  const EvalResult dev = run(EvalDevice::kCuda, "mega_moe"), host = run(EvalDevice::kCpu, "mega_moe_cuda");
+  EXPECT_TRUE(dev.memory.streaming) << dev.memory.describe();
+  ASSERT_EQ(dev.rows.size(), host.rows.size());
+  for (const EvalRow& a : dev.rows) {
+    SCOPED_TRACE("layer " + std::to_string(a.layer) + " " + a.recipe);
+    const EvalRow& b = row_of(host, a.layer, a.recipe);
+    EXPECT_TRUE(close(a.metrics.rel_l2, b.metrics.rel_l2, 1e-12)) << a.metrics.rel_l2 << " vs " << b.metrics.rel_l2;
+    EXPECT_EQ(a.metrics.max_abs, b.metrics.max_abs);
+    EXPECT_EQ(a.combine_amax, b.combine_amax);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(EvalCuda, MemoryPlanRefusesARunThatDoesNotFit) {

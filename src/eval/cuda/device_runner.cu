@@ -6,6 +6,8 @@
 // plan allows, the next layer's synthetic weights are generated on a second stream while the
 // current layer is evaluated.
 #include <chrono>
+#include <cstring>
+#include <future>
 
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_engine.cuh"
@@ -35,6 +37,57 @@ class Stream {
 
  private:
   cudaStream_t s_ = nullptr;
+};
+
+// Copies host bytes to the device through two pinned staging buffers: filling one overlaps the
+// copy of the other on the stream.
+class PinnedStager {
+ public:
+  static constexpr size_t kChunk = size_t(64) << 20;
+  PinnedStager() {
+    for (int i = 0; i < 2; ++i) {
+      MOEFQ_CUDA_CHECK(cudaMallocHost(&buf_[i], kChunk));
+      MOEFQ_CUDA_CHECK(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming));
+    }
+  }
+  ~PinnedStager() {
+    for (int i = 0; i < 2; ++i) {
+      cudaEventSynchronize(done_[i]);
+      cudaEventDestroy(done_[i]);
+      cudaFreeHost(buf_[i]);
+    }
+  }
+  PinnedStager(const PinnedStager&) = delete;
+  PinnedStager& operator=(const PinnedStager&) = delete;
+
+  void copy(void* dst, const void* src, size_t n, cudaStream_t stream) {
+    for (size_t off = 0; off < n; off += kChunk) {
+      const size_t m = std::min(kChunk, n - off);
+      const int i = next_;
+      next_ ^= 1;
+      MOEFQ_CUDA_CHECK(cudaEventSynchronize(done_[i]));  // its previous copy has left the buffer
+      std::memcpy(buf_[i], static_cast<const uint8_t*>(src) + off, m);
+      MOEFQ_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(dst) + off, buf_[i], m, cudaMemcpyHostToDevice, stream));
+      MOEFQ_CUDA_CHECK(cudaEventRecord(done_[i], stream));
+    }
+  }
+  // Every expert of `experts` into `out` (e4m3: codes and scales), in the sets' layout.
+  void copy_experts(const std::vector<ExpertWeights>& experts, const DeviceExpertSet& out, cudaStream_t stream) {
+    for (size_t e = 0; e < experts.size(); ++e) {
+      const ExpertWeights& w = experts[e];
+      MOEFQ_CHECK(w.format == WeightFormat::kE4m3, "--device cuda: checkpoint expert weights must be e4m3 (with "
+                  "weight_scale_inv) here; bf16 checkpoints run with --device cpu");
+      copy(out.gate_up + e * w.gate_up_e4m3.size(), w.gate_up_e4m3.data(), w.gate_up_e4m3.size(), stream);
+      copy(out.gate_up_scale + e * w.gate_up_scale.size(), w.gate_up_scale.data(), w.gate_up_scale.size() * 4, stream);
+      copy(out.down + e * w.down_e4m3.size(), w.down_e4m3.data(), w.down_e4m3.size(), stream);
+      copy(out.down_scale + e * w.down_scale.size(), w.down_scale.data(), w.down_scale.size() * 4, stream);
+    }
+  }
+
+ private:
+  void* buf_[2] = {nullptr, nullptr};
+  cudaEvent_t done_[2] = {nullptr, nullptr};
+  int next_ = 0;
 };
 
 // A layer's engine with its weights, and what made them.
@@ -68,7 +121,10 @@ class DeviceRunner final : public LayerRunner {
     if (c.noaux_tc) bias_ = DeviceBuffer<float>(size_t(c.num_experts));
   }
 
-  ~DeviceRunner() override { cudaStreamSynchronize(side_); }
+  ~DeviceRunner() override {
+    if (next_host_.valid()) next_host_.wait();
+    cudaStreamSynchronize(side_);
+  }
 
   void load(int64_t layer, bool need_calibration) override {
     const MoeConfig& c = s_.config;
@@ -103,11 +159,16 @@ class DeviceRunner final : public LayerRunner {
     MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
-  // Synthetic weights only: their generation runs on the side stream, concurrently with this
-  // layer's evaluation (a checkpoint's layer is read when it is loaded).
+  // Synthetic weights are generated on the side stream, concurrently with this layer's
+  // evaluation; a checkpoint's next layer is read from the shards by a host thread meanwhile.
   void prefetch(int64_t layer) override {
-    if (!s_.prefetch || !s_.checkpoint_dir.empty()) return;
-    next_ = make_engine(layer, side_);
+    if (!s_.prefetch) return;
+    if (s_.checkpoint_dir.empty()) {
+      next_ = make_engine(layer, side_);
+      return;
+    }
+    next_host_layer_ = layer;
+    next_host_ = std::async(std::launch::async, [this, layer] { return read_layer(layer); });
   }
 
   void configure(const std::map<std::string, QuantizerConfig>& configs) override { fq_->configure(configs); }
@@ -220,18 +281,42 @@ class DeviceRunner final : public LayerRunner {
           },
           eo);
     } else {
+      // The checkpoint's layer: read on the host (by the prefetch thread when it ran ahead), then
+      // copied through pinned staging buffers straight into the engine's weight sets.
       std::vector<LayerWeights> w;
-      for (int64_t r = 0; r < R; ++r) w.push_back(rank_weights(s_, layer, r));
+      if (next_host_.valid() && next_host_layer_ == layer) {
+        w = next_host_.get();
+      } else {
+        if (next_host_.valid()) next_host_.wait();
+        w = read_layer(layer);
+      }
       le->gate = w[0].gate;
       le->bias = w[0].gate_bias;
-      le->engine = std::make_unique<CudaEngine>(c, R, T, w, eo);
+      PinnedStager stager;
+      le->engine = std::make_unique<CudaEngine>(
+          c, R, T, WeightFormat::kE4m3,
+          [&](int64_t rank, const DeviceExpertSet& routed, const DeviceExpertSet& shared) {
+            stager.copy_experts(w[size_t(rank)].experts, routed, stream);
+            if (shared.count) stager.copy_experts(w[size_t(rank)].shared, shared, stream);
+          },
+          eo);
+      MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream));  // the host weights go when the copies are done
     }
     MOEFQ_CUDA_CHECK(cudaEventRecord(le->ready, stream));
     return le;
   }
 
+  // Every rank's weights of a checkpoint layer, on the host.
+  std::vector<LayerWeights> read_layer(int64_t layer) const {
+    std::vector<LayerWeights> w;
+    for (int64_t r = 0; r < s_.ranks; ++r) w.push_back(rank_weights(s_, layer, r));
+    return w;
+  }
+
   RunnerSetup s_;
   Stream stream_, side_;
+  std::future<std::vector<LayerWeights>> next_host_;
+  int64_t next_host_layer_ = -1;
   int b0_ = 0;  // the first batch held (0, or the first evaluation batch with a loaded calibration)
   std::unique_ptr<CudaFakeQuantMoe> fq_;
   std::unique_ptr<DeviceSyntheticLayer> model_;

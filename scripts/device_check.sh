@@ -77,7 +77,7 @@ fi
 
 if [ "$mode" = eval ]; then
   step "eval: one deepseek-v3 layer, 8 ranks x 256 tokens, the default sweep"
-  /usr/bin/time -f "wall %e s, max RSS %M KB" build-dev/moefq eval --preset deepseek-v3 --ranks 8 --device cuda \
+  timeout 120 /usr/bin/time -f "wall %e s, max RSS %M KB" build-dev/moefq eval --preset deepseek-v3 --ranks 8 --device cuda \
     --out "$LOG/ds_layer" > "$LOG/eval_ds.txt" 2> "$LOG/eval_ds.err"
   echo "rc=$?"; tail -n 3 "$LOG/eval_ds.err"; tail -n 18 "$LOG/eval_ds.txt" | cut -c1-200
   step "bench eval: deepseek-v3 layers 0-19"
@@ -89,7 +89,7 @@ if [ "$mode" = eval ]; then
   for run in "tiny:" "ds:--preset deepseek-v3 --ranks 8 --tokens 64 --calib-batches 1 --eval-batches 1 --layers 0,3"; do
     name=${run%%:*}; args=${run#*:}
     for p in device host; do
-      build-dev/moefq eval $args --device cuda --pipeline $p --out "$LOG/cmp_${name}_$p" > "$LOG/cmp_${name}_$p.txt" 2>&1
+      timeout 200 build-dev/moefq eval $args --device cuda --pipeline $p --out "$LOG/cmp_${name}_$p" > "$LOG/cmp_${name}_$p.txt" 2>&1
       echo "$name $p rc=$? $(grep -E '^rows:' "$LOG/cmp_${name}_$p.txt" | grep -oE '[0-9.]+ s$')"
     done
     python3 scripts/compare_reports.py "$LOG/cmp_${name}_device/report.json" "$LOG/cmp_${name}_host/report.json" | tail -n 25

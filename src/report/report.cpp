@@ -85,15 +85,18 @@ std::string esc(const std::string& s) {
 
 std::string px(double v) { return fmt(v, "%.1f"); }
 
-// A log10 axis covering the positive finite values (whole decades).
+// A log10 axis covering the positive finite values (whole decades), within [1e-30, 1e30]: a
+// value beyond (a denormal error, an overflow) sits at the axis' end, so the number of decades
+// stays bounded whatever the data.
 struct LogAxis {
+  static constexpr double kMin = 1e-30, kMax = 1e30;
   double lo = 1e-4, hi = 1;
   explicit LogAxis(const std::vector<double>& values) {
     double mn = INFINITY, mx = 0;
     for (double v : values)
       if (std::isfinite(v) && v > 0) {
-        mn = std::min(mn, v);
-        mx = std::max(mx, v);
+        mn = std::min(mn, std::clamp(v, kMin, kMax));
+        mx = std::max(mx, std::clamp(v, kMin, kMax));
       }
     if (mx > 0) {
       lo = std::pow(10.0, std::floor(std::log10(mn)));
@@ -101,11 +104,14 @@ struct LogAxis {
       if (hi <= lo) hi = lo * 10;
     }
   }
-  // 0 at lo, 1 at hi.
-  double frac(double v) const { return (std::log10(v) - std::log10(lo)) / (std::log10(hi) - std::log10(lo)); }
+  // 0 at lo, 1 at hi (clamped).
+  double frac(double v) const {
+    const double f = (std::log10(v) - std::log10(lo)) / (std::log10(hi) - std::log10(lo));
+    return std::clamp(f, 0.0, 1.0);
+  }
   std::vector<double> decades() const {
     std::vector<double> d;
-    for (double v = lo; v <= hi * 1.0001; v *= 10) d.push_back(v);
+    for (int e = int(std::lround(std::log10(lo))); e <= int(std::lround(std::log10(hi))); ++e) d.push_back(std::pow(10.0, e));
     return d;
   }
 };
@@ -349,7 +355,7 @@ std::string tradeoff_chart(const std::string& title, const std::vector<Point>& p
     for (bool moved = true; moved;) {
       moved = false;
       for (const auto& [px_, py_] : placed)
-        if (std::fabs(px_ - cx) < 120 && std::fabs(py_ - ly) < 13) {
+        if (std::fabs(px_ - cx) < 120 && ly > py_ - 13 && ly < py_ + 13) {  // ly = py_ + 13 ends it
           ly = py_ + 13;
           moved = true;
         }

@@ -5,12 +5,14 @@
 //
 // Chromium is required: a missing browser FAILS (CI installs it via scripts/install_deps.sh);
 // set MOEFQ_SKIP_BROWSER=1 to skip the browser tests on a machine without it.
+#include <limits>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -249,6 +251,37 @@ TEST(ReportHtml, SelfContained) {
   EXPECT_EQ(html.find("https:"), std::string::npos);
   EXPECT_NE(html.find("moefq " MOEFQ_VERSION), std::string::npos);
   EXPECT_NE(html.find("cpu (2 threads)"), std::string::npos);
+}
+
+// Values at the ends of double's range on the log axes (a denormal rel_l2, a huge one, inf, NaN,
+// negative): the page is drawn with a bounded number of decades and every label placed.
+TEST(ReportHtml, ExtremeValuesOnTheLogAxesStayBounded) {
+  for (double v : {std::numeric_limits<double>::denorm_min(), 1e-300, 1e300, double(INFINITY), double(NAN), -1.0}) {
+    SCOPED_TRACE(v);
+    EvalResult r = sample_result(2);
+    for (EvalRow& row : r.rows) row.metrics.rel_l2 = v;
+    for (RecipeSummary& x : r.summary) x.mean_rel_l2 = x.max_rel_l2 = v;
+    r.setup.max_rel_l2 = v;
+    const std::string html = eval_report_html(r);
+    EXPECT_LT(html.size(), size_t(1) << 20);
+    EXPECT_LE(count(html, "class=\"grid\""), 200);
+  }
+}
+
+// Points close together on the trade-off chart: each label is moved down past those already
+// placed, and placing ends (a label set exactly 13 px below another is no longer an overlap,
+// whatever the rounding of y + 13 - y).
+TEST(ReportHtml, CrowdedTradeoffLabelsArePlacedAndPlacingEnds) {
+  EvalResult r = sample_result(1);
+  const size_t labels = count(eval_report_html(r), "class=\"lbl\"");
+  for (int k = 0; k < 200; ++k) {
+    for (size_t i = 1; i < r.summary.size(); ++i) {
+      r.summary[i].mean_rel_l2 = 0.0442 + 1e-5 * double((k * 7 + int(i) * 3) % 17) + 1e-7 * double(k);
+      r.summary[i].wire_bytes_per_token = 1000 + double(i % 2);
+    }
+    const std::string html = eval_report_html(r);
+    EXPECT_EQ(count(html, "class=\"lbl\""), labels);
+  }
 }
 
 TEST(ReportJson, EveryFigureAndNonFiniteAsStrings) {

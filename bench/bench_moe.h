@@ -10,7 +10,7 @@ namespace moefq::bench {
 struct MoeBenchOptions {
   std::vector<std::string> presets = {"deepseek-v3"};
   int64_t ep = 8;  // the expert-parallel degree whose per-GPU shape runs: E / ep local experts
-  std::vector<int64_t> tokens = {1, 128, 512, 4096};  // tokens per rank
+  std::vector<int64_t> tokens = {8, 128, 512, 1024, 4096, 8192};  // tokens per rank
   std::vector<std::string> configs;                  // quantizer configurations; empty: all
   int calls_per_graph = 3, reps = 7;
   std::string json;
@@ -21,7 +21,9 @@ struct MoeBenchOptions {
 // experts and the shared expert, for each preset, token count and quantizer configuration, with
 // TFLOPS, weight GB/s, the roofline floor from the same run's ceilings (device copy bandwidth,
 // cuBLASLt FP8 GEMM rate), and each configuration's overhead over the unquantized layer: the time
-// of the quantizers' own kernels, and the end-to-end difference.
+// of the quantizers' own kernels, and the end-to-end difference. Beside the unquantized rows:
+// TFLOPS as DeepGEMM counts them (routed rows only), DeepGEMM's published SM90 Mega-MoE per-rank
+// time for the same preset and tokens, and this project's target, where there are such figures.
 int run_bench_moe(const MoeBenchOptions& options);
 
 // One real rank of EP = the job's WORLD_SIZE, one process per GPU under `moefq launch` (NCCL

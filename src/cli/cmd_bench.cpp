@@ -66,7 +66,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
              "the roofline floor from the same run's ceilings, and each quantizer configuration's overhead.");
   moe->add_option("--preset", mo->presets, "model presets (repeatable; default deepseek-v3)");
   moe->add_option("--ep", mo->ep, "expert-parallel degree whose per-GPU share runs (default 8)")->check(CLI::Range(1, 1024));
-  moe->add_option("--tokens", mo->tokens, "tokens per rank (default 1 128 512 4096)");
+  moe->add_option("--tokens", mo->tokens, "tokens per rank (default 8 128 512 1024 4096 8192)");
   moe->add_option("--configs", mo->configs,
                   "quantizer configurations (default all: none dispatch-fp8 combine-fp8 both-fp8 both-nvfp4 both-mxfp8)");
   moe->add_option("--calls", mo->calls_per_graph, "layer calls captured per graph (default 3)")->check(CLI::Range(1, 100));

@@ -105,10 +105,9 @@ __device__ __forceinline__ void add_routed_pair(const R& rule, int4 raw_a, int4 
 
 // Routed slots handled per batch: all loads of a batch are issued before the first is used, so the
 // K = 8 routed rows of the DeepSeek presets (and the fused shared row, loaded first) are in flight
-// together. nvfp4's kernel is bound by instruction issue instead: with batches of 4 it needs 56
-// registers (against 72 and spills for 8), so 9 CTAs instead of 7 fit an SM and each scheduler has
-// more warps to pick from (H200, 2026-12-03, [8][4096][7168]: 0.80 -> 0.83 of copy bandwidth;
-// the other formats run 0.5-1% slower with 4).
+// together. nvfp4's kernel is bound by instruction issue instead: with batches of 4 it needs
+// fewer registers and no spills, so more CTAs fit an SM and each scheduler has more warps to pick
+// from; the other formats, bound by the loads, keep more of them in flight with batches of 8.
 template <typename R>
 constexpr int kSlotBatch = std::is_same_v<R, Rule<Format::kNvfp4>> ? 4 : 8;
 

@@ -9,12 +9,12 @@
 //   so a row's 128 h values (one staging block) are in one tile row; 128-row store tiles pair
 //   two adjacent blocks (the second is absent in the last tile when n / 128 is odd). A stage
 //   holds the A block once for both column blocks: 48 KB per 8.4 MFLOP with 128-row tiles instead
-//   of 32 KB per 4.2 MFLOP. (H200, 2026-12-03, gate/up at 4096 tokens, 2134 us in all: without
-//   the loads and the promotion the wgmmas, their waits and the epilogue take 1368 us, about two
-//   thirds of the tensor cores' peak, since each block's wgmmas are waited for before the next
-//   block's issue; the loads add about 470 us and the promotion about 360 us, and they barely
-//   overlap; see docs/performance.md.) 64-row store tiles (decode) keep one block: more tiles for
-//   the SMs, more stages in flight.
+//   of 32 KB per 4.2 MFLOP. Each column block's wgmmas are waited for before their promotion and
+//   the next block's issue, so the tensor cores idle while a block is promoted and the k loop
+//   overlaps its loads, wgmmas and promotion only partly; keeping a wgmma group in flight across
+//   the promotion needs a second accumulator, which does not fit in the registers beside the two
+//   sums of a 128 x 256 tile. 64-row store tiles (decode) keep one block: more tiles for the SMs,
+//   more stages in flight.
 // - Tile list: every CTA builds the prefix of ceil(count_g / BM) * n_tiles over the groups in
 //   shared memory and walks tiles blockIdx.x, +gridDim.x, ... (n fastest inside an m-tile).
 // - Producer, bulk tensor path (args.b_all and args.a_rows given): one thread issues TMA loads
@@ -31,22 +31,21 @@
 //   fresh accumulator, wait, then promote: sum = fma(partial, a_scale * b_scale, sum), blocks
 //   ascending, as the CPU reference (engine/gemm_cpu.h) promotes. One FMA instead of a multiply
 //   and an add halves the promotion's instructions, which sit between a column block's wgmmas and
-//   the next (H200, 2026-12-02: the two-rounding promotion took 416 of the down GEMM's 1219 us at
-//   4096 tokens). Only the order inside a block differs from the CPU; the epilogues are bit-exact
-//   given the same sums.
+//   the next while the tensor cores wait. Only the order inside a block differs from the CPU; the
+//   epilogues are bit-exact given the same sums.
 // - Epilogue through a shared-memory hand-off: the consumers write the tile's sums as bf16 pairs
 //   (SwiGLU: (gate, up) of a column; store: two output columns), the epilogue reads them back a
 //   row per warp (32 lanes x 16 bytes: SwiGLU's row amax is a warp reduction, the stores are
 //   512-byte rows). On the TMA e4m3 path the producer warpgroup's idle warps 1-3 run it from a
 //   whole-tile buffer (64 KB with 128-row tiles: three stages instead of four), so that it overlaps
-//   the next tile's k loop: gate/up 2235 -> 2150-2193 us, down 1096 -> 1016-1066 us at 4096
-//   tokens (H200, 2026-12-03). Elsewhere (bf16 weights, cp.async) each consumer warp runs it on
-//   8 of its rows at a time through its own 4 KB.
+//   the next tile's k loop instead of holding the consumers at the end of every tile. Elsewhere
+//   (bf16 weights, cp.async) each consumer warp runs it on 8 of its rows at a time through its
+//   own 4 KB.
 // - SwiGLU epilogue: silu of the bf16-rounded gate is a load from a table of silu_f32 over all
 //   65536 bf16 patterns (g_silu_of_bf16), filled once per device from the host's silu_f32 (the
 //   same portable binary32 operations, so the same bits as calling it here). Computing it (an exp
-//   and an IEEE division with its slow-path branch per value) took about 1150 of the gate/up GEMM's
-//   2759 us at 4096 tokens (H200, 2026-12-02).
+//   and an IEEE division whose slow-path branch per value keeps the compiler from interleaving a
+//   thread's values) would be most of the epilogue's cost.
 #include "cuda/grouped_gemm.cuh"
 
 #include <cuda.h>  // CUtensorMap and its encoder's types only: the encoder comes from the runtime
@@ -65,7 +64,7 @@ namespace {
 using namespace sm90;
 
 constexpr int kBN = 128;  // columns of one column block (one 128 x 128 weight-scale block)
-constexpr int kMaxStagesCpAsync = 8;  // cp.async path, as measured (H200, 2026-12-02)
+constexpr int kMaxStagesCpAsync = 8;  // cp.async path: deeper pipelines gave no gain on sm_90
 constexpr int kMaxStagesTma = 12;
 constexpr int kSmemLimit = 227 * 1024;  // sm_90 dynamic shared memory per block
 
@@ -173,9 +172,9 @@ __device__ __forceinline__ void next_stage(int& s, uint32_t& phase, int stages) 
 // = (bf16 gate, bf16 up) of column pair c (gate in the low half); store: word c = output columns
 // 2c, 2c + 1 of the tile's 256 (the first column block, then the second). 16-byte chunks are
 // XOR-swizzled by row % 8, so that the consumers' writes (8 rows per warp instruction) and the
-// epilogue's row reads (lane l: chunk l) spread over the banks. (ncu, H200, 2026-12-03: the
-// SwiGLU kernel's 8-byte hand-off writes still take 4.3 wavefronts per request on average
-// against 2 ideally, about 1% of the kernel's shared-memory wavefronts.)
+// epilogue's row reads (lane l: chunk l) spread over the banks. The SwiGLU kernel's 8-byte writes
+// are not fully conflict-free (more than the ideal 2 wavefronts per request), a small part of the
+// kernel's shared-memory traffic.
 __device__ __forceinline__ int handoff_index(int row, int word) {
   return row * kHandoffWords + ((((word >> 2) ^ (row & 7))) << 2) + (word & 3);
 }

@@ -104,6 +104,7 @@ if [ "$mode" != quick ] && [ "$mode" != eval ]; then
   for name in $benches; do
     args=""
     [ "$name" = qdq ] && args="--rows 4096 32768"
+    [ "$name" = moe ] && args="--preset deepseek-v3 --preset deepseek-v4-flash --preset deepseek-v4-pro"
     if build-dev/moefq bench $name --help > /dev/null 2>&1; then
       timeout 300 build-dev/moefq bench $name $args --json "$LOG/bench_$name.json" > "$LOG/bench_$name.txt" 2>&1
       echo "-- bench $name rc=$?"

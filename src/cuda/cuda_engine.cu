@@ -380,6 +380,7 @@ void CudaEngine::init(std::span<const LayerWeights> w, const WeightFill* fill) {
   }
   rank_ptrs_ = DeviceBuffer<uint8_t>(ptrs.size() * sizeof(RankPtrs));
   MOEFQ_CUDA_CHECK(cudaMemcpy(rank_ptrs_.get(), ptrs.data(), rank_ptrs_.bytes(), cudaMemcpyHostToDevice));
+  land_host_copies();  // the buffers' zeroing, the weights and these pointers, before any stream's work
 }
 
 CudaEngine::~CudaEngine() = default;

@@ -11,6 +11,12 @@
 
 namespace moefq::cuda {
 
+// A cudaMemcpy from pageable host memory returns once the bytes are staged, before their DMA has
+// landed, and a cudaMemset returns before it ran; both go to the legacy default stream, which the
+// engine's and the eval's non-blocking streams are not ordered after. Waiting for the legacy
+// stream lands them, so a kernel queued afterwards on any stream reads the new bytes.
+inline void land_host_copies() { MOEFQ_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy)); }
+
 template <typename T>
 class DeviceBuffer {
  public:
@@ -35,9 +41,12 @@ class DeviceBuffer {
   size_t size() const { return count_; }
   size_t bytes() const { return count_ * sizeof(T); }
 
+  // The bytes are on the device when upload returns, for work on any stream (see land_host_copies).
   void upload(const std::vector<T>& host) {
     MOEFQ_ASSERT(host.size() == count_, "DeviceBuffer::upload: size mismatch");
-    if (count_) MOEFQ_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice));
+    if (!count_) return;
+    MOEFQ_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice));
+    land_host_copies();
   }
   std::vector<T> download() const {
     std::vector<T> host(count_);

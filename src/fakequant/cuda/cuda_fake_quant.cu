@@ -158,7 +158,7 @@ class CudaFakeQuantOps final : public FakeQuantOps {
   std::vector<ClipCounts> read_clip_counts() override {
     MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
     std::vector<ClipCounts> out = clips_.download();
-    MOEFQ_CUDA_CHECK(cudaMemset(clips_.get(), 0, clips_.bytes()));
+    MOEFQ_CUDA_CHECK(cudaMemsetAsync(clips_.get(), 0, clips_.bytes(), stream_));
     return out;
   }
 

@@ -164,7 +164,7 @@ NcclComm::NcclComm(const RankEnv& env, CommOptions options)
     const Window& inbox = register_window(size_t(num_ranks_) * sizeof(uint64_t));
     MOEFQ_CUDA_CHECK(cudaMalloc(&inboxes_, size_t(num_ranks_) * sizeof *inboxes_));
     MOEFQ_CUDA_CHECK(cudaMemcpy(inboxes_, inbox.peers.data(), size_t(num_ranks_) * sizeof *inboxes_, cudaMemcpyHostToDevice));
-    land_host_copies();  // the state's zeroing and the inboxes, before the barrier kernels read them
+    cuda::land_host_copies();  // the state's zeroing and the inboxes, before the barrier kernels read them
   } catch (...) {
     abort();
     throw;

@@ -316,11 +316,16 @@ MOEFQ_HD int ceil_log2(float r) {
   return fl - 149 + ((mant & (mant - 1u)) != 0 ? 1 : 0);
 }
 
-// int8, narrow range [-127, 127], round to nearest even. NaN is a QDQ rule (maps to 0 here).
+// int8, narrow range [-127, 127], round to nearest even, as the binary32 value numerics.md calls q:
+// it keeps the sign of v, so a negative v that rounds to zero gives -0.0. v must not be NaN.
+MOEFQ_HD float int8_round_sat(float v) {
+  const float r = rint_f32(v);
+  return r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+}
+// The int8 code (an integer: its zero has no sign). NaN is a QDQ rule (maps to 0 here).
 MOEFQ_HD int8_t int8_encode_sat(float v) {
   if (is_nan(v)) return 0;
-  const float r = rint_f32(v);
-  return int8_t(r > 127.0f ? 127 : (r < -127.0f ? -127 : int(r)));
+  return int8_t(int(int8_round_sat(v)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -424,7 +429,8 @@ MOEFQ_HD float mxfp4_qdq(float x, MxScale s) {
   return copysign_f32(mul_rn(e2m1_round_sat(abs_f32(mul_rn(x, s.to_elem))), s.from_elem), x);
 }
 
-// int8: per-tensor, narrow range. With amax = +inf, s = 0 and every y = q / 0 is NaN.
+// int8: per-tensor, narrow range. With amax = +inf, s = 0 and every y = q / 0 is NaN. y keeps the
+// sign of q: -0.0 for a negative x that rounds to zero (the reference framework's kernel does too).
 struct Int8Params {
   float s;    // 127 / amax
   bool zero;  // amax < 2^-24: y = 0
@@ -436,15 +442,17 @@ MOEFQ_HD Int8Params int8_params(float amax) {
 MOEFQ_HD float int8_qdq(float x, Int8Params p) {
   if (is_nan(x)) return canonical_nan_f32();
   if (p.zero) return 0.0f;
-  return div_rn(float(int8_encode_sat(mul_rn(x, p.s))), p.s);
+  return div_rn(int8_round_sat(mul_rn(x, p.s)), p.s);
 }
 // The same with rcp = RN(1 / s): q is an integer of magnitude <= 127, so quotient and residual stay
 // normal whenever q != 0 (s = 127 / amax with amax >= 2^-24). Only for amax < 2^127, where
-// q * rcp cannot overflow.
+// q * rcp cannot overflow. The residual step turns q = -0 into +0 (-0 + +0 is +0); copysign puts
+// the sign of q back (a no-op for q != 0, whose quotient already has it: s > 0).
 MOEFQ_HD float int8_qdq_recip(float x, Int8Params p, float rcp) {
   if (is_nan(x)) return canonical_nan_f32();
   if (p.zero) return 0.0f;
-  return div_rn_recip(float(int8_encode_sat(mul_rn(x, p.s))), p.s, rcp);
+  const float q = int8_round_sat(mul_rn(x, p.s));
+  return copysign_f32(div_rn_recip(q, p.s, rcp), q);
 }
 
 // exp and SiLU for the engine's SwiGLU, written with the spec's binary32 operations only, so CPU

@@ -418,8 +418,11 @@ inline float int8_qdq(float x, float amax) {
   if (is_nan(x)) return quiet_nan();
   if (amax < 0x1p-24f) return 0.0f;
   const float s = div_rn(127.0f, amax);
-  const int q = int8_encode_sat(mul_rn(x, s));
-  return div_rn(float(q), s);  // q == 0 gives +0
+  const float v = mul_rn(x, s);
+  const int q = int8_encode_sat(v);
+  // q is a binary32 value (numerics.md): a zero keeps the sign of x * s, so y = -0.0 for a
+  // negative x that rounds to zero.
+  return div_rn(q == 0 ? with_sign(0.0f, sign_bit(v)) : float(q), s);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -383,10 +383,26 @@ TEST(QdqExactValues, Int8KeepsIntegers) {
     expect_identity_bf16(Format::kInt8, x, {5, 51}, amax, "integers * 2^k");
     expect_identity_f32(Format::kInt8, x, {5, 51}, amax, "integers * 2^k");
   }
-  // Integer zero has no sign.
-  std::vector<bf16> neg_zero(3, bf16{0x8000}), out(3);
-  qdq_ref(Format::kInt8, neg_zero.data(), out.data(), 1, 3, 1.0f);
-  for (const bf16& y : out) EXPECT_EQ(y.bits, 0x0000);
+}
+
+// numerics.md: q = rint(x * s) is a binary32 value, so a negative x that rounds to zero gives
+// y = -0.0 (the reference framework's kernel does the same), a positive one +0.0; bf16 and fp32.
+TEST(QdqExactValues, Int8ZeroKeepsTheSignOfX) {
+  const float amax = 127.0f;  // s = 1
+  const std::vector<float> x = {-0.0f, -0.25f, -0.5f, 0.0f, 0.25f, 0.5f, -1e-30f, 1e-30f};
+  const std::vector<uint16_t> want_bf16 = {0x8000, 0x8000, 0x8000, 0, 0, 0, 0x8000, 0};
+  std::vector<bf16> xb(x.size()), yb(x.size());
+  for (size_t i = 0; i < x.size(); ++i) xb[i].bits = bf16_round(x[i]);
+  qdq_ref(Format::kInt8, xb.data(), yb.data(), 1, int64_t(x.size()), amax);
+  std::vector<float> yf(x.size());
+  qdq_ref(Format::kInt8, x.data(), yf.data(), 1, int64_t(x.size()), amax);
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_EQ(yb[i].bits, want_bf16[i]) << "x = " << x[i];
+    EXPECT_EQ(f32_bits(yf[i]), want_bf16[i] == 0 ? 0u : 0x80000000u) << "x = " << x[i];
+  }
+  // The reciprocal path (the kernels' int8_qdq_recip) agrees on the sign.
+  const Int8Params p = int8_params(amax);
+  EXPECT_EQ(f32_bits(int8_qdq_recip(-0.25f, p, div_rn(1.0f, p.s))), 0x80000000u);
 }
 
 // Rows of blocks of 32 (a short final block of 4): each block holds +-elem_max * 2^k and other

@@ -1,11 +1,14 @@
 #include "dist/launcher.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -37,6 +40,24 @@ constexpr size_t kMaxLine = 1 << 16;
 
 // The variables the launcher sets for each rank; values inherited under these names are dropped.
 constexpr const char* kRankVariables[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MOEFQ_RENDEZVOUS"};
+
+// A TCP port of 127.0.0.1 that nothing uses now (the kernel picks it); a torch rank 0 binds its
+// TCPStore there moments later, as torchrun's own choice of a free port does.
+int free_tcp_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) MOEFQ_FAIL(ErrorKind::kFailedCheck, "launch: socket: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!ok) MOEFQ_FAIL(ErrorKind::kFailedCheck, "launch: cannot find a free TCP port for MASTER_PORT: ", std::strerror(err));
+  return ntohs(addr.sin_port);
+}
 
 std::string signal_name(int sig) {
   const char* abbrev = ::sigabbrev_np(sig);
@@ -199,6 +220,15 @@ void Job::set_up() {
     if (std::find(std::begin(kRankVariables), std::end(kRankVariables), name) == std::end(kRankVariables))
       base_env.emplace_back(entry);
   }
+  // torch.distributed's env:// initialisation: rank 0 on this host, on a port free now; values set
+  // by the caller are kept (they may name another address or a port of their choice).
+  const auto inherited = [&](std::string_view name) {
+    return std::any_of(base_env.begin(), base_env.end(), [&](const std::string& e) {
+      return e.size() > name.size() && e.compare(0, name.size(), name) == 0 && e[name.size()] == '=';
+    });
+  };
+  if (!inherited("MASTER_ADDR")) base_env.emplace_back("MASTER_ADDR=127.0.0.1");
+  if (!inherited("MASTER_PORT")) base_env.emplace_back("MASTER_PORT=" + std::to_string(free_tcp_port()));
   ranks_.resize(size_t(options_.num_ranks));
   for (int r = 0; r < options_.num_ranks; ++r) start_rank(r, base_env);
 }

@@ -1,5 +1,6 @@
 // The process launcher behind `moefq launch`: one process per rank on this host with the torchrun
-// environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and MOEFQ_RENDEZVOUS, a private
+// environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; MASTER_ADDR=127.0.0.1 and a free
+// MASTER_PORT unless the caller set them) and MOEFQ_RENDEZVOUS, a private
 // directory that exists for the job's lifetime. Output is forwarded line by line with a
 // "[rank r] " prefix. When a rank fails, the job times out or the launcher gets SIGINT/SIGTERM,
 // every rank is stopped (SIGTERM to its process group, SIGKILL after a grace period); no rank is

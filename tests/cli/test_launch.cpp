@@ -18,6 +18,7 @@
 #include <iterator>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -179,6 +180,33 @@ TEST_F(LaunchCli, EveryRankGetsItsEnvironmentAndPrefix) {
       << describe(r);
   EXPECT_FALSE(fs::exists(rendezvous)) << "the rendezvous directory was not removed";
   EXPECT_TRUE(tmp_entries().empty());
+}
+
+// torch.distributed's env:// initialisation needs MASTER_ADDR and MASTER_PORT as well: the launcher
+// sets 127.0.0.1 and a port free when the job starts, the same for every rank, unless the caller
+// set them (then theirs are kept).
+TEST_F(LaunchCli, RanksGetMasterAddrAndPortForTorch) {
+  const std::string script = "echo \"master ${MASTER_ADDR-unset} ${MASTER_PORT-unset}\"\n";
+  const RunResult r = launch_sh("-n 3", script);
+  ASSERT_EQ(r.status, 0) << describe(r);
+  std::set<std::string> seen;
+  for (const std::string& line : split_lines(r.out)) {
+    const auto p = split_prefix(line);
+    ASSERT_TRUE(p.has_value()) << describe(r);
+    seen.insert(p->second);
+  }
+  ASSERT_EQ(seen.size(), 1u) << "every rank must see the same address and port\n" << describe(r);
+  const std::vector<std::string> words = test::split_words(*seen.begin());
+  ASSERT_EQ(words.size(), 3u) << describe(r);
+  EXPECT_EQ(words[1], "127.0.0.1");
+  ASSERT_EQ(words[2].find_first_not_of("0123456789"), std::string::npos) << words[2];
+  const int port = std::stoi(words[2]);
+  EXPECT_GT(port, 0);
+  EXPECT_LT(port, 65536);
+
+  const RunResult kept = launch_sh("-n 2", script, "MASTER_ADDR=10.1.2.3 MASTER_PORT=29500");
+  ASSERT_EQ(kept.status, 0) << describe(kept);
+  for (const std::string& line : split_lines(kept.out)) EXPECT_EQ(split_prefix(line)->second, "master 10.1.2.3 29500");
 }
 
 TEST_F(LaunchCli, LinesAreNeverMixed) {

@@ -14,6 +14,7 @@
 // measured on (free-form keys, numbers or strings). Unknown keys are errors.
 #pragma once
 
+#include <cstddef>
 #include <map>
 #include <optional>
 #include <span>
@@ -41,7 +42,12 @@ struct CalibrationFile {
 
 // Writes through a temporary name and a rename: `path` is either untouched or complete.
 void write_calibration_file(const std::string& path, const CalibrationFile& file);
-// Reads and validates the whole file (errors name the file and the entry): malformed JSON, wrong
+// The largest calibration file read: a file of thousands of layers and ranks stays far below it;
+// a hostile one (or /dev/zero) is refused before it fills memory.
+inline constexpr size_t kMaxCalibrationFileBytes = size_t(64) << 20;
+
+// Reads and validates the whole file (errors name the file and the entry): not a regular file
+// (refused without opening it for a blocking read), over kMaxCalibrationFileBytes, malformed JSON, wrong
 // types, unknown keys, an unknown format, an amax that is negative or not finite, amax and
 // amax_bits that disagree, an amax on a format without a global amax.
 // `where` starts every message (default: the path), e.g. "--load-calibration calib.json".

@@ -4,7 +4,9 @@
 // JSON and as those words in CSV.
 #pragma once
 
+#include <array>
 #include <string>
+#include <string_view>
 
 #include "moefq/eval.h"
 
@@ -14,8 +16,12 @@ std::string eval_report_json(const EvalResult& result);
 std::string eval_report_csv(const EvalResult& result);
 std::string eval_report_html(const EvalResult& result);
 
-// Creates `dir` (and its parents) if needed and writes report.json, report.csv and report.html,
-// each through a temporary file and a rename (never a half-written file).
+// The files of an eval report directory.
+inline constexpr std::array<std::string_view, 3> kEvalReportFiles = {"report.json", "report.csv", "report.html"};
+
+// Publishes `dir` holding report.json, report.csv and report.html as one AtomicDirectory
+// (fileio.h): the three appear together or not at all, and replace an earlier report directory
+// whole. Check `dir` first with check_output_dir(dir, ..., kEvalReportFiles).
 void write_eval_reports(const EvalResult& result, const std::string& dir);
 
 }  // namespace moefq

@@ -1,4 +1,4 @@
-// safetensors files: a validating parser, a read-only memory-mapped reader and an atomic writer.
+// safetensors files: a validating parser, a reader and an atomic writer.
 // Layout: u64 little-endian header length N, N bytes of JSON header, then the data buffer, which
 // the tensors cover exactly (no overlap, no hole, no trailing byte). Every malformed input is
 // rejected with moefq::Error (kBadInput) before anything sized by the input is allocated.
@@ -13,6 +13,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "moefq/fileio.h"
 
 namespace moefq {
 
@@ -64,33 +66,30 @@ inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100'000'000;
 // Throws moefq::Error (kBadInput) whose message starts with `what` (usually the file name).
 SafetensorsHeader parse_safetensors(std::span<const uint8_t> file_bytes, std::string_view what);
 
-// A safetensors file mapped read-only. Spans returned by bytes() stay valid while the object
-// (or the object it was moved into) lives.
+// A safetensors file opened for reading: the header is read and validated when it opens, tensor
+// data only when asked for (pread, no mapping: a file truncated meanwhile gives an error, never
+// SIGBUS).
 class SafetensorsFile {
  public:
-  // Maps and validates `path`; throws moefq::Error naming the path on any failure.
-  static SafetensorsFile open(const std::string& path);
-
-  SafetensorsFile(SafetensorsFile&& other) noexcept;
-  SafetensorsFile& operator=(SafetensorsFile&& other) noexcept;
-  SafetensorsFile(const SafetensorsFile&) = delete;
-  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
-  ~SafetensorsFile();
+  // Opens and validates `path`, a regular file (InputFile's refusals); throws moefq::Error whose
+  // message starts with `what` (default: the path) on any failure.
+  static SafetensorsFile open(const std::string& path, std::string_view what = {});
 
   const std::string& path() const { return path_; }
   const SafetensorsHeader& header() const { return header_; }
   // nullptr when the file has no tensor of that name.
   const TensorInfo* find(std::string_view name) const;
-  // The tensor's bytes; `info` must come from this file's header().
-  std::span<const uint8_t> bytes(const TensorInfo& info) const;
+  // The tensor's bytes; `info` must come from this file's header(). Throws (bad input) when the
+  // file has become shorter since it was opened.
+  std::vector<uint8_t> read(const TensorInfo& info) const;
+  // dst.size() bytes of the tensor from byte `offset` of its data into dst.
+  void read_into(const TensorInfo& info, std::span<uint8_t> dst, uint64_t offset = 0) const;
 
  private:
-  SafetensorsFile() = default;
-  void release();
+  explicit SafetensorsFile(InputFile file) : file_(std::move(file)) {}
 
+  InputFile file_;
   std::string path_;
-  const uint8_t* map_ = nullptr;  // nullptr for an empty file (which never opens successfully)
-  size_t map_size_ = 0;
   SafetensorsHeader header_;
   std::map<std::string, size_t, std::less<>> index_;  // name -> position in header_.tensors
 };

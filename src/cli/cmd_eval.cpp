@@ -3,7 +3,6 @@
 // --out writes report.json, report.csv and report.html. calibrate saves the amax state that
 // eval --load-calibration reuses. The pipeline is in src/eval, the report writers in src/report.
 #include <CLI/CLI.hpp>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -15,6 +14,7 @@
 #include "cli/table.h"
 #include "moefq/errors.h"
 #include "moefq/eval.h"
+#include "moefq/fileio.h"
 #include "moefq/report.h"
 #ifdef MOEFQ_HAS_CUDA
 #include "cuda/host_api.h"
@@ -52,7 +52,7 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
   sub->add_option("--tokens", o.eval.tokens, "tokens per rank per batch (default 256)")->check(CLI::Range(1, 1 << 20));
   sub->add_option("--calib-batches", o.eval.calib_batches, "calibration batches (default 2)")->check(CLI::Range(1, 100000));
   sub->add_option("--seed", o.seed, "seed of the synthetic weights and activations (default 1)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(seed_range());
   sub->add_option("--device", o.device, "auto | cpu | cuda (default auto: cuda when a GPU is visible)");
   sub->add_option("--threads", o.eval.num_threads, "CPU engine threads (default 0: all)")->check(CLI::Range(0, 1024));
   sub->add_option("--pipeline", o.pipeline,
@@ -92,34 +92,12 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
   o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
 }
 
-bool writable_dir(const fs::path& d) { return fs::is_directory(d) && ::access(d.c_str(), W_OK) == 0; }
-
-// --out: an existing writable directory, or a path whose nearest existing ancestor is one (the
-// directories are created only when the reports are written).
-void check_out_dir(const std::string& out) {
-  MOEFQ_CHECK(!out.empty(), "--out: empty path");
-  const fs::path p(out);
-  std::error_code ec;
-  if (fs::exists(p, ec)) {
-    MOEFQ_CHECK(fs::is_directory(p), "--out ", out, ": exists and is not a directory");
-    MOEFQ_CHECK(writable_dir(p), "--out ", out, ": the directory is not writable");
-    return;
-  }
-  fs::path a = fs::absolute(p, ec).parent_path();
-  while (!a.empty() && !fs::exists(a, ec) && a != a.root_path()) a = a.parent_path();
-  MOEFQ_CHECK(fs::is_directory(a), "--out ", out, ": ", a.string(), " is not a directory");
-  MOEFQ_CHECK(writable_dir(a), "--out ", out, ": cannot create the directory (", a.string(), " is not writable)");
-}
-
-// --save: a file in an existing writable directory.
-void check_save_file(const std::string& save) {
-  MOEFQ_CHECK(!save.empty(), "--save: empty path");
-  const fs::path p(save);
-  MOEFQ_CHECK(!fs::is_directory(p), "--save ", save, ": is a directory; give a file name");
-  std::error_code ec;
-  const fs::path dir = fs::absolute(p, ec).parent_path();
-  MOEFQ_CHECK(fs::is_directory(dir), "--save ", save, ": the directory ", dir.string(), " does not exist");
-  MOEFQ_CHECK(writable_dir(dir), "--save ", save, ": the directory ", dir.string(), " is not writable");
+// The inputs an output must not replace.
+std::vector<NamedPath> inputs_of(const EvalCliOptions& o) {
+  std::vector<NamedPath> in = {{"--config", o.eval.config_path}, {"--activations", o.eval.activations_path}};
+  if (!o.eval.checkpoint_dir.empty())
+    in.push_back({"--checkpoint's config.json", (fs::path(o.eval.checkpoint_dir) / "config.json").string()});
+  return in;
 }
 
 std::string opt(const std::optional<std::string>& v) { return v ? *v : "-"; }
@@ -145,7 +123,8 @@ void print_header(const char* tool, const EvalSetup& s) {
 
 int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {
   resolve(o, sub);
-  if (!o.out.empty()) check_out_dir(o.out);
+  const bool want_reports = sub->get_option("--out")->count() > 0;  // an empty --out is an error, not "no reports"
+  if (want_reports) check_output_dir(o.out, "--out", kEvalReportFiles);
   std::fprintf(stderr, "moefq eval: running (progress below; the table follows on stdout)\n");
   const EvalResult r = run_eval(o.eval);
   print_header("moefq eval", r.setup);
@@ -193,7 +172,7 @@ int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {
       std::printf("answer: no recipe stays within rel_l2 <= %g on every layer\n", *r.setup.max_rel_l2);
   }
   for (const std::string& w : r.warnings) std::fprintf(stderr, "moefq eval: warning: %s\n", w.c_str());
-  if (!o.out.empty()) {
+  if (want_reports) {
     write_eval_reports(r, o.out);
     std::fprintf(stderr, "moefq eval: wrote %s/report.json, report.csv, report.html\n", o.out.c_str());
   }
@@ -202,7 +181,7 @@ int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {
 
 int run_calibrate_command(EvalCliOptions& o, const CLI::App* sub) {
   resolve(o, sub);
-  check_save_file(o.save);
+  check_output_path(o.save, "--save", inputs_of(o));
   std::fprintf(stderr, "moefq calibrate: running\n");
   EvalSetup setup;
   const CalibrationState state = run_calibration(o.eval, &setup);

@@ -15,6 +15,7 @@
 #include "cli/table.h"
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
+#include "moefq/host_memory.h"
 #include "moefq/metrics.h"
 #include "moefq/qdq.h"
 #include "moefq/safetensors.h"
@@ -25,6 +26,8 @@
 
 namespace moefq::cli {
 namespace {
+
+namespace fs = std::filesystem;
 
 struct QdqOptions {
   std::string in, out, format, amax, device = "auto", report;
@@ -40,13 +43,42 @@ struct Result {
   ErrorMetrics m;
 };
 
+// A decimal number only ("2688", "0.5", "1e3"): strtof alone would also take "0x10", "inf" and
+// leading spaces.
 float parse_amax(const std::string& text) {
-  char* end = nullptr;
+  const auto decimal = [](const std::string& t) {
+    size_t i = 0, digits = 0;
+    const auto run = [&] {
+      size_t n = 0;
+      while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) ++i, ++n;
+      return n;
+    };
+    if (i < t.size() && t[i] == '+') ++i;
+    digits += run();
+    if (i < t.size() && t[i] == '.') {
+      ++i;
+      digits += run();
+    }
+    if (digits == 0) return false;
+    if (i < t.size() && (t[i] == 'e' || t[i] == 'E')) {
+      ++i;
+      if (i < t.size() && (t[i] == '+' || t[i] == '-')) ++i;
+      if (run() == 0) return false;
+    }
+    return i == t.size();
+  };
   errno = 0;
-  const float v = std::strtof(text.c_str(), &end);
-  MOEFQ_CHECK(!text.empty() && end && *end == '\0' && errno == 0 && std::isfinite(v) && v > 0,
-              "--amax: expected a finite number > 0, got '", text, "'");
+  const float v = decimal(text) ? std::strtof(text.c_str(), nullptr) : 0.0f;
+  MOEFQ_CHECK(decimal(text) && errno == 0 && std::isfinite(v) && v > 0,
+              "--amax: expected a finite decimal number > 0 (such as 2688 or 1.5e3), got '", text, "'");
   return v;
+}
+
+// Refuses a run whose estimated peak memory is more than the host can give, before allocating.
+void check_memory(uint64_t need, const std::string& what, const std::string& advice) {
+  const std::optional<uint64_t> avail = available_host_memory();
+  MOEFQ_CHECK(!avail || need <= *avail, "moefq qdq: ", what, " needs about ", format_bytes(need),
+              " of memory, but ", format_bytes(avail.value_or(0)), " is available; ", advice);
 }
 
 // [rows, cols] view of a tensor of any rank: blocks run along the last dimension.
@@ -125,9 +157,9 @@ void write_report(const std::string& path, const QdqOptions& o, const std::strin
 }
 
 template <typename T>
-std::vector<T> copy_elements(std::span<const uint8_t> bytes) {
-  std::vector<T> v(bytes.size() / sizeof(T));
-  if (!bytes.empty()) std::memcpy(v.data(), bytes.data(), bytes.size());
+std::vector<T> read_elements(const SafetensorsFile& file, const TensorInfo& t) {
+  std::vector<T> v(size_t(t.end - t.begin) / sizeof(T));
+  file.read_into(t, {reinterpret_cast<uint8_t*>(v.data()), v.size() * sizeof(T)});
   return v;
 }
 
@@ -138,21 +170,22 @@ std::span<const uint8_t> as_bytes(const std::vector<T>& v) {
 
 // Output paths are checked before any work, so a bad one fails with nothing written.
 void check_outputs(const QdqOptions& o) {
-  namespace fs = std::filesystem;
-  auto same = [](const std::string& a, const std::string& b) {
+  const std::vector<NamedPath> in = {{"--in", o.in}};
+  if (!o.out.empty()) check_output_path(o.out, "--out", in);
+  if (!o.report.empty()) {
+    const std::vector<NamedPath> in_out = {{"--in", o.in}, {"--out", o.out}};
+    check_output_path(o.report, "--report", in_out);
+    // Neither exists yet: the inode check above cannot see that they name one file.
     std::error_code ec;
-    return !a.empty() && !b.empty() && fs::weakly_canonical(a, ec) == fs::weakly_canonical(b, ec);
-  };
-  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--out", o.out}, {"--report", o.report}}) {
-    if (path.empty()) continue;
-    const fs::path p(path), dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
-    MOEFQ_CHECK(fs::is_directory(dir), flag, ": directory '", dir.string(), "' does not exist");
-    MOEFQ_CHECK(!fs::is_directory(p), flag, ": '", path, "' is a directory; give a file name");
+    MOEFQ_CHECK(o.out.empty() || fs::weakly_canonical(o.report, ec) != fs::weakly_canonical(o.out, ec), "--report ", o.report,
+                ": is the same file as --out; give another name");
   }
-  MOEFQ_CHECK(!same(o.report, o.in) && !same(o.report, o.out), "--report must differ from --in and --out");
 }
 
-int run_qdq(const QdqOptions& o) {
+int run_qdq(const QdqOptions& o, const CLI::App* sub) {
+  MOEFQ_CHECK(sub->get_option("--out")->count() == 0 || !o.out.empty(), "--out: empty path; give a file name");
+  MOEFQ_CHECK(sub->get_option("--report")->count() == 0 || !o.report.empty(),
+              "--report: empty path; give a file name");
   check_outputs(o);
   std::vector<Format> formats;
   if (!o.format.empty()) {
@@ -160,7 +193,8 @@ int run_qdq(const QdqOptions& o) {
     MOEFQ_CHECK(f.has_value(), "--format: unknown format '", o.format, "' (expected ", format_choices(), ")");
     formats.push_back(*f);
   }
-  const std::optional<float> amax = o.amax.empty() ? std::nullopt : std::optional<float>(parse_amax(o.amax));
+  std::optional<float> amax;
+  if (!o.amax.empty()) amax = parse_amax(o.amax);
   const bool cuda = use_cuda(o.device);
   std::string device = "cpu";
 #ifdef MOEFQ_HAS_CUDA
@@ -178,8 +212,17 @@ int run_qdq(const QdqOptions& o) {
     if (formats.empty()) formats.assign(std::begin(kAllFormats), std::end(kAllFormats));
     std::fprintf(stderr, "moefq qdq: built-in sample [%lld, %lld] bf16 (synthetic activations with outlier "
                  "channels) on %s\n", (long long)o.sample_rows, (long long)o.sample_cols, device.c_str());
-    std::vector<bf16> x;
-    for (float v : synthetic_activations(o.sample_rows, o.sample_cols, 2026)) x.push_back({bf16_round(v)});
+    // Peak: the fp32 synthetic values and their bf16 copy, or later the writer's copies of the
+    // sample and of every output, the sample itself and one output being made.
+    const uint64_t n = uint64_t(o.sample_rows) * uint64_t(o.sample_cols);
+    check_memory(std::max(6 * n, 2 * n * (3 + formats.size())),
+                 "the built-in sample of " + std::to_string(o.sample_rows) + " x " + std::to_string(o.sample_cols),
+                 "give smaller --sample-rows or --sample-cols");
+    std::vector<bf16> x(n);
+    {
+      const std::vector<float> v = synthetic_activations(o.sample_rows, o.sample_cols, 2026);
+      for (size_t i = 0; i < n; ++i) x[i].bits = bf16_round(v[i]);
+    }
     const std::vector<int64_t> shape = {o.sample_rows, o.sample_cols};
     writer.add("sample", StDtype::kBF16, shape, as_bytes(x));
     for (Format f : formats) {
@@ -190,34 +233,41 @@ int run_qdq(const QdqOptions& o) {
   } else {
     MOEFQ_CHECK(!o.out.empty(), "--out is required with --in (the fake-quantized copy is written there)");
     MOEFQ_CHECK(formats.size() == 1, "--format is required with --in (one of ", format_choices(), ")");
-    const SafetensorsFile file = SafetensorsFile::open(o.in);
+    const SafetensorsFile file = SafetensorsFile::open(o.in, "--in " + o.in);
     std::set<std::string> wanted(o.tensors.begin(), o.tensors.end());
     for (const std::string& name : wanted)
       MOEFQ_CHECK(file.find(name) != nullptr, "--tensor: ", o.in, " has no tensor named '", name, "'");
+    // Peak: the writer's copy of every tensor, plus the input and output of the largest one.
+    uint64_t data = 0, largest = 0;
+    for (const TensorInfo& t : file.header().tensors) {
+      data += t.end - t.begin;
+      largest = std::max<uint64_t>(largest, t.end - t.begin);
+    }
+    check_memory(data + 2 * largest, o.in + " (" + format_bytes(data) + " of tensors)",
+                 "split the file into smaller ones");
     for (const auto& [k, v] : file.header().metadata) writer.set_metadata(k, v);
     writer.set_metadata("moefq.qdq", std::string(format_name(formats[0])) + (amax ? " amax " + o.amax : " dynamic amax"));
     const auto& tensors = file.header().tensors;
     for (size_t i = 0; i < tensors.size(); ++i) {
       const TensorInfo& t = tensors[i];
-      const auto bytes = file.bytes(t);
       const bool selected = wanted.empty() || wanted.count(t.name);
       const bool floating = t.dtype == StDtype::kBF16 || t.dtype == StDtype::kF32;
       if (!selected || !floating) {
         if (selected)
           std::fprintf(stderr, "note: %s has dtype %s; copied unchanged (only BF16 and F32 are quantized)\n",
                        t.name.c_str(), st_dtype_name(t.dtype));
-        writer.add(t.name, t.dtype, t.shape, bytes);
+        writer.add(t.name, t.dtype, t.shape, file.read(t));
         continue;
       }
       std::fprintf(stderr, "[%zu/%zu] %s %s %s\n", i + 1, tensors.size(), t.name.c_str(),
                    st_dtype_name(t.dtype), shape_str(t.shape).c_str());
       if (t.dtype == StDtype::kBF16) {
-        const auto x = copy_elements<bf16>(bytes);
+        const auto x = read_elements<bf16>(file, t);
         std::vector<bf16> y;
         results.push_back(run_one(t.name, "BF16", t.shape, x, y, formats[0], amax, cuda));
         writer.add(t.name, t.dtype, t.shape, as_bytes(y));
       } else {
-        const auto x = copy_elements<float>(bytes);
+        const auto x = read_elements<float>(file, t);
         std::vector<float> y;
         results.push_back(run_one(t.name, "F32", t.shape, x, y, formats[0], amax, cuda));
         writer.add(t.name, t.dtype, t.shape, as_bytes(y));
@@ -257,7 +307,7 @@ std::function<int()> add_qdq_command(CLI::App& app) {
       "  moefq qdq                                   # every format on the built-in sample\n"
       "  moefq qdq --in acts.safetensors --out acts.nvfp4.safetensors --format nvfp4 --amax 2688\n"
       "Exit status: 0 success, 2 bad input (nothing is written then).");
-  return [sub, opts] { return sub->parsed() ? run_qdq(*opts) : 0; };
+  return [sub, opts] { return sub->parsed() ? run_qdq(*opts, sub) : 0; };
 }
 
 }  // namespace moefq::cli

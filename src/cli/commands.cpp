@@ -2,7 +2,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include <charconv>
+#include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <vector>
 
 #include "moefq/errors.h"
@@ -29,6 +32,22 @@ bool use_cuda(const std::string& device) {
 #endif
   );
   return gpu;
+}
+
+const CLI::Validator& seed_range() {
+  static const CLI::Validator v(
+      [](const std::string& text) -> std::string {
+        uint64_t value = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+        const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+        if (digits && ec == std::errc() && end == text.data() + text.size() &&
+            value <= uint64_t(std::numeric_limits<int64_t>::max()))
+          return {};
+        return "expected a whole number from 0 to " + std::to_string(std::numeric_limits<int64_t>::max()) +
+               ", got '" + text + "'";
+      },
+      "INT in [0, 2^63-1]");
+  return v;
 }
 
 int run(int argc, char** argv) {

@@ -7,6 +7,7 @@
 
 namespace CLI {
 class App;
+class Validator;
 }
 
 namespace moefq::cli {
@@ -24,5 +25,9 @@ std::function<int()> add_launch_command(CLI::App& app);
 // Device selection shared by commands: "auto" (cuda when a GPU is visible), "cpu" or "cuda".
 // Returns true for cuda; throws a bad-input error for an unknown name or cuda without a GPU.
 bool use_cuda(const std::string& device);
+
+// --seed's check: a decimal integer in [0, 2^63 - 1] (no sign, exponent or spaces), with that range
+// in the message.
+const CLI::Validator& seed_range();
 
 }  // namespace moefq::cli

@@ -1,17 +1,41 @@
 // moefq command-line entry: dispatches subcommands, maps errors to exit codes
-// (0 success, 1 a failed check, 2 bad input).
+// (0 success, 1 a failed check, 2 bad input, 3 a bug) and removes temporary files on SIGINT,
+// SIGTERM, SIGHUP and SIGPIPE (docs/cli.md).
 #include <cstdio>
 #include <exception>
+#include <new>
+#include <string>
 
 #include "cli/commands.h"
 #include "moefq/errors.h"
+#include "moefq/fileio.h"
+
+namespace {
+
+// The subcommand named on the command line, for messages ("moefq" when there is none).
+std::string command_of(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (argv[i][0] != '-') return std::string("moefq ") + argv[i];
+  return "moefq";
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
+  moefq::install_cleanup_signal_handlers();
   try {
     return moefq::cli::run(argc, argv);
   } catch (const moefq::Error& e) {
     std::fprintf(stderr, "moefq: error: %s\n", e.what());
     return e.kind() == moefq::ErrorKind::kFailedCheck ? 1 : 2;
+  } catch (const std::bad_alloc&) {
+    // A size the command accepted but this machine cannot hold: bad input for this machine, not a bug.
+    std::fprintf(stderr,
+                 "moefq: error: %s ran out of memory (an allocation failed); nothing was written. Try smaller "
+                 "sizes (fewer --tokens, --ranks, layers or tensors, a smaller model) or a machine with more "
+                 "memory.\n",
+                 command_of(argc, argv).c_str());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moefq: internal error: %s\n", e.what());
     return 3;

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moefq/errors.h"
+#include "moefq/fileio.h"
 
 namespace moefq {
 
@@ -39,19 +40,30 @@ constexpr FieldNames kHfNames = {"hidden_size", "moe_intermediate_size", "n_rout
                                  "routed_scaling_factor", "swiglu_limit"};
 
 constexpr int64_t kMaxTopK = 32;
+// Bounds no real MoE model comes near (the largest today: hidden 7168, intermediate 3072, 896
+// experts, 2 shared), so that a typo or a hostile config.json is refused with a message instead of
+// sizing allocations that cannot succeed.
+constexpr int64_t kMaxHidden = 65536, kMaxIntermediate = 131072, kMaxExperts = 8192, kMaxShared = 64;
 
 void validate_fields(const MoeConfig& c, const FieldNames& n, const std::string& where) {
   const std::string w = where.empty() ? std::string("moe config") : where;
   MOEFQ_CHECK(c.hidden > 0 && c.hidden % 128 == 0, w, ": ", n.hidden, " = ", c.hidden,
               " must be a positive multiple of 128");
+  MOEFQ_CHECK(c.hidden <= kMaxHidden, w, ": ", n.hidden, " = ", c.hidden, " is larger than ", kMaxHidden,
+              ", more than any MoE model has");
   MOEFQ_CHECK(c.intermediate > 0 && c.intermediate % 128 == 0, w, ": ", n.intermediate, " = ",
               c.intermediate, " must be a positive multiple of 128");
+  MOEFQ_CHECK(c.intermediate <= kMaxIntermediate, w, ": ", n.intermediate, " = ", c.intermediate,
+              " is larger than ", kMaxIntermediate, ", more than any MoE model has");
   MOEFQ_CHECK(c.num_experts >= 1, w, ": ", n.num_experts, " = ", c.num_experts, " must be at least 1");
+  MOEFQ_CHECK(c.num_experts <= kMaxExperts, w, ": ", n.num_experts, " = ", c.num_experts, " is larger than ",
+              kMaxExperts, ", more than any MoE model has");
   MOEFQ_CHECK(c.top_k >= 1 && c.top_k <= kMaxTopK, w, ": ", n.top_k, " = ", c.top_k,
               " must be in [1, ", kMaxTopK, "]");
   MOEFQ_CHECK(c.top_k <= c.num_experts, w, ": ", n.top_k, " = ", c.top_k, " exceeds ", n.num_experts,
               " = ", c.num_experts);
-  MOEFQ_CHECK(c.num_shared >= 0, w, ": ", n.num_shared, " = ", c.num_shared, " must not be negative");
+  MOEFQ_CHECK(c.num_shared >= 0 && c.num_shared <= kMaxShared, w, ": ", n.num_shared, " = ", c.num_shared,
+              " must be in [0, ", kMaxShared, "]");
   MOEFQ_CHECK(c.n_group >= 1, w, ": ", n.n_group, " = ", c.n_group, " must be at least 1");
   MOEFQ_CHECK(c.num_experts % c.n_group == 0, w, ": ", n.n_group, " = ", c.n_group, " must divide ",
               n.num_experts, " = ", c.num_experts);
@@ -189,17 +201,11 @@ MoeConfig preset(std::string_view name) {
 }
 
 MoeConfig load_hf_config(const std::string& path) {
-  std::error_code ec;
-  MOEFQ_CHECK(!std::filesystem::is_directory(path, ec), "model config ", path,
-              " is a directory; give the path of its config.json");
-  std::ifstream in(path, std::ios::binary);
-  MOEFQ_CHECK(in.good(), "cannot open model config ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  MOEFQ_CHECK(!in.bad(), "cannot read model config ", path);
+  // A config.json is a few KiB; the cap bounds a hostile one.
+  const std::string text = read_regular_file(path, size_t(16) << 20, "model config " + path);
   Json doc;
   try {
-    doc = Json::parse(ss.str());
+    doc = Json::parse(text);
   } catch (const Json::exception& e) {
     MOEFQ_FAIL(ErrorKind::kBadInput, path, ": not valid JSON (", e.what(), ")");
   }

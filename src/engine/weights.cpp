@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "moefq/errors.h"
+#include "moefq/fileio.h"
 #include "moefq/safetensors.h"
 
 namespace moefq {
@@ -103,10 +104,13 @@ std::string shape_str(std::span<const int64_t> shape) {
 // and the shards opened so far, each opened once.
 class Checkpoint {
  public:
+  // DeepSeek-V3's index is about 9 MB; the cap keeps a hostile one (or a link to /dev/zero) bounded.
+  static constexpr size_t kMaxIndexBytes = size_t(256) << 20;
+
   explicit Checkpoint(const std::string& dir) : dir_(dir) {
     const fs::path index = fs::path(dir) / "model.safetensors.index.json";
     std::error_code ec;
-    if (fs::exists(index, ec)) {
+    if (fs::exists(fs::symlink_status(index, ec))) {  // a link that leads nowhere is reported, not skipped
       read_index(index.string());
       return;
     }
@@ -153,13 +157,10 @@ class Checkpoint {
  private:
   void read_index(const std::string& path) {
     index_path_ = path;
-    std::ifstream in(path, std::ios::binary);
-    MOEFQ_CHECK(in.good(), path, ": cannot open the checkpoint index");
-    std::stringstream ss;
-    ss << in.rdbuf();
+    const std::string text = read_regular_file(path, kMaxIndexBytes, "checkpoint index " + path);
     nlohmann::json root;
     try {
-      root = nlohmann::json::parse(ss.str());
+      root = nlohmann::json::parse(text);
     } catch (const nlohmann::json::exception& e) {
       MOEFQ_FAIL(ErrorKind::kBadInput, path, ": malformed checkpoint index (not JSON): ", e.what());
     }
@@ -185,11 +186,9 @@ class Checkpoint {
   const SafetensorsFile& open_shard(const std::string& path, const std::string& tensor) {
     auto it = shards_.find(path);
     if (it != shards_.end()) return it->second;
-    std::error_code ec;
-    MOEFQ_CHECK(fs::is_regular_file(path, ec), "tensor ", tensor, ": shard file ", path,
-                single_.empty() ? " (named by " + index_path_ + ")" : std::string(),
-                " does not exist");
-    return shards_.emplace(path, SafetensorsFile::open(path)).first->second;
+    const std::string what = "tensor " + tensor + ": shard file " + path +
+                             (single_.empty() ? " (named by " + index_path_ + ")" : std::string());
+    return shards_.emplace(path, SafetensorsFile::open(path, what)).first->second;
   }
 
   std::string dir_, index_path_, single_;
@@ -212,10 +211,11 @@ void check_tensor(const Checkpoint::Found& t, const std::string& name,
 }
 
 template <typename T>
-void append_bytes(std::vector<T>& out, std::span<const uint8_t> bytes) {
-  const size_t old = out.size();
-  out.resize(old + bytes.size() / sizeof(T));
-  if (!bytes.empty()) std::memcpy(out.data() + old, bytes.data(), bytes.size());
+void append_tensor(std::vector<T>& out, const Checkpoint::Found& t) {
+  const size_t old = out.size(), n = size_t(t.info->end - t.info->begin);
+  MOEFQ_ASSERT(n % sizeof(T) == 0, "tensor ", t.info->name, ": ", n, " bytes is not a whole number of elements");
+  out.resize(old + n / sizeof(T));
+  t.file->read_into(*t.info, {reinterpret_cast<uint8_t*>(out.data() + old), n});
 }
 
 // One expert (routed or shared) under `prefix` ("model.layers.3.mlp.experts.7."): gate and up
@@ -245,11 +245,11 @@ ExpertWeights load_expert(Checkpoint& ckpt, const std::string& prefix, int64_t h
       const std::string sname = prefix + proj + ".weight_scale_inv";
       const auto s = ckpt.require(sname, "block scales of an e4m3 expert weight");
       check_tensor(s, sname, {StDtype::kF32}, {ceil_div(rows, kBlock), ceil_div(cols, kBlock)});
-      append_bytes(down ? w.down_e4m3 : w.gate_up_e4m3, t.file->bytes(*t.info));
-      append_bytes(down ? w.down_scale : w.gate_up_scale, s.file->bytes(*s.info));
+      append_tensor(down ? w.down_e4m3 : w.gate_up_e4m3, t);
+      append_tensor(down ? w.down_scale : w.gate_up_scale, s);
     } else {
       check_tensor(t, name, {StDtype::kBF16}, {rows, cols});
-      append_bytes(down ? w.down_bf16 : w.gate_up_bf16, t.file->bytes(*t.info));
+      append_tensor(down ? w.down_bf16 : w.gate_up_bf16, t);
     }
   }
   return w;
@@ -300,12 +300,11 @@ LayerWeights load_deepseek_layer(const std::string& dir, int64_t layer, const Mo
   const std::string gname = mlp + "gate.weight";
   const auto g = ckpt.require(gname, "router weight");
   check_tensor(g, gname, {StDtype::kBF16, StDtype::kF32}, {cfg.num_experts, cfg.hidden});
-  const auto gbytes = g.file->bytes(*g.info);
   if (g.info->dtype == StDtype::kF32) {
-    append_bytes(lw.gate, gbytes);
+    append_tensor(lw.gate, g);
   } else {
     std::vector<bf16> raw;
-    append_bytes(raw, gbytes);
+    append_tensor(raw, g);
     lw.gate.resize(raw.size());
     for (size_t i = 0; i < raw.size(); ++i) lw.gate[i] = to_f32(raw[i]);
   }
@@ -317,7 +316,7 @@ LayerWeights load_deepseek_layer(const std::string& dir, int64_t layer, const Mo
     MOEFQ_CHECK(b.has_value(), "missing tensor ", bname, " in checkpoint ", ckpt.where(),
                 ": the config uses noaux_tc routing, which needs the correction bias");
     check_tensor(*b, bname, {StDtype::kF32}, {cfg.num_experts});
-    append_bytes(lw.gate_bias, b->file->bytes(*b->info));
+    append_tensor(lw.gate_bias, *b);
   }
   return lw;
 }

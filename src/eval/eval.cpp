@@ -18,6 +18,7 @@
 #include "moefq/errors.h"
 #include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
+#include "moefq/fileio.h"
 #include "moefq/quantizer.h"
 #include "moefq/safetensors.h"
 
@@ -59,13 +60,13 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   if (!o.checkpoint_dir.empty()) {
     MOEFQ_CHECK(fs::is_directory(o.checkpoint_dir), "--checkpoint ", o.checkpoint_dir, ": not a directory");
     const std::string cj = (fs::path(o.checkpoint_dir) / "config.json").string();
-    MOEFQ_CHECK(fs::is_regular_file(cj), "--checkpoint ", o.checkpoint_dir, ": no config.json in the directory");
+    (void)InputFile::open(cj, "--checkpoint " + o.checkpoint_dir + ": config.json");
     s.config = load_hf_config(cj);
     s.model_source = "checkpoint " + o.checkpoint_dir;
     s.weights_source = "checkpoint " + o.checkpoint_dir;
     p.runner.checkpoint_dir = o.checkpoint_dir;
   } else if (!o.config_path.empty()) {
-    MOEFQ_CHECK(fs::is_regular_file(o.config_path), "--config ", o.config_path, ": no such file");
+    (void)InputFile::open(o.config_path, "--config " + o.config_path);
     s.config = load_hf_config(o.config_path);
     s.model_source = "config " + o.config_path;
   } else {
@@ -131,7 +132,7 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
 
   // Activations: one [tokens, H] tensor per layer ("layers.{i}"), else "hidden_states".
   if (!o.activations_path.empty()) {
-    p.acts.emplace(SafetensorsFile::open(o.activations_path));
+    p.acts.emplace(SafetensorsFile::open(o.activations_path, "--activations " + o.activations_path));
     const int64_t need = p.runner.num_tokens();
     for (int64_t l : s.layers) {
       const std::string per_layer = "layers." + std::to_string(l);

@@ -32,16 +32,13 @@ std::vector<bf16> layer_activations(const RunnerSetup& s, int64_t layer, int64_t
   const int64_t H = s.config.hidden;
   if (!s.acts) return synthetic_activations(s.synthetic_layer(layer), first, n, s.num_threads);
   const TensorInfo& t = *s.acts->find(s.act_tensor.at(layer));
-  const auto bytes = s.acts->bytes(t);
   std::vector<bf16> out(size_t(n * H));
   if (t.dtype == StDtype::kBF16) {
-    std::memcpy(out.data(), bytes.data() + size_t(first * H) * 2, out.size() * 2);
+    s.acts->read_into(t, {reinterpret_cast<uint8_t*>(out.data()), out.size() * 2}, uint64_t(first * H) * 2);
   } else {
-    for (size_t i = 0; i < out.size(); ++i) {
-      float v;
-      std::memcpy(&v, bytes.data() + (size_t(first * H) + i) * 4, 4);
-      out[i].bits = bf16_round(v);
-    }
+    std::vector<float> v(out.size());
+    s.acts->read_into(t, {reinterpret_cast<uint8_t*>(v.data()), v.size() * 4}, uint64_t(first * H) * 4);
+    for (size_t i = 0; i < out.size(); ++i) out[i].bits = bf16_round(v[i]);
   }
   return out;
 }

@@ -3,7 +3,6 @@
 // MemAvailable and what the cgroup still allows) and the GPU's free memory.
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -11,6 +10,7 @@
 #include "engine/expert_cpu.h"
 #include "eval/layer_runner.h"
 #include "moefq/buffer_layout.h"
+#include "moefq/host_memory.h"
 
 namespace moefq {
 namespace {
@@ -22,36 +22,6 @@ std::mutex& query_mutex() {
 std::function<std::pair<double, double>()>& device_query() {
   static std::function<std::pair<double, double>()> q;
   return q;
-}
-
-// A number from a file that holds one (cgroup limits), or nullopt ("max", absent, unreadable).
-std::optional<double> read_number(const char* path) {
-  std::ifstream in(path);
-  std::string s;
-  if (!(in >> s) || s == "max") return std::nullopt;
-  try {
-    return std::stod(s);
-  } catch (...) {
-    return std::nullopt;
-  }
-}
-
-// What this process may still allocate on the host.
-double host_available() {
-  double avail = 0;
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  double kb;
-  std::string unit;
-  while (in >> key >> kb >> unit)
-    if (key == "MemAvailable:") avail = kb * 1024.0;
-  for (const auto& [limit, usage] : {std::pair{"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"},
-                                     std::pair{"/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                               "/sys/fs/cgroup/memory/memory.usage_in_bytes"}}) {
-    const auto l = read_number(limit), u = read_number(usage);
-    if (l && u && *l < 1e18) avail = avail > 0 ? std::min(avail, std::max(0.0, *l - *u)) : std::max(0.0, *l - *u);
-  }
-  return avail;
 }
 
 double expert_bytes(int64_t H, int64_t I) {
@@ -127,7 +97,7 @@ MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
     p.host_bytes += m.host_bytes;
     p.device_bytes += m.device_bytes;
   }
-  p.host_available = host_available();
+  p.host_available = double(available_host_memory().value_or(0));
   {
     std::lock_guard<std::mutex> lock(query_mutex());
     if (cuda && device_query()) p.device_available = device_query()().first;

@@ -1,9 +1,5 @@
 #include "moefq/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -253,20 +249,24 @@ int64_t TensorInfo::numel() const {
   return static_cast<int64_t>(*n);
 }
 
-SafetensorsHeader parse_safetensors(std::span<const uint8_t> file_bytes, std::string_view what_view) {
-  const std::string what(what_view);
-  MOEFQ_CHECK(file_bytes.size() >= 8, what, ": file is ", file_bytes.size(),
+namespace {
+
+// The header of a file of file_size bytes from its first bytes `head` (at least 8 + N of them when
+// the file has a valid length prefix N; all of it when shorter).
+SafetensorsHeader parse_header(std::span<const uint8_t> head, uint64_t file_size, const std::string& what) {
+  MOEFQ_CHECK(file_size >= 8, what, ": file is ", file_size,
               " bytes, shorter than the 8-byte header length; truncated or not a safetensors file");
-  const uint64_t header_len = load_u64_le(file_bytes.data());
-  const uint64_t after_prefix = file_bytes.size() - 8;
+  const uint64_t header_len = load_u64_le(head.data());
+  const uint64_t after_prefix = file_size - 8;
   MOEFQ_CHECK(header_len <= kMaxSafetensorsHeaderBytes, what, ": header length ", header_len,
               " exceeds the limit of ", kMaxSafetensorsHeaderBytes,
               " bytes; corrupt or not a safetensors file");
   MOEFQ_CHECK(header_len <= after_prefix, what, ": header length ", header_len,
               " is larger than the ", after_prefix,
               " bytes after the length prefix; truncated or not a safetensors file");
+  MOEFQ_ASSERT(head.size() >= 8 + header_len, what, ": the header was not read whole");
 
-  const std::string_view text(reinterpret_cast<const char*>(file_bytes.data()) + 8, header_len);
+  const std::string_view text(reinterpret_cast<const char*>(head.data()) + 8, header_len);
   const Json root = parse_header_json(text, what);
   MOEFQ_CHECK(root.is_object(), what, ": header is a JSON ", root.type_name(),
               ", expected an object mapping tensor names to {dtype, shape, data_offsets}");
@@ -289,64 +289,36 @@ SafetensorsHeader parse_safetensors(std::span<const uint8_t> file_bytes, std::st
   return header;
 }
 
+}  // namespace
+
+SafetensorsHeader parse_safetensors(std::span<const uint8_t> file_bytes, std::string_view what) {
+  return parse_header(file_bytes, file_bytes.size(), std::string(what));
+}
+
 // ---------------------------------------------------------------------------------------------
 // SafetensorsFile
 
-SafetensorsFile SafetensorsFile::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  MOEFQ_CHECK(fd >= 0, path, ": cannot open: ", std::strerror(errno));
-  struct stat st {};
-  const int stat_rc = ::fstat(fd, &st);
-  const int stat_errno = errno;
-  if (stat_rc != 0 || !S_ISREG(st.st_mode)) ::close(fd);
-  MOEFQ_CHECK(stat_rc == 0, path, ": cannot stat: ", std::strerror(stat_errno));
-  MOEFQ_CHECK(S_ISREG(st.st_mode), path, ": not a regular file");
-
-  SafetensorsFile file;
-  file.path_ = path;
-  file.map_size_ = static_cast<size_t>(st.st_size);
-  if (file.map_size_ > 0) {  // mmap rejects a zero length; an empty file fails in the parser
-    void* map = ::mmap(nullptr, file.map_size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    const int map_errno = errno;
-    ::close(fd);
-    MOEFQ_CHECK(map != MAP_FAILED, path, ": cannot mmap ", file.map_size_, " bytes: ",
-                std::strerror(map_errno));
-    file.map_ = static_cast<const uint8_t*>(map);
-  } else {
-    ::close(fd);
+SafetensorsFile SafetensorsFile::open(const std::string& path, std::string_view what_view) {
+  const std::string what = what_view.empty() ? path : std::string(what_view);
+  InputFile in = InputFile::open(path, what);
+  const uint64_t size = in.size();
+  // The length prefix, then the header it announces when that is plausible (parse_header says why
+  // when it is not); tensor data is read only when asked for.
+  std::vector<uint8_t> head(size_t(std::min<uint64_t>(size, 8)));
+  in.read_at(0, head);
+  if (size >= 8) {
+    const uint64_t n = load_u64_le(head.data());
+    if (n <= kMaxSafetensorsHeaderBytes && n <= size - 8) {
+      head.resize(size_t(8 + n));
+      in.read_at(8, {head.data() + 8, size_t(n)});
+    }
   }
-  // From here `file` owns the mapping, so a parse error unmaps it.
-  file.header_ = parse_safetensors({file.map_, file.map_size_}, path);
+  SafetensorsFile file(std::move(in));
+  file.path_ = path;
+  file.header_ = parse_header(head, size, what);
   for (size_t i = 0; i < file.header_.tensors.size(); ++i)
     file.index_.emplace(file.header_.tensors[i].name, i);
   return file;
-}
-
-SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
-    : path_(std::move(other.path_)),
-      map_(std::exchange(other.map_, nullptr)),
-      map_size_(std::exchange(other.map_size_, 0)),
-      header_(std::move(other.header_)),
-      index_(std::move(other.index_)) {}
-
-SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
-  if (this != &other) {
-    release();
-    path_ = std::move(other.path_);
-    map_ = std::exchange(other.map_, nullptr);
-    map_size_ = std::exchange(other.map_size_, 0);
-    header_ = std::move(other.header_);
-    index_ = std::move(other.index_);
-  }
-  return *this;
-}
-
-SafetensorsFile::~SafetensorsFile() { release(); }
-
-void SafetensorsFile::release() {
-  if (map_) ::munmap(const_cast<uint8_t*>(map_), map_size_);
-  map_ = nullptr;
-  map_size_ = 0;
 }
 
 const TensorInfo* SafetensorsFile::find(std::string_view name) const {
@@ -354,10 +326,19 @@ const TensorInfo* SafetensorsFile::find(std::string_view name) const {
   return it == index_.end() ? nullptr : &header_.tensors[it->second];
 }
 
-std::span<const uint8_t> SafetensorsFile::bytes(const TensorInfo& info) const {
-  MOEFQ_ASSERT(info.begin <= info.end && header_.data_start + info.end <= map_size_, path_,
-               ": tensor ", quote(info.name), " is not from this file");
-  return {map_ + header_.data_start + info.begin, static_cast<size_t>(info.end - info.begin)};
+void SafetensorsFile::read_into(const TensorInfo& info, std::span<uint8_t> dst, uint64_t offset) const {
+  MOEFQ_ASSERT(info.begin <= info.end && header_.data_start + info.end <= file_.size(), path_, ": tensor ",
+               quote(info.name), " is not from this file");
+  MOEFQ_ASSERT(offset <= info.end - info.begin && dst.size() <= info.end - info.begin - offset, path_,
+               ": tensor ", quote(info.name), ": bytes [", offset, ", ", offset + dst.size(), ") are outside its ",
+               info.end - info.begin, " bytes");
+  file_.read_at(header_.data_start + info.begin + offset, dst);
+}
+
+std::vector<uint8_t> SafetensorsFile::read(const TensorInfo& info) const {
+  std::vector<uint8_t> bytes(size_t(info.end - info.begin));
+  read_into(info, bytes);
+  return bytes;
 }
 
 // ---------------------------------------------------------------------------------------------

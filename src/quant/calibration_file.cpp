@@ -1,11 +1,8 @@
 #include "moefq/calibration_file.h"
 
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
@@ -154,22 +151,19 @@ void write_calibration_file(const std::string& path, const CalibrationFile& file
 
 CalibrationFile read_calibration_file(const std::string& path_arg, const std::string& where_arg) {
   const std::string& path = where_arg.empty() ? path_arg : where_arg;
-  std::ifstream in(path_arg, std::ios::binary);
-  MOEFQ_CHECK(in.is_open(), path, ": cannot open the calibration file: ", std::strerror(errno));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  MOEFQ_CHECK(!in.bad(), path, ": cannot read the calibration file");
+  const std::string text = read_regular_file(path_arg, kMaxCalibrationFileBytes, path);
   json root;
   try {
-    root = json::parse(buf.str());
+    root = json::parse(text);
   } catch (const json::exception& e) {
     MOEFQ_FAIL(ErrorKind::kBadInput, path, ": not a valid calibration file (malformed JSON: ", e.what(), ")");
   }
   MOEFQ_CHECK(root.is_object(), path, ": a calibration file is a JSON object with 'version' and 'quantizers'");
   MOEFQ_CHECK(root.contains("version") && root["version"].is_number_integer(), path, ": 'version' must be an integer");
   const int64_t version = root["version"].get<int64_t>();
-  MOEFQ_CHECK(version == 1 || version == kVersion, path, ": version ", version, " is not supported (expected 1 or ",
-              kVersion, ")");
+  // The message shows dump(): an unsigned 2^64 - 1 reads as -1 through int64_t.
+  MOEFQ_CHECK(version == 1 || version == kVersion, path, ": version ", root["version"].dump(),
+              " is not supported (expected 1 or ", kVersion, ")");
   MOEFQ_CHECK(version >= 2 || root.value("kind", json()) != "moefq eval calibration", path,
               ": a calibration file of an older moefq (its eval format 1); calibrate again with this version");
   for (const auto& [key, value] : root.items()) {
@@ -190,7 +184,7 @@ CalibrationFile read_calibration_file(const std::string& path_arg, const std::st
       MOEFQ_CHECK(root["setup"].is_object(), path, ": 'setup' must be an object");
       for (const auto& [k, v] : root["setup"].items()) {
         MOEFQ_CHECK(v.is_string() || v.is_number_integer(), path, ": setup.", k, " must be a string or an integer");
-        f.setup.emplace_back(k, v.is_string() ? v.get<std::string>() : std::to_string(v.get<int64_t>()));
+        f.setup.emplace_back(k, v.is_string() ? v.get<std::string>() : v.dump());  // an integer as written (2^64 - 1 too)
       }
     }
   }

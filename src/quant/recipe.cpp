@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "moefq/errors.h"
+#include "moefq/fileio.h"
 
 #ifndef MOEFQ_RECIPE_DIR
 #define MOEFQ_RECIPE_DIR "recipes"
@@ -194,17 +195,10 @@ std::string canonical_key(const fs::path& p) {
   return c.string();
 }
 
+// A regular file only (a FIFO or device is refused by name, without a blocking open), at most
+// kMaxRecipeBytes.
 std::string read_file_text(const fs::path& path, const std::string& display) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) fail(display + ": no such recipe file");
-  const auto size = fs::file_size(path, ec);
-  if (!ec && size > kMaxRecipeBytes)
-    fail(display + ": " + std::to_string(size) + " bytes is too large for a recipe (limit 1 MiB)");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(display + ": cannot open the recipe file: " + std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
+  return read_regular_file(path.string(), kMaxRecipeBytes, "recipe " + display);
 }
 
 // State shared by one load: finished files (a unit imported twice is read once) and the chain
@@ -650,7 +644,10 @@ Recipe load_recipe(const std::string& path_or_unit_name) {
   MOEFQ_CHECK(!path_or_unit_name.empty(), "load_recipe: empty recipe name; give a file or a unit "
                                           "name such as moe_dispatch_fp8");
   fs::path path = path_or_unit_name;
-  if (!is_regular(path)) {
+  std::error_code ec;
+  // Something that exists but is not a regular file (a FIFO, a directory) is refused by
+  // read_file_text, naming what it is, rather than taken for a unit name.
+  if (!fs::exists(fs::status(path, ec))) {
     // Not a file: a unit name, looked up like an import from the current directory.
     std::string name = path_or_unit_name;
     if (name.size() > 5 && name.compare(name.size() - 5, 5, ".yaml") == 0) name.resize(name.size() - 5);

@@ -621,16 +621,13 @@ std::string eval_report_html(const EvalResult& r) {
 }
 
 void write_eval_reports(const EvalResult& result, const std::string& dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  MOEFQ_CHECK(!ec && std::filesystem::is_directory(dir), "--out ", dir, ": cannot create the directory",
-              ec ? ": " + ec.message() : "");
-  const std::filesystem::path d(dir);
   // Everything is rendered before the first file is written.
   const std::string j = eval_report_json(result), c = eval_report_csv(result), h = eval_report_html(result);
-  write_file_atomic((d / "report.json").string(), j);
-  write_file_atomic((d / "report.csv").string(), c);
-  write_file_atomic((d / "report.html").string(), h);
+  AtomicDirectory out(dir, kEvalReportFiles);
+  out.write("report.json", j);
+  out.write("report.csv", c);
+  out.write("report.html", h);
+  out.commit();
 }
 
 }  // namespace moefq

@@ -327,6 +327,10 @@ TEST_F(HfConfig, InconsistentFields) {
       {"topk_group", 0},               {"routed_scaling_factor", 0.0},
       {"routed_scaling_factor", -2.5}, {"swiglu_limit", 0.0},
       {"swiglu_limit", -10.0},
+      // Beyond any MoE model: refused by name instead of sizing allocations that cannot succeed.
+      {"hidden_size", 65536 + 128},    {"moe_intermediate_size", 131072 + 128},
+      {"n_routed_experts", 8192 + 8},  {"n_routed_experts", int64_t(1) << 40},
+      {"n_shared_experts", 65},
   };
   int i = 0;
   for (const Case& k : cases) {

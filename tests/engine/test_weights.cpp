@@ -464,7 +464,7 @@ TEST_F(Loader, ErrorMissingShardFile) {
   EXPECT_HAS(msg, "tensor model.layers.3.mlp.experts.2.gate_proj.weight");
   EXPECT_HAS(msg, "shard file");
   EXPECT_HAS(msg, FakeCheckpoint::shard_name(2));
-  EXPECT_HAS(msg, "does not exist");
+  EXPECT_HAS(msg, "no such file");
 }
 
 TEST_F(Loader, ErrorMalformedIndex) {

@@ -42,6 +42,33 @@ TEST(Metrics, NonFiniteReferenceSkippedNonFiniteOutputPoisons) {
   EXPECT_FALSE(std::isfinite(m.max_abs));
 }
 
+// numerics.md: a non-finite output where the reference is finite makes the metrics non-finite.
+// Every metric, not only rel_l2: NaN sums would turn calc_diff into 0 and snr_db into +inf (a
+// perfect score) through comparisons that are false for NaN.
+TEST(Metrics, NonFiniteOutputMakesEveryMetricNan) {
+  const std::vector<float> r = {1, -2, 3, 4};
+  for (const std::vector<float>& y : {std::vector<float>(4, NAN), std::vector<float>{1, NAN, 3, 4},
+                                      std::vector<float>{1, -2, INFINITY, 4}, std::vector<float>{-INFINITY, -2, 3, 4}}) {
+    const ErrorMetrics m = compute_metrics(y.data(), r.data(), 4);
+    EXPECT_TRUE(std::isnan(m.rel_l2));
+    EXPECT_TRUE(std::isnan(m.cosine));
+    EXPECT_TRUE(std::isnan(m.calc_diff));
+    EXPECT_TRUE(std::isnan(m.snr_db));
+    EXPECT_TRUE(std::isnan(m.max_abs));
+    EXPECT_EQ(m.count, 4);
+  }
+  // The bf16 overload, on a whole tensor of NaN (what a dynamic amax over data holding inf gives).
+  std::vector<bf16> rb(8), yb(8);
+  for (int i = 0; i < 8; ++i) {
+    rb[size_t(i)].bits = bf16_round(float(i + 1));
+    yb[size_t(i)].bits = 0x7FC0;
+  }
+  const ErrorMetrics m = compute_metrics(yb.data(), rb.data(), 8);
+  EXPECT_TRUE(std::isnan(m.calc_diff));
+  EXPECT_TRUE(std::isnan(m.snr_db));
+  EXPECT_TRUE(std::isnan(m.cosine));
+}
+
 TEST(Metrics, Bf16Overload) {
   std::vector<bf16> r(3), y(3);
   r[0].bits = bf16_round(1.0f);

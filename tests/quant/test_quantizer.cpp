@@ -4,6 +4,7 @@
 #include "moefq/calibration_file.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -587,6 +588,7 @@ TEST_F(CalibrationFileErrors, WrongTypes) {
       {head + R"([1, 2]}})", "object"},
       {R"({"version": "1", "quantizers": {}})", "'version'"},
       {R"({"version": 3, "quantizers": {}})", "version 3"},
+      {R"({"version": 18446744073709551615, "quantizers": {}})", "version 18446744073709551615"},
       {R"({"version": 2, "quantizers": {}})", "'kind'"},
       {R"({"version": 1, "quantizers": []})", "'quantizers'"},
       {R"([])", "JSON object"},
@@ -608,7 +610,22 @@ TEST_F(CalibrationFileErrors, EntryWithoutCalibratedAmax) {
 
 TEST_F(CalibrationFileErrors, MissingFile) {
   fs::remove(path_);
-  expect_load_error(make_spec(Format::kNvfp4), true, {path_, "cannot open"});
+  expect_load_error(make_spec(Format::kNvfp4), true, {path_, "no such file"});
+}
+
+// Read whole, so: a regular file of at most kMaxCalibrationFileBytes. A FIFO would block the open
+// and /dev/zero would fill memory; both are refused by name at once.
+TEST_F(CalibrationFileErrors, SpecialAndOversizedFiles) {
+  fs::remove(path_);
+  ASSERT_EQ(::mkfifo(path_.c_str(), 0600), 0);
+  expect_load_error(make_spec(Format::kNvfp4), true, {path_, "is a FIFO (named pipe), not a regular file"});
+  fs::remove(path_);
+  fs::create_symlink("/dev/zero", path_);
+  expect_load_error(make_spec(Format::kNvfp4), true, {path_, "is a character device"});
+  fs::remove(path_);
+  std::ofstream(path_).close();
+  fs::resize_file(path_, kMaxCalibrationFileBytes + 1);
+  expect_load_error(make_spec(Format::kNvfp4), true, {path_, "over the limit of 64.0 MiB"});
 }
 
 TEST_F(CalibrationFileErrors, LoadSucceedsWithTheMatchingSet) {

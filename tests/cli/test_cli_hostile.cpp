@@ -1,0 +1,304 @@
+// The hostile-input suite: the moefq binary run as a careless script or a hostile file would run it
+// (special files where files are expected, outputs over devices, links and inputs, sizes no
+// machine holds, signals in the middle of a write, two runs on one output directory). Each test
+// is one item of what docs/cli.md promises: exit 2 with a message naming the argument and nothing
+// written, no hang, no crash, no half-written or mixed output. Every run has a time limit, so a
+// run that waits on a FIFO fails the test instead of hanging it.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "checkpoint_test_util.h"
+#include "cli_test_util.h"
+#include "moefq/safetensors.h"
+#include "test_util.h"
+
+#ifndef MOEFQ_BINARY
+#error "MOEFQ_BINARY (the path of the moefq executable) must be defined by tests/CMakeLists.txt"
+#endif
+
+namespace moefq {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using test::describe, test::quote, test::read_bytes, test::read_text, test::RunResult, test::span_of;
+
+// Small eval settings (a second or two on 2 cores) on the small config.json.
+const std::string kEvalBase = "--config config.json --device cpu --ranks 2 --calib-batches 1 --eval-batches 1 "
+                              "--recipe moe_combine_fp8";
+const std::string kEval = kEvalBase + " --tokens 32";
+const std::string kCalibrate = "--config config.json --device cpu --ranks 2 --tokens 32 --calib-batches 1";
+const std::string kQdq = "qdq --in a.safetensors --format fp8 --device cpu";
+
+class Hostile : public test::WorkDirTest {
+ protected:
+  Hostile() : WorkDirTest("moefq_hostile_") {}
+
+  void SetUp() override {
+    WorkDirTest::SetUp();
+    const std::vector<bf16> x = test::to_bf16(test::activations(4, 64, 3, /*specials=*/false));
+    SafetensorsWriter w;
+    w.add("x", StDtype::kBF16, {4, 64}, span_of(x));
+    w.write(path("a.safetensors").string());
+    std::ofstream(path("config.json")) << test::kSmallConfigJson;
+    std::ofstream(path("keep.txt")) << "keep";
+    ASSERT_EQ(::mkfifo(path("pipe").c_str(), 0600), 0);
+    fs::create_directory(path("emptydir"));
+  }
+
+  // `[env] moefq ARGS` in work_, killed after 60 s (a hang fails the test, exit 137).
+  RunResult moefq(const std::string& args, const std::string& env = "") const {
+    // Not the last command of the shell, so that the shell waits and reports 128 + N for a signal.
+    return run_in_work("(" + env + " timeout -s KILL 60 " + quote(MOEFQ_BINARY) + " " + args + "; exit $?)");
+  }
+
+  // Every path under work_ (links not followed) with its kind, sorted.
+  std::vector<std::string> listing() const {
+    std::vector<std::string> names;
+    for (const auto& e : fs::recursive_directory_iterator(work_)) {
+      const fs::file_status st = fs::symlink_status(e.path());
+      const char* kind = fs::is_symlink(st) ? "link" : fs::is_fifo(st) ? "fifo" : fs::is_directory(st) ? "dir" : "file";
+      names.push_back(fs::relative(e.path(), work_).string() + " " + kind);
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  // Exit 2, "moefq: error: " and every needle in the message, no result table, nothing changed.
+  RunResult expect_refused(const std::string& args, const std::vector<std::string>& needles, const std::string& env = "") {
+    SCOPED_TRACE("moefq " + args);
+    const auto before = listing();
+    const RunResult r = moefq(args, env);
+    EXPECT_EQ(r.status, 2) << describe(r);
+    EXPECT_NE(r.err.find("moefq: error: "), std::string::npos) << describe(r);
+    for (const std::string& n : needles)
+      EXPECT_NE(r.err.find(n), std::string::npos) << "the message lacks \"" << n << "\"\n" << describe(r);
+    EXPECT_EQ(r.out.find("rel_l2"), std::string::npos) << "no table on bad input\n" << describe(r);
+    EXPECT_EQ(listing(), before) << "bad input must leave the directory as it was";
+    EXPECT_EQ(read_text(path("keep.txt")), "keep");
+    return r;
+  }
+
+  void write_config(const std::string& name, const std::string& key, const std::string& value) const {
+    json j = json::parse(test::kSmallConfigJson);
+    j[key] = json::parse(value);
+    std::ofstream(path(name)) << j.dump();
+  }
+
+  // The temporaries and leftovers a run may leave (PATH.tmp.*, PATH.old.*, probes).
+  std::vector<std::string> leftovers() const {
+    std::vector<std::string> v;
+    for (const std::string& e : listing())
+      if (e.find(".tmp.") != std::string::npos || e.find(".old.") != std::string::npos ||
+          e.find(".moefq-probe.") != std::string::npos)
+        v.push_back(e);
+    return v;
+  }
+};
+
+// 1. An output path that is a link, a FIFO, a directory or a device is refused; what is there stays.
+TEST_F(Hostile, OutputsNeverReplaceNonRegularFiles) {
+  fs::create_symlink("keep.txt", path("link.safetensors"));
+  fs::create_symlink("nowhere", path("dangling"));
+  for (const std::string out : {"link.safetensors", "dangling", "pipe", "emptydir"}) {
+    expect_refused(kQdq + " --out " + out, {"--out " + out});
+    expect_refused(kQdq + " --out b.safetensors --report " + out, {"--report " + out});
+    expect_refused("calibrate " + kCalibrate + " --save " + out, {"--save " + out});
+  }
+  // A device node. As root, a private one (the null device's numbers) in the working directory:
+  // a moefq that regressed would replace that one, not the system's /dev/null (which is what
+  // happened). Others cannot replace /dev/null, so they test it directly. Root without the right
+  // to create device nodes skips this part (test_fileio checks the refusal on /dev/null itself).
+  const bool root = ::geteuid() == 0;
+  const fs::path dev = root ? path("null_device") : fs::path("/dev/null");
+  if (!root || ::mknod(dev.c_str(), S_IFCHR | 0666, ::makedev(1, 3)) == 0) {
+    const std::string name = root ? "null_device" : dev.string();
+    expect_refused(kQdq + " --out " + name, {"--out " + name, "character device"});
+    expect_refused("calibrate " + kCalibrate + " --save " + name, {"--save " + name, "character device"});
+    EXPECT_TRUE(fs::is_character_file(dev));
+  }
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(path("link.safetensors"))));
+  EXPECT_TRUE(fs::is_fifo(path("pipe")));
+}
+
+// 2. Every size the CLI accepts is planned or refused with the figures; never std::bad_alloc.
+TEST_F(Hostile, SizesBeyondMemoryAreRefused) {
+  expect_refused("qdq --device cpu --sample-rows 1048576 --sample-cols 65536", {"needs about", "--sample-rows"});
+  write_config("huge_hidden.json", "hidden_size", "1073741824");
+  expect_refused("eval --config huge_hidden.json --device cpu", {"huge_hidden.json", "hidden_size", "larger than"});
+  write_config("huge_experts.json", "n_routed_experts", "1099511627776");
+  expect_refused("eval --config huge_experts.json --device cpu", {"n_routed_experts", "larger than"});
+  write_config("huge_inter.json", "moe_intermediate_size", "1073741824");
+  expect_refused("eval --config huge_inter.json --device cpu", {"moe_intermediate_size", "larger than"});
+  expect_refused("eval --device cpu --tokens 1048576 --eval-batches 100000 --out rep", {"of host memory", "available"});
+  // An allocation that fails anyway (here under a 1 GiB address-space limit, where the estimate
+  // passed): a clear message and exit 2, not "internal error: std::bad_alloc".
+  const RunResult r = expect_refused("qdq --device cpu --sample-rows 16384 --sample-cols 8192 --out s.safetensors",
+                                     {"ran out of memory", "nothing was written"}, "ulimit -v 1048576;");
+  EXPECT_EQ(r.err.find("internal error"), std::string::npos) << describe(r);
+}
+
+// 3. A file read whole has a size cap, and a device is refused before it is read.
+TEST_F(Hostile, FilesReadWholeAreBounded) {
+  expect_refused("eval " + kEval + " --load-calibration /dev/zero", {"--load-calibration /dev/zero", "character device"});
+  std::ofstream(path("big.json")).close();
+  fs::resize_file(path("big.json"), (uint64_t(64) << 20) + 1);
+  expect_refused("eval " + kEval + " --load-calibration big.json", {"big.json", "over the limit"});
+  test::write_checkpoint(path("ckpt"), {{1, 7}});
+  fs::create_symlink("/dev/zero", path("ckpt/model.safetensors.index.json"));
+  expect_refused("eval --checkpoint ckpt --layers 1 --device cpu", {"model.safetensors.index.json", "character device"});
+  expect_refused("eval --config /dev/zero --device cpu", {"--config /dev/zero", "character device"});
+}
+
+// 4. A FIFO where a file is read is refused at once, naming it.
+TEST_F(Hostile, FifosAreRefusedWithoutWaiting) {
+  expect_refused("qdq --in pipe --out b.safetensors --format fp8 --device cpu", {"--in pipe", "FIFO"});
+  expect_refused("eval " + kEval + " --activations pipe", {"--activations pipe", "FIFO"});
+  expect_refused("eval " + kEval + " --load-calibration pipe", {"--load-calibration pipe", "FIFO"});
+  expect_refused("eval --config pipe --device cpu", {"--config pipe", "FIFO"});
+  expect_refused("eval " + kEval + " --recipe pipe", {"pipe", "FIFO"});
+  test::write_checkpoint(path("ckpt"), {{1, 7}});
+  ASSERT_EQ(::mkfifo(path("ckpt/model.safetensors.index.json").c_str(), 0600), 0);
+  expect_refused("eval --checkpoint ckpt --layers 1 --device cpu", {"model.safetensors.index.json", "FIFO"});
+  fs::remove(path("ckpt/model.safetensors.index.json"));
+  fs::remove(path("ckpt/model.safetensors"));
+  ASSERT_EQ(::mkfifo(path("ckpt/model.safetensors").c_str(), 0600), 0);
+  expect_refused("eval --checkpoint ckpt --layers 1 --device cpu", {"model.safetensors", "is a FIFO"});
+  fs::remove(path("ckpt/config.json"));
+  ASSERT_EQ(::mkfifo(path("ckpt/config.json").c_str(), 0600), 0);
+  expect_refused("eval --checkpoint ckpt --layers 1 --device cpu", {"config.json", "FIFO"});
+}
+
+// 5. One +inf under a dynamic amax makes every output NaN: the metrics say nan, never "perfect".
+TEST_F(Hostile, NonFiniteOutputsGiveNanMetrics) {
+  std::vector<float> x = test::activations(2, 64, 5, /*specials=*/false);
+  x[7] = INFINITY;
+  SafetensorsWriter w;
+  w.add("x", StDtype::kF32, {2, 64}, span_of(x));
+  w.write(path("inf.safetensors").string());
+  const RunResult r = moefq("qdq --in inf.safetensors --out o.safetensors --format fp8 --device cpu --report r.json");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  const json j = json::parse(read_text(path("r.json")));
+  const json& m = j.at("results").at(0);
+  for (const char* k : {"rel_l2", "cosine", "calc_diff", "max_abs", "snr_db"}) EXPECT_EQ(m.at(k), "nan") << k;
+  EXPECT_EQ(m.at("skipped_nonfinite"), 1);
+  const std::vector<std::string> lines = test::split_lines(r.out);
+  const auto row = std::find_if(lines.begin(), lines.end(), [](const std::string& l) { return l.rfind("x ", 0) == 0; });
+  ASSERT_NE(row, lines.end()) << describe(r);
+  // tensor dtype shape format amax rel_l2 cosine calc_diff max_abs snr_db skipped: the amax is inf.
+  EXPECT_EQ(test::split_words(*row), (std::vector<std::string>{"x", "F32", "[2,64]", "fp8", "inf", "nan", "nan", "nan",
+                                                               "nan", "nan", "1"}));
+}
+
+// 6a. A signal in the middle of a write removes the temporary; the earlier output stays whole.
+TEST_F(Hostile, SignalsRemoveTemporaries) {
+  std::ofstream(path("b.safetensors")) << "earlier";
+  for (const char* sig : {"2", "15", "1"}) {
+    SCOPED_TRACE(std::string("signal ") + sig);
+    const auto before = listing();
+    const RunResult r =
+        moefq(kQdq + " --out b.safetensors", std::string("MOEFQ_TEST_RAISE=atomic-file-write:") + sig);
+    EXPECT_EQ(r.status, 128 + std::stoi(sig)) << describe(r);
+    EXPECT_EQ(listing(), before) << "a temporary was left";
+    EXPECT_EQ(read_text(path("b.safetensors")), "earlier");
+  }
+  ASSERT_EQ(moefq("eval " + kEval + " --out rep").status, 0);
+  const std::string json_before = read_text(path("rep/report.json"));
+  // Killed with every report written but none published: the earlier set stays, whole.
+  RunResult r = moefq("eval " + kEval + " --seed 2 --out rep", "MOEFQ_TEST_RAISE=atomic-dir-written:15");
+  EXPECT_EQ(r.status, 128 + 15) << describe(r);
+  EXPECT_EQ(read_text(path("rep/report.json")), json_before);
+  EXPECT_TRUE(leftovers().empty()) << leftovers().front();
+  // Killed right after publishing: the new set is there, whole; the earlier files are removed.
+  r = moefq("eval " + kEval + " --seed 2 --out rep", "MOEFQ_TEST_RAISE=atomic-dir-published:2");
+  EXPECT_EQ(r.status, 128 + 2) << describe(r);
+  const json j = json::parse(read_text(path("rep/report.json")));
+  EXPECT_EQ(j.at("config").at("seed"), 2);
+  EXPECT_TRUE(leftovers().empty()) << leftovers().front();
+  // SIGKILL cannot be handled: its temporary stays behind, but the published set is still whole.
+  r = moefq("eval " + kEval + " --seed 3 --out rep", "MOEFQ_TEST_RAISE=atomic-dir-written:9");
+  EXPECT_EQ(r.status, 128 + 9) << describe(r);
+  EXPECT_EQ(json::parse(read_text(path("rep/report.json"))).at("config").at("seed"), 2);
+}
+
+// 6b. Two eval runs on one --out at once: run A is stopped (SIGSTOP) with its three reports
+// written but not yet published, run B writes all of its reports meanwhile, then A goes on. Both
+// succeed and the directory holds A's three reports, none of B's.
+TEST_F(Hostile, ConcurrentEvalsNeverMixTheirReports) {
+  ASSERT_EQ(moefq("eval " + kEvalBase + " --tokens 32 --out solo32").status, 0);
+  ASSERT_EQ(moefq("eval " + kEvalBase + " --tokens 64 --out solo64").status, 0);
+  const std::string bin = quote(MOEFQ_BINARY) + " eval " + kEvalBase;
+  const RunResult r = run_in_work(
+      "( MOEFQ_TEST_RAISE=atomic-dir-written:19 " + bin + " --tokens 32 --out rep >o1 2>e1 & a=$!\n"
+      "  i=0; while [ $i -lt 600 ] && [ -e /proc/$a ] && [ \"$(cut -d' ' -f3 /proc/$a/stat)\" != T ]; do\n"
+      "    sleep 0.05; i=$((i + 1)); done\n"
+      "  timeout -s KILL 60 " + bin + " --tokens 64 --out rep >o2 2>e2; echo \"B $?\"\n"
+      "  kill -CONT $a; wait $a; echo \"A $?\" )");
+  ASSERT_EQ(r.out, "B 0\nA 0\n") << describe(r) << read_text(path("e1")) << read_text(path("e2"));
+  EXPECT_EQ(json::parse(read_text(path("rep/report.json"))).at("config").at("tokens_per_rank"), 32);
+  EXPECT_EQ(read_text(path("rep/report.csv")), read_text(path("solo32/report.csv")));
+  EXPECT_NE(read_text(path("rep/report.html")).find("2 x 32 per batch"), std::string::npos);
+  EXPECT_TRUE(leftovers().empty()) << leftovers().front();
+}
+
+// 8. The output must not be the input, under any name.
+TEST_F(Hostile, OutputEqualToInputIsRefused) {
+  const auto input = read_bytes(path("a.safetensors"));
+  expect_refused(kQdq + " --out a.safetensors", {"--out a.safetensors", "same file as --in"});
+  expect_refused(kQdq + " --out ./a.safetensors", {"same file as --in"});
+  fs::create_hard_link(path("a.safetensors"), path("hard.safetensors"));
+  expect_refused(kQdq + " --out hard.safetensors", {"same file as --in"});
+  expect_refused(kQdq + " --out b.safetensors --report a.safetensors", {"--report", "same file as --in"});
+  expect_refused(kQdq + " --out b.safetensors --report b.safetensors", {"--report", "same file as --out"});
+  EXPECT_EQ(read_bytes(path("a.safetensors")), input);
+}
+
+// 9. Outputs are checked before any work; an empty output path is an error, not "no output".
+TEST_F(Hostile, OutputsAreCheckedBeforeAnyWork) {
+  RunResult r = expect_refused(kQdq + " --out keep.txt/b.safetensors", {"--out keep.txt/b.safetensors"});
+  EXPECT_EQ(r.err.find("[1/1]"), std::string::npos) << "the tensor was quantized before the check\n" << describe(r);
+  r = expect_refused("eval " + kEval + " --out keep.txt/rep", {"--out keep.txt/rep"});
+  EXPECT_EQ(r.err.find("running"), std::string::npos) << describe(r);
+  expect_refused("eval " + kEval + " --out ''", {"--out: empty path"});
+  expect_refused(kQdq + " --out ''", {"--out: empty path"});
+  expect_refused(kQdq + " --out b.safetensors --report ''", {"--report: empty path"});
+  expect_refused("calibrate " + kCalibrate + " --save ''", {"--save: empty path"});
+  if (::geteuid() != 0) {  // root writes into a read-only directory
+    fs::create_directory(path("ro"));
+    fs::permissions(path("ro"), fs::perms::owner_read | fs::perms::owner_exec);
+    r = expect_refused(kQdq + " --out ro/b.safetensors", {"--out ro/b.safetensors", "cannot create a file"});
+    EXPECT_EQ(r.err.find("[1/1]"), std::string::npos) << describe(r);
+    fs::permissions(path("ro"), fs::perms::owner_all);
+  }
+}
+
+// 10. Messages say what is wrong: the kind of file, the number as written, the accepted range.
+TEST_F(Hostile, MessagesSayWhatIsWrong) {
+  RunResult r = expect_refused("eval --config /dev/zero --device cpu", {"is a character device"});
+  EXPECT_EQ(r.err.find("no such file"), std::string::npos) << describe(r);
+  r = expect_refused("eval " + kEval + " --load-calibration emptydir", {"--load-calibration emptydir", "is a directory"});
+  EXPECT_EQ(r.err.find("JSON"), std::string::npos) << describe(r);
+  write_config("u64.json", "hidden_size", "18446744073709551615");
+  r = expect_refused("eval --config u64.json --device cpu", {"hidden_size", "18446744073709551615"});
+  EXPECT_EQ(r.err.find("-1"), std::string::npos) << describe(r);
+  std::ofstream(path("v.json")) << R"({"version": 18446744073709551615, "quantizers": {}})";
+  r = expect_refused("eval " + kEval + " --load-calibration v.json", {"version 18446744073709551615"});
+  r = expect_refused("eval --seed 1e3 --device cpu", {"--seed", "9223372036854775807"});
+  r = expect_refused("eval --seed 9223372036854775808 --device cpu", {"--seed", "9223372036854775807"});
+  EXPECT_EQ(r.err.find("1797693134862315"), std::string::npos) << "the bound of a double\n" << describe(r);
+  for (const std::string amax : {"0x10", "inf", " 5", "5 ", "1e", "+", ".", "nan", "0x1p4"})
+    expect_refused(kQdq + " --out b.safetensors --amax=" + quote(amax), {"--amax", "decimal"});
+}
+
+}  // namespace
+}  // namespace moefq

@@ -1,12 +1,18 @@
-// A small DeepSeek-V3-format checkpoint written by the tests: config.json and one
-// model.safetensors holding the synthetic weights of the layers asked for.
+// Checkpoints written by the tests: one MoE layer of a Hugging Face checkpoint (model.safetensors,
+// or two shards and model.safetensors.index.json) from LayerWeights, under either tensor naming
+// the loader reads (spelled out here, independently of src/engine/checkpoint.cpp), editable before
+// it is written to produce each kind of bad checkpoint; and a small DeepSeek-V3-format checkpoint
+// directory (config.json and one model.safetensors) holding the synthetic weights of the layers
+// asked for.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "moefq/moe_config.h"
 #include "moefq/safetensors.h"
@@ -14,6 +20,116 @@
 #include "test_util.h"
 
 namespace moefq::test {
+
+// How a model names a layer's MoE tensors: the module ("mlp" or "block_sparse_moe") and the three
+// projections of an expert.
+struct TensorNaming {
+  std::string module, gate, up, down;
+  static TensorNaming mlp() { return {"mlp", "gate_proj", "up_proj", "down_proj"}; }
+  // Mixtral: w1 is the gate, w3 the up and w2 the down projection.
+  static TensorNaming block_sparse_moe() { return {"block_sparse_moe", "w1", "w3", "w2"}; }
+};
+
+struct Tensor {
+  StDtype dtype;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+};
+
+struct FakeCheckpoint {
+  int64_t layer = 3;  // the layer add_layer wrote last (moe() names its module)
+  TensorNaming naming = TensorNaming::mlp();
+  std::map<std::string, Tensor> tensors;
+  std::map<std::string, int> shard_of;  // tensor name -> shard number
+
+  std::string moe() const { return "model.layers." + std::to_string(layer) + "." + naming.module + "."; }
+
+  void add(const std::string& name, StDtype dtype, std::vector<int64_t> shape, std::span<const uint8_t> bytes,
+           int shard) {
+    tensors[name] = {dtype, std::move(shape), std::vector<uint8_t>(bytes.begin(), bytes.end())};
+    shard_of[name] = shard;
+  }
+
+  void erase(const std::string& name) {
+    tensors.erase(name);
+    shard_of.erase(name);
+  }
+
+  // Splits gate_up into gate and up (rows and scale rows), as the checkpoints store them.
+  void add_expert(const std::string& prefix, const ExpertWeights& w, int shard) {
+    const int64_t H = w.hidden, I = w.intermediate;
+    const std::string gate = prefix + naming.gate, up = prefix + naming.up, down = prefix + naming.down;
+    if (w.format == WeightFormat::kE4m3) {
+      const auto gu = std::span<const uint8_t>(w.gate_up_e4m3);
+      const auto gus = span_of(w.gate_up_scale);
+      const size_t half = size_t(I * H), shalf = gus.size() / 2;
+      add(gate + ".weight", StDtype::kF8E4M3, {I, H}, gu.subspan(0, half), shard);
+      add(up + ".weight", StDtype::kF8E4M3, {I, H}, gu.subspan(half), shard);
+      add(gate + ".weight_scale_inv", StDtype::kF32, {I / 128, H / 128}, gus.subspan(0, shalf), shard);
+      add(up + ".weight_scale_inv", StDtype::kF32, {I / 128, H / 128}, gus.subspan(shalf), shard);
+      add(down + ".weight", StDtype::kF8E4M3, {H, I}, w.down_e4m3, shard);
+      add(down + ".weight_scale_inv", StDtype::kF32, {H / 128, I / 128}, span_of(w.down_scale), shard);
+    } else {
+      const auto gu = span_of(w.gate_up_bf16);
+      const size_t half = gu.size() / 2;
+      add(gate + ".weight", StDtype::kBF16, {I, H}, gu.subspan(0, half), shard);
+      add(up + ".weight", StDtype::kBF16, {I, H}, gu.subspan(half), shard);
+      add(down + ".weight", StDtype::kBF16, {H, I}, span_of(w.down_bf16), shard);
+    }
+  }
+
+  // Layer `layer` of lw's experts, shared expert and router: experts 0..E/2-1 and the router go to
+  // shard 1, the rest, the shared expert and the bias to shard 2.
+  void add_layer(const MoeConfig& cfg, const LayerWeights& lw, int64_t at_layer, bool gate_f32 = false) {
+    layer = at_layer;
+    const std::string m = moe();
+    for (size_t e = 0; e < lw.experts.size(); ++e)
+      add_expert(m + "experts." + std::to_string(lw.first_expert + int64_t(e)) + ".", lw.experts[e],
+                 int64_t(e) < cfg.num_experts / 2 ? 1 : 2);
+    if (!lw.shared.empty()) add_expert(m + "shared_experts.", lw.shared[0], 2);
+    if (gate_f32) {
+      add(m + "gate.weight", StDtype::kF32, {cfg.num_experts, cfg.hidden}, span_of(lw.gate), 1);
+    } else {
+      const auto g = to_bf16(lw.gate);
+      add(m + "gate.weight", StDtype::kBF16, {cfg.num_experts, cfg.hidden}, span_of(g), 1);
+    }
+    if (!lw.gate_bias.empty())
+      add(m + "gate.e_score_correction_bias", StDtype::kF32, {cfg.num_experts}, span_of(lw.gate_bias), 2);
+    // Some other tensor of the layer, as real shards hold attention weights beside the MoE.
+    const std::vector<float> norm(16, 1.0f);
+    add("model.layers." + std::to_string(layer) + ".input_layernorm.weight", StDtype::kF32, {16}, span_of(norm), 1);
+  }
+
+  // A checkpoint of one layer.
+  static FakeCheckpoint from(const MoeConfig& cfg, const LayerWeights& lw, bool gate_f32 = false,
+                             TensorNaming naming = TensorNaming::mlp(), int64_t layer = 3) {
+    FakeCheckpoint c;
+    c.naming = naming;
+    c.add_layer(cfg, lw, layer, gate_f32);
+    return c;
+  }
+
+  static std::string shard_name(int shard) { return "model-0000" + std::to_string(shard) + "-of-00002.safetensors"; }
+
+  // With an index: two shards and model.safetensors.index.json; without: one model.safetensors.
+  void write(const std::string& dir, bool with_index = true) const {
+    std::map<int, SafetensorsWriter> writers;
+    for (const auto& [name, t] : tensors) writers[with_index ? shard_of.at(name) : 0].add(name, t.dtype, t.shape, t.bytes);
+    if (!with_index) {
+      writers[0].write(dir + "/model.safetensors");
+      return;
+    }
+    for (const auto& [shard, w] : writers) w.write(dir + "/" + shard_name(shard));
+    std::string index = "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {";
+    bool first = true;
+    for (const auto& [name, shard] : shard_of) {
+      index += (first ? "\n  \"" : ",\n  \"") + name + "\": \"" + shard_name(shard) + "\"";
+      first = false;
+    }
+    index += "\n}}\n";
+    std::ofstream(dir + "/model.safetensors.index.json") << index;
+  }
+};
 
 inline MoeConfig small_config() {
   MoeConfig c;
@@ -34,34 +150,16 @@ inline const char* kSmallConfigJson = R"({"hidden_size": 256, "moe_intermediate_
   "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
   "scoring_func": "sigmoid", "norm_topk_prob": true, "topk_method": "noaux_tc"})";
 
-inline void add_expert(SafetensorsWriter& w, const std::string& prefix, const ExpertWeights& e) {
-  const int64_t H = e.hidden, I = e.intermediate;
-  const std::span<const uint8_t> gu(e.gate_up_e4m3);
-  const auto gus = span_of(e.gate_up_scale);
-  w.add(prefix + "gate_proj.weight", StDtype::kF8E4M3, {I, H}, gu.subspan(0, size_t(I * H)));
-  w.add(prefix + "up_proj.weight", StDtype::kF8E4M3, {I, H}, gu.subspan(size_t(I * H)));
-  w.add(prefix + "gate_proj.weight_scale_inv", StDtype::kF32, {I / 128, H / 128}, gus.subspan(0, gus.size() / 2));
-  w.add(prefix + "up_proj.weight_scale_inv", StDtype::kF32, {I / 128, H / 128}, gus.subspan(gus.size() / 2));
-  w.add(prefix + "down_proj.weight", StDtype::kF8E4M3, {H, I}, e.down_e4m3);
-  w.add(prefix + "down_proj.weight_scale_inv", StDtype::kF32, {H / 128, I / 128}, span_of(e.down_scale));
-}
-
-// Layers and the weight seed of each.
+// small_config()'s checkpoint: config.json and one model.safetensors with the e4m3 synthetic
+// weights of each layer (layer -> weight seed).
 inline void write_checkpoint(const std::filesystem::path& dir, const std::map<int64_t, uint64_t>& layer_seeds) {
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "config.json") << kSmallConfigJson;
   const MoeConfig cfg = small_config();
-  SafetensorsWriter w;
-  for (const auto& [layer, seed] : layer_seeds) {
-    const LayerWeights lw = synthetic_weights(cfg, WeightFormat::kE4m3, seed, 0, cfg.num_experts);
-    const std::string mlp = "model.layers." + std::to_string(layer) + ".mlp.";
-    for (int64_t e = 0; e < cfg.num_experts; ++e) add_expert(w, mlp + "experts." + std::to_string(e) + ".", lw.experts[size_t(e)]);
-    add_expert(w, mlp + "shared_experts.", lw.shared[0]);
-    const auto gate = to_bf16(lw.gate);
-    w.add(mlp + "gate.weight", StDtype::kBF16, {cfg.num_experts, cfg.hidden}, span_of(gate));
-    w.add(mlp + "gate.e_score_correction_bias", StDtype::kF32, {cfg.num_experts}, span_of(lw.gate_bias));
-  }
-  w.write((dir / "model.safetensors").string());
+  FakeCheckpoint ckpt;
+  for (const auto& [layer, seed] : layer_seeds)
+    ckpt.add_layer(cfg, synthetic_weights(cfg, WeightFormat::kE4m3, seed, 0, cfg.num_experts), layer);
+  ckpt.write(dir.string(), /*with_index=*/false);
 }
 
 }  // namespace moefq::test

@@ -1,6 +1,6 @@
 // Test helpers shared by the CPU and GPU suites: data that exercises every special case, a byte
-// comparison that reports the first mismatch and the number of mismatches, and the message of a
-// bad-input error.
+// comparison that reports the first mismatch and the number of mismatches, the message of a
+// bad-input error, and a temporary directory.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -9,12 +9,16 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <span>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "moefq/errors.h"
 #include "moefq/numerics.h"
@@ -100,5 +104,37 @@ inline std::string error_of(const std::function<void()>& f) {
   ADD_FAILURE() << "no error was raised";
   return "";
 }
+
+// A fresh directory under the system's temporary directory, removed with everything in it at the
+// end of its scope.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "moefq_test_") {
+    static int counter = 0;
+    path_ = std::filesystem::temp_directory_path() /
+            (prefix + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+  std::string str() const { return path_.string(); }
+  // Writes `text` to the file `name` (folders created), returning its path.
+  std::string write(const std::string& name, const std::string& text) const {
+    const std::filesystem::path p = path_ / name;
+    std::filesystem::create_directories(p.parent_path());
+    std::ofstream(p) << text;
+    return p.string();
+  }
+
+ private:
+  std::filesystem::path path_;
+};
 
 }  // namespace moefq::test

@@ -27,8 +27,9 @@ namespace moefq {
 enum class EvalDevice { kCpu, kCuda };
 
 struct EvalOptions {
-  // The model: a preset, a Hugging Face config.json (synthetic weights) or a DeepSeek-V3-format
-  // checkpoint directory (DIR/config.json and its weights). At most one of config_path and
+  // The model: a preset, a Hugging Face config.json (synthetic weights) or a Hugging Face
+  // checkpoint directory (DIR/config.json and its weights, named as checkpoint.h says; e4m3 with
+  // block scales, or bf16 on the CPU only). At most one of config_path and
   // checkpoint_dir; preset_given says the user named the preset (then neither may be set).
   std::string preset = "tiny";
   bool preset_given = false;
@@ -42,8 +43,10 @@ struct EvalOptions {
   // The synthetic data (weights, and activations unless a file is given): shaped like a real
   // model's (default) or plain Gaussian.
   SyntheticKind synthetic = SyntheticKind::kModel;
-  // Recipe files or unit names; empty: default_sweep().
+  // Recipe files or unit names; empty: default_sweep(). recipe_root: the first recipe root their
+  // imports are looked up in (recipe.h); empty: none besides the files' own and the shipped one.
   std::vector<std::string> recipes;
+  std::string recipe_root;
   int64_t ranks = 4;    // simulated expert-parallel ranks (must divide E)
   int64_t tokens = 256;  // tokens per rank per batch
   int calib_batches = 2, eval_batches = 2;

@@ -1,6 +1,6 @@
 // Expert weights of one MoE layer: e4m3 with fp32 128x128 block scales (the DeepSeek-V3
-// checkpoint format) or bf16; a seeded synthetic generator and a loader for one layer of a
-// DeepSeek-V3-format checkpoint that reads only the experts a rank holds.
+// checkpoint format) or bf16, and a seeded synthetic generator. Loading them from a checkpoint:
+// checkpoint.h.
 #pragma once
 
 #include <cstdint>
@@ -46,17 +46,5 @@ struct LayerWeights {
 // same dequantized e4m3 weights. Throws for an expert range outside [0, E).
 LayerWeights synthetic_weights(const MoeConfig& cfg, WeightFormat format, uint64_t seed,
                                int64_t first_expert, int64_t num_local);
-
-// One MoE layer of a DeepSeek-V3-format checkpoint directory (model.safetensors.index.json and
-// shards): model.layers.{layer}.mlp.experts.{e}.{gate,up,down}_proj.weight (e4m3) and
-// .weight_scale_inv (fp32), mlp.shared_experts.*, mlp.gate.weight, mlp.gate.e_score_correction_bias.
-// Without an index, a single model.safetensors. Loads only experts [first_expert,
-// first_expert + num_local), opening each shard once. The format is the checkpoint's: kE4m3 when
-// the expert weights are F8_E4M3 (scale_inv required), kBf16 when they are BF16; gate.weight may be
-// BF16 or F32; the bias is required (and loaded) only with cfg.noaux_tc. Missing tensors or shard
-// files, wrong shapes or dtypes, a malformed index and an expert range outside [0, E) are
-// moefq::Error (bad input) naming the tensor and the file.
-LayerWeights load_deepseek_layer(const std::string& dir, int64_t layer, const MoeConfig& cfg,
-                                 int64_t first_expert, int64_t num_local);
 
 }  // namespace moefq

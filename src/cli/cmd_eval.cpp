@@ -15,6 +15,7 @@
 #include "moefq/errors.h"
 #include "moefq/eval.h"
 #include "moefq/fileio.h"
+#include "moefq/moe_config.h"
 #include "moefq/report.h"
 #ifdef MOEFQ_HAS_CUDA
 #include "cuda/host_api.h"
@@ -35,11 +36,15 @@ struct EvalCliOptions {
 
 // The options both commands share: the model, its data and the device.
 void add_model_options(CLI::App* sub, EvalCliOptions& o) {
-  sub->add_option("--preset", o.eval.preset, "model preset: tiny (default), deepseek-v3, deepseek-v4-flash, "
-                                             "deepseek-v4-pro, kimi-k3");
-  sub->add_option("--config", o.eval.config_path, "a Hugging Face config.json (DeepSeek-V3 style); synthetic weights");
+  std::string presets, model_types;
+  for (const std::string& n : preset_names()) presets += (presets.empty() ? "" : ", ") + n;
+  for (const std::string& t : hf_model_types()) model_types += (model_types.empty() ? "" : ", ") + t;
+  sub->add_option("--preset", o.eval.preset, "model preset (default tiny): " + presets);
+  sub->add_option("--config", o.eval.config_path,
+                  "a Hugging Face config.json (model_type " + model_types + "); synthetic weights");
   sub->add_option("--checkpoint", o.eval.checkpoint_dir,
-                  "a DeepSeek-V3-format checkpoint directory (config.json and safetensors shards); needs --layers");
+                  "a Hugging Face checkpoint directory (config.json and safetensors shards; e4m3 with block scales, "
+                  "or bf16 with --device cpu); needs --layers");
   sub->add_option("--layers", o.layers, "layers to evaluate: 4, 3-10 or 3,5,7 (default 0; required with --checkpoint)");
   sub->add_option("--activations", o.eval.activations_path,
                   "hidden states captured from a real model: a safetensors file with a [tokens, H] BF16/F32 tensor "
@@ -221,6 +226,9 @@ std::function<int()> add_eval_command(CLI::App& app) {
   sub->add_option("--recipe", o->eval.recipes,
                   "a recipe file or unit name (repeatable); replaces the default sweep (none + fp8, nvfp4, mxfp8, "
                   "mxfp4 for dispatch, combine and both)");
+  sub->add_option("--recipe-root", o->eval.recipe_root,
+                  "the directory holding configs/ that recipe imports (configs/numerics/nvfp4, ...) are looked up "
+                  "in first (then the recipe file's own tree, then the shipped recipes)");
   sub->add_option("--load-calibration", o->eval.load_calibration,
                   "reuse the amax saved by 'moefq calibrate --save' instead of calibrating");
   sub->add_option("--out", o->out, "write report.json, report.csv and report.html into this directory");

@@ -82,11 +82,12 @@ void validate_fields(const MoeConfig& c, const FieldNames& n, const std::string&
               w, ": scoring = ", int(c.scoring), " is not a scoring function");
 }
 
-MoeConfig make_preset(const char* name, int64_t h, int64_t i, int64_t e, int64_t k, int64_t s,
-                      ScoringFunc scoring, bool noaux_tc, int64_t n_group, int64_t topk_group,
-                      float scaling, std::optional<float> clamp) {
+MoeConfig make_preset(const char* name, const char* model_type, int64_t h, int64_t i, int64_t e, int64_t k,
+                      int64_t s, ScoringFunc scoring, bool noaux_tc, int64_t n_group, int64_t topk_group,
+                      float scaling, bool norm_topk_prob, std::optional<float> clamp) {
   MoeConfig c;
   c.name = name;
+  c.model_type = model_type;
   c.hidden = h;
   c.intermediate = i;
   c.num_experts = e;
@@ -97,22 +98,75 @@ MoeConfig make_preset(const char* name, int64_t h, int64_t i, int64_t e, int64_t
   c.n_group = n_group;
   c.topk_group = topk_group;
   c.routed_scaling = scaling;
-  c.norm_topk_prob = true;
+  c.norm_topk_prob = norm_topk_prob;
   c.swiglu_clamp = clamp;
   return c;
 }
 
+// The values of each model's published config.json (hidden_size, the routed expert's intermediate
+// size, experts, top-k, shared experts, groups, routed_scaling_factor, norm_topk_prob).
 std::vector<MoeConfig> all_presets() {
   using S = ScoringFunc;
+  constexpr auto none = std::nullopt;
   return {
-      make_preset("deepseek-v3", 7168, 2048, 256, 8, 1, S::kSigmoid, true, 8, 4, 2.5f, std::nullopt),
-      make_preset("deepseek-v4-flash", 4096, 2048, 256, 6, 1, S::kSqrtSoftplus, true, 1, 1, 1.5f, 10.0f),
+      make_preset("deepseek-v3", "deepseek_v3", 7168, 2048, 256, 8, 1, S::kSigmoid, true, 8, 4, 2.5f, true, none),
+      make_preset("deepseek-v4-flash", "deepseek_v4", 4096, 2048, 256, 6, 1, S::kSqrtSoftplus, true, 1, 1, 1.5f, true,
+                  10.0f),
       // The routed scaling factor of v4-pro is not in engine.md; 1.0 until a checkpoint says more.
-      make_preset("deepseek-v4-pro", 7168, 3072, 384, 6, 1, S::kSqrtSoftplus, true, 1, 1, 1.0f, 10.0f),
-      make_preset("kimi-k3", 3584, 3072, 896, 16, 2, S::kSigmoid, true, 1, 1, 1.0f, std::nullopt),
+      make_preset("deepseek-v4-pro", "deepseek_v4", 7168, 3072, 384, 6, 1, S::kSqrtSoftplus, true, 1, 1, 1.0f, true,
+                  10.0f),
+      // DeepSeek-V3's layout with 384 experts, one group and a scaling factor of 2.827.
+      make_preset("kimi-k2", "kimi_k2", 7168, 2048, 384, 8, 1, S::kSigmoid, true, 1, 1, 2.827f, true, none),
+      make_preset("kimi-k3", "", 3584, 3072, 896, 16, 2, S::kSigmoid, true, 1, 1, 1.0f, true, none),
+      // GLM-4.5: sigmoid scores with the correction bias, one shared expert.
+      make_preset("glm-4.5", "glm4_moe", 5120, 1536, 160, 8, 1, S::kSigmoid, true, 1, 1, 2.5f, true, none),
+      make_preset("glm-4.5-air", "glm4_moe", 4096, 1408, 128, 8, 1, S::kSigmoid, true, 1, 1, 1.0f, true, none),
+      // Qwen3-MoE: softmax over all experts, the top 8 renormalised, no shared expert.
+      make_preset("qwen3-30b-a3b", "qwen3_moe", 2048, 768, 128, 8, 0, S::kSoftmax, false, 1, 1, 1.0f, true, none),
+      make_preset("qwen3-235b-a22b", "qwen3_moe", 4096, 1536, 128, 8, 0, S::kSoftmax, false, 1, 1, 1.0f, true, none),
+      // Mixtral: softmax, the top 2 renormalised.
+      make_preset("mixtral-8x7b", "mixtral", 4096, 14336, 8, 2, 0, S::kSoftmax, false, 1, 1, 1.0f, true, none),
+      // OLMoE: softmax, the top 8 not renormalised.
+      make_preset("olmoe-1b-7b", "olmoe", 2048, 1024, 64, 8, 0, S::kSoftmax, false, 1, 1, 1.0f, false, none),
       // The built-in default: DeepSeek-V3's structure (shared expert, groups, K = 8) at CPU size.
-      make_preset("tiny", 1024, 256, 32, 8, 1, S::kSigmoid, true, 4, 2, 2.5f, std::nullopt),
+      make_preset("tiny", "", 1024, 256, 32, 8, 1, S::kSigmoid, true, 4, 2, 2.5f, true, none),
   };
+}
+
+// How one architecture's config.json spells the MoE fields, and the routing its modeling code
+// fixes or defaults to.
+struct Architecture {
+  const char* model_type;
+  const char* experts_key;       // the number of routed experts
+  const char* intermediate_key;  // one routed expert's intermediate size
+  bool deepseek_fields;          // reads n_shared_experts, n_group, topk_group, routed_scaling_factor,
+                                 // scoring_func, topk_method, swiglu_limit (else: none of them exist)
+  ScoringFunc scoring;           // scoring_func's default, or the rule when it is not read
+  const char* topk_method;       // topk_method's default
+  bool reads_norm;               // norm_topk_prob is read (else norm_default is the rule)
+  bool norm_default;
+};
+
+constexpr Architecture kArchitectures[] = {
+    {"deepseek_v2", "n_routed_experts", "moe_intermediate_size", true, ScoringFunc::kSoftmax, "greedy", true, false},
+    {"deepseek_v3", "n_routed_experts", "moe_intermediate_size", true, ScoringFunc::kSigmoid, "noaux_tc", true, true},
+    {"deepseek_v4", "n_routed_experts", "moe_intermediate_size", true, ScoringFunc::kSqrtSoftplus, "noaux_tc", true,
+     true},
+    {"glm4_moe", "n_routed_experts", "moe_intermediate_size", true, ScoringFunc::kSigmoid, "noaux_tc", true, true},
+    {"kimi_k2", "n_routed_experts", "moe_intermediate_size", true, ScoringFunc::kSigmoid, "noaux_tc", true, true},
+    // Mixtral's block always renormalises its top-k weights; its config has no norm_topk_prob.
+    {"mixtral", "num_local_experts", "intermediate_size", false, ScoringFunc::kSoftmax, "greedy", false, true},
+    {"olmoe", "num_experts", "intermediate_size", false, ScoringFunc::kSoftmax, "greedy", true, false},
+    {"qwen3_moe", "num_experts", "moe_intermediate_size", false, ScoringFunc::kSoftmax, "greedy", true, false},
+};
+// A config without model_type: DeepSeek's field names with the generic defaults.
+constexpr Architecture kNoModelType = {"", "n_routed_experts", "moe_intermediate_size", true, ScoringFunc::kSoftmax,
+                                       "greedy", true, false};
+
+std::string supported_model_types() {
+  std::string s;
+  for (const Architecture& a : kArchitectures) s += (s.empty() ? "" : ", ") + std::string(a.model_type);
+  return s;
 }
 
 // --- config.json reading ---------------------------------------------------------------------
@@ -200,6 +254,12 @@ MoeConfig preset(std::string_view name) {
   MOEFQ_FAIL(ErrorKind::kBadInput, "unknown model preset '", name, "'; the presets are: ", known);
 }
 
+std::vector<std::string> hf_model_types() {
+  std::vector<std::string> names;
+  for (const Architecture& a : kArchitectures) names.emplace_back(a.model_type);
+  return names;
+}
+
 MoeConfig load_hf_config(const std::string& path) {
   // A config.json is a few KiB; the cap bounds a hostile one.
   const std::string text = read_regular_file(path, size_t(16) << 20, "model config " + path);
@@ -210,41 +270,59 @@ MoeConfig load_hf_config(const std::string& path) {
     MOEFQ_FAIL(ErrorKind::kBadInput, path, ": not valid JSON (", e.what(), ")");
   }
   MOEFQ_CHECK(doc.is_object(), path, ": a model config must be a JSON object");
-  // Multimodal wrappers keep the language model's fields under text_config.
+  // Multimodal wrappers keep the language model's fields (and its model_type) under text_config.
   const Json* root = &doc;
   if (!doc.contains("hidden_size") && doc.contains("text_config") && doc["text_config"].is_object())
     root = &doc["text_config"];
+  std::optional<std::string> model_type = read_string(*root, "model_type", path);
+  if (!model_type && root != &doc) model_type = read_string(doc, "model_type", path);
+
+  const Architecture* arch = &kNoModelType;
+  if (model_type) {
+    arch = nullptr;
+    for (const Architecture& a : kArchitectures)
+      if (*model_type == a.model_type) arch = &a;
+    MOEFQ_CHECK(arch != nullptr, path, ": model_type '", *model_type, "' is not a MoE architecture moefq reads; ",
+                "the supported ones are ", supported_model_types(),
+                " (a config without model_type is read with DeepSeek-V3's field names)");
+  }
+  FieldNames names = kHfNames;
+  names.num_experts = arch->experts_key;
+  names.intermediate = arch->intermediate_key;
 
   MoeConfig c;
   c.name = model_name_of(path);
+  c.model_type = model_type.value_or("");
   c.hidden = read_int(*root, "hidden_size", path, std::nullopt);
-  c.intermediate = read_int(*root, "moe_intermediate_size", path, std::nullopt);
-  c.num_experts = read_int(*root, "n_routed_experts", path, std::nullopt);
+  c.intermediate = read_int(*root, arch->intermediate_key, path, std::nullopt);
+  c.num_experts = read_int(*root, arch->experts_key, path, std::nullopt);
   c.top_k = read_int(*root, "num_experts_per_tok", path, std::nullopt);
-  c.num_shared = read_int(*root, "n_shared_experts", path, 0);
-  c.n_group = read_int(*root, "n_group", path, 1);
-  c.topk_group = read_int(*root, "topk_group", path, 1);
-  c.routed_scaling = read_float(*root, "routed_scaling_factor", path, 1.0f, nullptr);
-  c.norm_topk_prob = read_bool(*root, "norm_topk_prob", path, false);
-
-  const std::string scoring = read_string(*root, "scoring_func", path).value_or("softmax");
-  if (scoring == "sigmoid") c.scoring = ScoringFunc::kSigmoid;
-  else if (scoring == "softmax") c.scoring = ScoringFunc::kSoftmax;
-  else if (scoring == "sqrtsoftplus") c.scoring = ScoringFunc::kSqrtSoftplus;
-  else MOEFQ_FAIL(ErrorKind::kBadInput, path, ": field scoring_func = '", scoring,
-                  "' is not one of sigmoid, softmax, sqrtsoftplus");
-
-  const std::optional<std::string> method = read_string(*root, "topk_method", path);
-  if (method) {
+  c.norm_topk_prob = arch->reads_norm ? read_bool(*root, "norm_topk_prob", path, arch->norm_default)
+                                      : arch->norm_default;
+  c.scoring = arch->scoring;
+  std::optional<std::string> method;
+  if (arch->deepseek_fields) {
+    c.num_shared = read_int(*root, "n_shared_experts", path, 0);
+    c.n_group = read_int(*root, "n_group", path, 1);
+    c.topk_group = read_int(*root, "topk_group", path, 1);
+    c.routed_scaling = read_float(*root, "routed_scaling_factor", path, 1.0f, nullptr);
+    if (const std::optional<std::string> scoring = read_string(*root, "scoring_func", path)) {
+      if (*scoring == "sigmoid") c.scoring = ScoringFunc::kSigmoid;
+      else if (*scoring == "softmax") c.scoring = ScoringFunc::kSoftmax;
+      else if (*scoring == "sqrtsoftplus") c.scoring = ScoringFunc::kSqrtSoftplus;
+      else MOEFQ_FAIL(ErrorKind::kBadInput, path, ": field scoring_func = '", *scoring,
+                      "' is not one of sigmoid, softmax, sqrtsoftplus");
+    }
+    method = read_string(*root, "topk_method", path).value_or(arch->topk_method);
     MOEFQ_CHECK(*method == "noaux_tc" || *method == "greedy" || *method == "group_limited_greedy", path,
                 ": field topk_method = '", *method, "' is not one of noaux_tc, greedy, group_limited_greedy");
     c.noaux_tc = *method == "noaux_tc";
+    bool has_clamp = false;
+    const float clamp = read_float(*root, "swiglu_limit", path, 0.0f, &has_clamp);
+    if (has_clamp) c.swiglu_clamp = clamp;
   }
-  bool has_clamp = false;
-  const float clamp = read_float(*root, "swiglu_limit", path, 0.0f, &has_clamp);
-  if (has_clamp) c.swiglu_clamp = clamp;
 
-  validate_fields(c, kHfNames, path);
+  validate_fields(c, names, path);
   // "greedy" (DeepSeek-V2-Lite) ignores the groups: plain top-k over all experts. Checked above
   // like any other config, then dropped.
   if (method && *method == "greedy") c.n_group = c.topk_group = 1;

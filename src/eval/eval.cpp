@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "eval/layer_runner.h"
+#include "moefq/checkpoint.h"
 #include "moefq/errors.h"
 #include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
@@ -119,6 +120,15 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
     s.layers = {0};
   }
   for (int64_t l : s.layers) MOEFQ_CHECK(l >= 0, "--layers: layer ", l, " must be >= 0");
+  if (!p.runner.checkpoint_dir.empty()) {
+    // The format decides the memory plan, and whether the GPU evaluation can take the weights at all.
+    const WeightFormat f = checkpoint_weight_format(p.runner.checkpoint_dir, s.layers.front(), s.config);
+    MOEFQ_CHECK(o.device != EvalDevice::kCuda || f == WeightFormat::kE4m3, "--checkpoint ", p.runner.checkpoint_dir,
+                ": the expert weights are bf16; the GPU evaluation holds e4m3 weights with 128x128 block scales (the "
+                "DeepSeek-V3 checkpoint format), so a bf16 checkpoint runs with --device cpu");
+    p.runner.weight_format = f;
+    s.weights_source += std::string(" (") + weight_format_name(f) + ")";
+  }
 
   p.runner.config = s.config;
   p.runner.ranks = s.ranks;
@@ -173,8 +183,9 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
     } else {
       std::set<std::string> names;
       for (const std::string& r : o.recipes) {
-        NamedRecipe nr{"", load_recipe(r)};
+        NamedRecipe nr{"", load_recipe(r, o.recipe_root)};
         nr.name = nr.recipe.name;
+        if (!nr.recipe.ignored.empty()) p.say(ignored_entries_notice(nr.recipe));
         MOEFQ_CHECK(names.insert(nr.name).second, "--recipe: two recipes are named '", nr.name,
                     "' (recipes are named by their file stem); give each a distinct file name");
         p.recipes.push_back(std::move(nr));
@@ -201,7 +212,7 @@ MemoryPlan check_memory(const Prepared& p) {
     return std::string(buf);
   };
   const std::string advice =
-      p.device == EvalDevice::kCpu
+      p.device == EvalDevice::kCpu && p.runner.weight_format == WeightFormat::kE4m3
           ? "use --device cuda (the layer then lives on the GPU), fewer --tokens or batches, or a smaller model"
           : "use fewer --ranks, --tokens or batches, or a smaller model";
   MOEFQ_CHECK(plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available,

@@ -9,6 +9,7 @@
 #include "engine/expert_cpu.h"
 #include "engine/parallel.h"
 #include "eval/layer_runner.h"
+#include "moefq/checkpoint.h"
 #include "moefq/errors.h"
 #include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
@@ -45,7 +46,7 @@ std::vector<bf16> layer_activations(const RunnerSetup& s, int64_t layer, int64_t
 
 LayerWeights rank_weights(const RunnerSetup& s, int64_t layer, int64_t rank) {
   const int64_t el = s.config.num_experts / s.ranks;
-  if (!s.checkpoint_dir.empty()) return load_deepseek_layer(s.checkpoint_dir, layer, s.config, rank * el, el);
+  if (!s.checkpoint_dir.empty()) return load_checkpoint_layer(s.checkpoint_dir, layer, s.config, rank * el, el);
   return synthetic_layer_weights(s.synthetic_layer(layer), s.config, WeightFormat::kE4m3, rank * el, el,
                                  s.num_threads);
 }

@@ -24,8 +24,9 @@ std::function<std::pair<double, double>()>& device_query() {
   return q;
 }
 
-double expert_bytes(int64_t H, int64_t I) {
+double expert_bytes(int64_t H, int64_t I, WeightFormat f) {
   const double params = 3.0 * double(H) * double(I);
+  if (f == WeightFormat::kBf16) return 2.0 * params;
   return params + params / (128.0 * 128.0) * 4.0;  // e4m3 codes and fp32 128 x 128 block scales
 }
 
@@ -59,8 +60,9 @@ MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
   const MoeConfig& c = s.config;
   const int64_t R = s.ranks, T = s.tokens, H = c.hidden, I = c.intermediate, E = c.num_experts, K = c.top_k;
   const double rows = double(s.num_tokens()), eval_rows = double(s.eval_batches) * double(R * T);
-  const double weights = double(E) * expert_bytes(H, I) +
-                         double(R) * (c.num_shared > 0 ? expert_bytes(H, I * c.num_shared) : 0.0);
+  const WeightFormat wf = s.weight_format;
+  const double weights = double(E) * expert_bytes(H, I, wf) +
+                         double(R) * (c.num_shared > 0 ? expert_bytes(H, I * c.num_shared, wf) : 0.0);
   const double router = double(R) * double(E) * double(H + 1) * 4.0;
   BufferShape shape;
   shape.num_ranks = R;
@@ -80,7 +82,7 @@ MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
   const auto add = [&](const std::string& what, double bytes, bool on_device) {
     p.items.push_back({what, on_device ? 0.0 : bytes, on_device ? bytes : 0.0});
   };
-  add("expert weights (e4m3, 1 layer)", weights, cuda);
+  add(std::string("expert weights (") + weight_format_name(wf) + ", 1 layer)", weights, cuda);
   // A checkpoint layer passes through the host on its way to the GPU.
   if (cuda && !s.checkpoint_dir.empty()) add("checkpoint layer read on the host", weights, false);
   add("router weights", router, false);

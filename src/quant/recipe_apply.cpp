@@ -107,7 +107,8 @@ bool may_match(const std::vector<Token>& tokens, std::string_view tmpl) {
     }
   };
   while (!stack.empty()) {
-    const auto [i, s] = stack.back();
+    // Plain copies, not a structured binding: the lambdas below capture them.
+    const size_t i = stack.back().first, s = stack.back().second;
     stack.pop_back();
     char& mark = seen[i * num_states + s];
     if (mark) continue;

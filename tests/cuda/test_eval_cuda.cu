@@ -47,19 +47,9 @@ const EvalRow& row_of(const EvalResult& r, int64_t layer, const std::string& rec
   throw std::runtime_error("no row " + recipe);
 }
 
-TEST(EvalCuda, DeviceResidentEqualsTheHostPathOnTheSameEngine) {
-  SKIP_WITHOUT_GPU();
-  const EvalResult dev = run_eval(small_run(EvalDevice::kCuda, "mega_moe"));
-  const EvalResult host = run_eval(small_run(EvalDevice::kCpu, "mega_moe_cuda"));
+// Every row of the device-resident run equals the host pipeline's on the same engine.
+void expect_same_rows(const EvalResult& dev, const EvalResult& host) {
   ASSERT_EQ(dev.rows.size(), host.rows.size());
-  ASSERT_EQ(dev.calibration.layers.size(), 2u);
-  for (size_t l = 0; l < 2; ++l) {
-    const LayerCalibration &a = dev.calibration.layers[l], &b = host.calibration.layers[l];
-    EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);
-    EXPECT_EQ(a.combine_amax, b.combine_amax);
-    EXPECT_EQ(a.dispatch_rank_amax, b.dispatch_rank_amax);
-    EXPECT_EQ(a.combine_rank_amax, b.combine_rank_amax);
-  }
   for (const EvalRow& a : dev.rows) {
     SCOPED_TRACE("layer " + std::to_string(a.layer) + " " + a.recipe);
     const EvalRow& b = row_of(host, a.layer, a.recipe);
@@ -79,6 +69,43 @@ TEST(EvalCuda, DeviceResidentEqualsTheHostPathOnTheSameEngine) {
     EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);
     EXPECT_EQ(a.combine_amax, b.combine_amax);
     EXPECT_EQ(a.layout_check, b.layout_check);
+  }
+}
+
+TEST(EvalCuda, DeviceResidentEqualsTheHostPathOnTheSameEngine) {
+  SKIP_WITHOUT_GPU();
+  const EvalResult dev = run_eval(small_run(EvalDevice::kCuda, "mega_moe"));
+  const EvalResult host = run_eval(small_run(EvalDevice::kCpu, "mega_moe_cuda"));
+  ASSERT_EQ(dev.calibration.layers.size(), 2u);
+  for (size_t l = 0; l < 2; ++l) {
+    const LayerCalibration &a = dev.calibration.layers[l], &b = host.calibration.layers[l];
+    EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);
+    EXPECT_EQ(a.combine_amax, b.combine_amax);
+    EXPECT_EQ(a.dispatch_rank_amax, b.dispatch_rank_amax);
+    EXPECT_EQ(a.combine_rank_amax, b.combine_rank_amax);
+  }
+  expect_same_rows(dev, host);
+}
+
+// The architectures beside DeepSeek-V3's: softmax routing with and without renormalisation, no
+// shared expert (Qwen3-MoE, Mixtral with 8 experts and top 2, OLMoE), and GLM-4.5-Air's sigmoid
+// routing with one group and a shared expert, at their presets' full sizes, one layer each.
+TEST(EvalCuda, EveryArchitectureOnTheDeviceEqualsTheHostPath) {
+  SKIP_WITHOUT_GPU();
+  for (const char* name : {"qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "glm-4.5-air"}) {
+    SCOPED_TRACE(name);
+    const auto run = [&](EvalDevice device, const std::string& backend) {
+      EvalOptions o = small_run(device, backend);
+      o.preset = name;
+      o.preset_given = true;
+      o.layers = {0};
+      return run_eval(o);
+    };
+    const EvalResult dev = run(EvalDevice::kCuda, "mega_moe"), host = run(EvalDevice::kCpu, "mega_moe_cuda");
+    ASSERT_EQ(dev.calibration.layers.size(), 1u);
+    EXPECT_EQ(dev.calibration.layers[0].dispatch_amax, host.calibration.layers[0].dispatch_amax);
+    EXPECT_EQ(dev.calibration.layers[0].combine_amax, host.calibration.layers[0].combine_amax);
+    expect_same_rows(dev, host);
   }
 }
 

@@ -99,7 +99,9 @@ void check_case(const MoeConfig& c, const Inputs& in, int64_t T, bool use_pad, c
 TEST(CudaRouter, EveryPresetMatchesTheCpuRouter) {
   SKIP_WITHOUT_GPU();
   // deepseek-v3 (sigmoid, noaux_tc, 8 groups / top-4), deepseek-v4-flash and -pro (sqrtsoftplus),
-  // kimi-k3 (896 experts, K = 16), tiny; at full H.
+  // kimi-k2 (384 experts, one group), kimi-k3 (896 experts, K = 16), glm-4.5 and -air, the softmax
+  // architectures (qwen3 top-8 renormalised, mixtral top-2 of 8, olmoe not renormalised), tiny; at
+  // full H.
   for (const std::string& name : preset_names()) {
     const MoeConfig c = preset(name);
     for (int64_t T : {1, 7, 300}) {

@@ -1,11 +1,15 @@
-// MoE presets (engine.md's table), validate()'s error paths, and the config.json loader on files
-// the tests write: every missing, mistyped or inconsistent field must be named in the error.
+// MoE presets (engine.md's table and the models' published config.json values), validate()'s error
+// paths, and the config.json loader: the architectures' own config files (tests/engine/data) load
+// to their presets, and on files the tests write every missing, mistyped or inconsistent field
+// (in the architecture's own spelling) and every unknown model_type is named in the error.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include <unistd.h>
@@ -38,7 +42,9 @@ using Json = nlohmann::json;
 
 TEST(MoePresets, NamesAndAllValidate) {
   const std::vector<std::string> names = preset_names();
-  EXPECT_EQ(names, (std::vector<std::string>{"deepseek-v3", "deepseek-v4-flash", "deepseek-v4-pro", "kimi-k3", "tiny"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"deepseek-v3", "deepseek-v4-flash", "deepseek-v4-pro", "kimi-k2",
+                                             "kimi-k3", "glm-4.5", "glm-4.5-air", "qwen3-30b-a3b", "qwen3-235b-a22b",
+                                             "mixtral-8x7b", "olmoe-1b-7b", "tiny"}));
   for (const std::string& n : names) {
     const MoeConfig c = preset(n);
     EXPECT_EQ(c.name, n);
@@ -49,23 +55,35 @@ TEST(MoePresets, NamesAndAllValidate) {
 TEST(MoePresets, EngineTableValues) {
   struct Row {
     const char* name;
+    const char* model_type;
     int64_t h, i, e, k, s, n_group, topk_group;
     ScoringFunc scoring;
     bool noaux_tc;
     float scaling;
+    bool norm;
     std::optional<float> clamp;
   };
   using S = ScoringFunc;
+  const auto none = std::nullopt;
   const Row rows[] = {
-      {"deepseek-v3", 7168, 2048, 256, 8, 1, 8, 4, S::kSigmoid, true, 2.5f, std::nullopt},
-      {"deepseek-v4-flash", 4096, 2048, 256, 6, 1, 1, 1, S::kSqrtSoftplus, true, 1.5f, 10.0f},
-      {"deepseek-v4-pro", 7168, 3072, 384, 6, 1, 1, 1, S::kSqrtSoftplus, true, 1.0f, 10.0f},
-      {"kimi-k3", 3584, 3072, 896, 16, 2, 1, 1, S::kSigmoid, true, 1.0f, std::nullopt},
-      {"tiny", 1024, 256, 32, 8, 1, 4, 2, S::kSigmoid, true, 2.5f, std::nullopt},
+      {"deepseek-v3", "deepseek_v3", 7168, 2048, 256, 8, 1, 8, 4, S::kSigmoid, true, 2.5f, true, none},
+      {"deepseek-v4-flash", "deepseek_v4", 4096, 2048, 256, 6, 1, 1, 1, S::kSqrtSoftplus, true, 1.5f, true, 10.0f},
+      {"deepseek-v4-pro", "deepseek_v4", 7168, 3072, 384, 6, 1, 1, 1, S::kSqrtSoftplus, true, 1.0f, true, 10.0f},
+      {"kimi-k2", "kimi_k2", 7168, 2048, 384, 8, 1, 1, 1, S::kSigmoid, true, 2.827f, true, none},
+      {"kimi-k3", "", 3584, 3072, 896, 16, 2, 1, 1, S::kSigmoid, true, 1.0f, true, none},
+      {"glm-4.5", "glm4_moe", 5120, 1536, 160, 8, 1, 1, 1, S::kSigmoid, true, 2.5f, true, none},
+      {"glm-4.5-air", "glm4_moe", 4096, 1408, 128, 8, 1, 1, 1, S::kSigmoid, true, 1.0f, true, none},
+      {"qwen3-30b-a3b", "qwen3_moe", 2048, 768, 128, 8, 0, 1, 1, S::kSoftmax, false, 1.0f, true, none},
+      {"qwen3-235b-a22b", "qwen3_moe", 4096, 1536, 128, 8, 0, 1, 1, S::kSoftmax, false, 1.0f, true, none},
+      {"mixtral-8x7b", "mixtral", 4096, 14336, 8, 2, 0, 1, 1, S::kSoftmax, false, 1.0f, true, none},
+      {"olmoe-1b-7b", "olmoe", 2048, 1024, 64, 8, 0, 1, 1, S::kSoftmax, false, 1.0f, false, none},
+      {"tiny", "", 1024, 256, 32, 8, 1, 4, 2, S::kSigmoid, true, 2.5f, true, none},
   };
+  EXPECT_EQ(std::size(rows), preset_names().size());
   for (const Row& r : rows) {
     SCOPED_TRACE(r.name);
     const MoeConfig c = preset(r.name);
+    EXPECT_EQ(c.model_type, r.model_type);
     EXPECT_EQ(c.hidden, r.h);
     EXPECT_EQ(c.intermediate, r.i);
     EXPECT_EQ(c.num_experts, r.e);
@@ -76,7 +94,7 @@ TEST(MoePresets, EngineTableValues) {
     EXPECT_EQ(c.scoring, r.scoring);
     EXPECT_EQ(c.noaux_tc, r.noaux_tc);
     EXPECT_EQ(c.routed_scaling, r.scaling);
-    EXPECT_TRUE(c.norm_topk_prob);
+    EXPECT_EQ(c.norm_topk_prob, r.norm);
     EXPECT_EQ(c.swiglu_clamp, r.clamp);
   }
 }
@@ -169,6 +187,12 @@ class HfConfig : public ::testing::Test {
     return p.string();
   }
   std::string write_json(const std::string& dir, const Json& j) { return write_text(dir, j.dump(2)); }
+  static std::string read_file(const std::string& path) {
+    std::ifstream in(path);
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
 
   fs::path root_;
 };
@@ -358,6 +382,153 @@ TEST_F(HfConfig, MissingFileAndDirectory) {
   const std::string path = (root_ / "nowhere" / "config.json").string();
   EXPECT_TRUE(throws_naming([&] { load_hf_config(path); }, {path}));
   EXPECT_TRUE(throws_naming([&] { load_hf_config(root_.string()); }, {root_.string()}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every architecture's config.json
+
+// The config.json of each model, with its published field names and values.
+const std::string kConfigs = std::string(MOEFQ_SOURCE_DIR) + "/tests/engine/data/hf_configs";
+
+void expect_same_moe(const MoeConfig& want, const MoeConfig& got) {
+  EXPECT_EQ(got.model_type, want.model_type);
+  EXPECT_EQ(got.hidden, want.hidden);
+  EXPECT_EQ(got.intermediate, want.intermediate);
+  EXPECT_EQ(got.num_experts, want.num_experts);
+  EXPECT_EQ(got.top_k, want.top_k);
+  EXPECT_EQ(got.num_shared, want.num_shared);
+  EXPECT_EQ(got.n_group, want.n_group);
+  EXPECT_EQ(got.topk_group, want.topk_group);
+  EXPECT_EQ(got.routed_scaling, want.routed_scaling);
+  EXPECT_EQ(got.scoring, want.scoring);
+  EXPECT_EQ(got.norm_topk_prob, want.norm_topk_prob);
+  EXPECT_EQ(got.noaux_tc, want.noaux_tc);
+  EXPECT_EQ(got.swiglu_clamp, want.swiglu_clamp);
+}
+
+TEST(HfArchitectures, EachModelsConfigLoadsToItsPreset) {
+  for (const char* model : {"qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "olmoe-1b-7b", "kimi-k2", "glm-4.5",
+                            "glm-4.5-air"}) {
+    SCOPED_TRACE(model);
+    const MoeConfig c = load_hf_config(kConfigs + "/" + model + "/config.json");
+    EXPECT_EQ(c.name, model);  // the folder's name
+    expect_same_moe(preset(model), c);
+  }
+  EXPECT_EQ(hf_model_types(), (std::vector<std::string>{"deepseek_v2", "deepseek_v3", "deepseek_v4", "glm4_moe",
+                                                        "kimi_k2", "mixtral", "olmoe", "qwen3_moe"}));
+}
+
+TEST_F(HfConfig, RoutingDefaultsOfEachModelType) {
+  struct Case {
+    const char* model_type;
+    ScoringFunc scoring;
+    bool noaux_tc, norm;
+  };
+  const Case cases[] = {
+      {"deepseek_v2", ScoringFunc::kSoftmax, false, false}, {"deepseek_v3", ScoringFunc::kSigmoid, true, true},
+      {"deepseek_v4", ScoringFunc::kSqrtSoftplus, true, true}, {"kimi_k2", ScoringFunc::kSigmoid, true, true},
+      {"glm4_moe", ScoringFunc::kSigmoid, true, true},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.model_type);
+    Json j = Json::parse(R"({"hidden_size": 1024, "moe_intermediate_size": 512, "n_routed_experts": 16,
+                             "num_experts_per_tok": 4})");
+    j["model_type"] = k.model_type;
+    const MoeConfig c = load_hf_config(write_json(k.model_type, j));
+    EXPECT_EQ(c.model_type, k.model_type);
+    EXPECT_EQ(c.scoring, k.scoring);
+    EXPECT_EQ(c.noaux_tc, k.noaux_tc);
+    EXPECT_EQ(c.norm_topk_prob, k.norm);
+  }
+  // Softmax architectures: no shared expert, no groups, no scaling, whatever else the file holds.
+  Json q = Json::parse(R"({"model_type": "qwen3_moe", "hidden_size": 1024, "moe_intermediate_size": 512,
+                           "intermediate_size": 3072, "num_experts": 16, "num_experts_per_tok": 4,
+                           "n_shared_experts": 2, "n_group": 4, "routed_scaling_factor": 3.0,
+                           "scoring_func": "sigmoid"})");
+  MoeConfig c = load_hf_config(write_json("qwen", q));
+  EXPECT_EQ(c.intermediate, 512);
+  EXPECT_EQ(c.num_experts, 16);
+  EXPECT_EQ(c.num_shared, 0);
+  EXPECT_EQ(c.n_group, 1);
+  EXPECT_EQ(c.routed_scaling, 1.0f);
+  EXPECT_EQ(c.scoring, ScoringFunc::kSoftmax);
+  EXPECT_FALSE(c.norm_topk_prob);  // Qwen3-MoE's default when the field is absent
+  EXPECT_FALSE(c.noaux_tc);
+  // Mixtral always renormalises its top-k weights.
+  Json m = Json::parse(R"({"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 512,
+                           "num_local_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": false})");
+  c = load_hf_config(write_json("mixtral", m));
+  EXPECT_EQ(c.intermediate, 512);
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_TRUE(c.norm_topk_prob);
+  // OLMoE reads the flag.
+  Json o = Json::parse(R"({"model_type": "olmoe", "hidden_size": 1024, "intermediate_size": 512,
+                           "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": true})");
+  EXPECT_TRUE(load_hf_config(write_json("olmoe", o)).norm_topk_prob);
+}
+
+TEST_F(HfConfig, EachArchitecturesFieldsAreNamedInItsErrors) {
+  struct Case {
+    const char* model_type;
+    const char* missing;  // a required field in this architecture's spelling
+    const char* other;    // another architecture's spelling, present in the file and not read
+  };
+  const Case cases[] = {
+      {"qwen3_moe", "num_experts", "n_routed_experts"},
+      {"qwen3_moe", "moe_intermediate_size", "intermediate_size"},
+      {"olmoe", "intermediate_size", "moe_intermediate_size"},
+      {"mixtral", "num_local_experts", "num_experts"},
+  };
+  int i = 0;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(std::string(k.model_type) + " " + k.missing);
+    Json j = Json::parse(R"({"hidden_size": 1024, "moe_intermediate_size": 512, "intermediate_size": 512,
+                             "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8,
+                             "num_experts_per_tok": 2})");
+    j["model_type"] = k.model_type;
+    j.erase(k.missing);
+    ASSERT_TRUE(j.contains(k.other));  // the file has it, and it does not stand in for the missing one
+    const std::string path = write_json("arch_" + std::to_string(i++), j);
+    EXPECT_TRUE(throws_naming([&] { load_hf_config(path); }, {path, "missing required field", k.missing}));
+  }
+  Json bad = Json::parse(R"({"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 500,
+                             "num_local_experts": 8, "num_experts_per_tok": 2})");
+  std::string path = write_json("mixtral_bad", bad);
+  EXPECT_TRUE(throws_naming([&] { load_hf_config(path); }, {path, "intermediate_size = 500"}));
+  bad["intermediate_size"] = 512;
+  bad["num_experts_per_tok"] = 9;
+  path = write_json("mixtral_bad2", bad);
+  EXPECT_TRUE(throws_naming([&] { load_hf_config(path); }, {path, "num_experts_per_tok = 9 exceeds num_local_experts = 8"}));
+}
+
+TEST_F(HfConfig, UnknownModelTypeNamesTheSupportedOnes) {
+  Json j = deepseek_v3();
+  j["model_type"] = "qwen2_moe";
+  const std::string path = write_json("qwen2", j);
+  EXPECT_TRUE(throws_naming([&] { load_hf_config(path); },
+                            {path, "model_type 'qwen2_moe'", "deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_moe",
+                             "mixtral", "olmoe"}));
+  j["model_type"] = 3;
+  const std::string path2 = write_json("typed", j);
+  EXPECT_TRUE(throws_naming([&] { load_hf_config(path2); }, {path2, "model_type must be a string"}));
+}
+
+TEST_F(HfConfig, AWrappersTextConfigGivesTheModelType) {
+  // Kimi-K2.5-style: the top level names the multimodal model, text_config the language model.
+  Json kimi = Json::parse(read_file(kConfigs + "/kimi-k2/config.json"));
+  Json j = Json::object();
+  j["model_type"] = "kimi_k25";
+  j["vision_config"] = Json::object();
+  j["text_config"] = kimi;
+  MoeConfig c = load_hf_config(write_json("k25", j));
+  expect_same_moe(preset("kimi-k2"), c);
+  // A text_config without model_type takes the top level's.
+  Json q = Json::parse(read_file(kConfigs + "/qwen3-30b-a3b/config.json"));
+  q.erase("model_type");
+  j = Json::object();
+  j["model_type"] = "qwen3_moe";
+  j["text_config"] = q;
+  expect_same_moe(preset("qwen3-30b-a3b"), load_hf_config(write_json("qvl", j)));
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// Helpers of the weight and synthetic-model suites: a small hand-built config and a byte
-// comparison of two experts' weights.
+// Helpers of the weight, checkpoint and synthetic-model suites: a small hand-built config and byte
+// comparisons of two experts' and two layers' weights.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -37,6 +37,19 @@ inline void expect_same_expert(const ExpertWeights& a, const ExpertWeights& b) {
   EXPECT_TRUE(bytes_equal(a.down_scale, b.down_scale));
   EXPECT_TRUE(bytes_equal(a.gate_up_bf16, b.gate_up_bf16));
   EXPECT_TRUE(bytes_equal(a.down_bf16, b.down_bf16));
+}
+
+inline void expect_layers_equal(const LayerWeights& want, const LayerWeights& got) {
+  EXPECT_EQ(want.first_expert, got.first_expert);
+  ASSERT_EQ(want.experts.size(), got.experts.size());
+  for (size_t e = 0; e < want.experts.size(); ++e) {
+    SCOPED_TRACE("expert " + std::to_string(want.first_expert + int64_t(e)));
+    expect_same_expert(want.experts[e], got.experts[e]);
+  }
+  ASSERT_EQ(want.shared.size(), got.shared.size());
+  if (!want.shared.empty()) expect_same_expert(want.shared[0], got.shared[0]);
+  EXPECT_TRUE(bytes_equal(want.gate, got.gate));
+  EXPECT_TRUE(bytes_equal(want.gate_bias, got.gate_bias));
 }
 
 }  // namespace moefq::test

@@ -14,6 +14,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint_test_util.h"
 #include "moefq/eval.h"
 #include "moefq/qdq.h"
 #include "test_util.h"
@@ -82,6 +83,41 @@ class EvalLib : public ::testing::Test {
   fs::path root_;
   EvalOptions o_;
 };
+
+// A checkpoint's weight format reaches the memory plan (bf16: 2 bytes per parameter, e4m3: 1 and
+// the block scales), and a bf16 checkpoint is refused for the GPU evaluation before anything runs.
+TEST_F(EvalLib, TheCheckpointsFormatPlansMemoryAndBf16StaysOffTheGpu) {
+  const fs::path e4m3 = root_ / "e4m3", bf16 = root_ / "bf16";
+  test::write_checkpoint(e4m3, {{0, 3}});
+  const MoeConfig cfg = test::small_config();
+  fs::create_directories(bf16);
+  fs::copy_file(e4m3 / "config.json", bf16 / "config.json");
+  test::FakeCheckpoint::from(cfg, synthetic_weights(cfg, WeightFormat::kBf16, 3, 0, cfg.num_experts), false,
+                             test::TensorNaming::mlp(), 0)
+      .write(bf16.string());
+  const auto weights_item = [](const MemoryPlan& plan) {
+    for (const MemoryItem& m : plan.items)
+      if (m.what.rfind("expert weights", 0) == 0) return m;
+    ADD_FAILURE() << "no expert weights in the plan";
+    return MemoryItem{};
+  };
+  // 8 routed experts and the shared one on each of the 2 ranks, 3 * H * I parameters each.
+  const double params = (8.0 + 2.0) * 3.0 * 256.0 * 128.0;
+  o_.config_path.clear();
+  o_.layers = {0};
+  o_.checkpoint_dir = e4m3.string();
+  MemoryItem m = weights_item(plan_eval_memory(o_));
+  EXPECT_EQ(m.what, "expert weights (e4m3, 1 layer)");
+  EXPECT_EQ(m.host_bytes, params + params / (128.0 * 128.0) * 4.0);
+  o_.checkpoint_dir = bf16.string();
+  m = weights_item(plan_eval_memory(o_));
+  EXPECT_EQ(m.what, "expert weights (bf16, 1 layer)");
+  EXPECT_EQ(m.host_bytes, 2.0 * params);
+  o_.device = EvalDevice::kCuda;
+  const std::string msg = error_of([&] { plan_eval_memory(o_); });
+  EXPECT_NE(msg.find("--checkpoint " + bf16.string() + ": the expert weights are bf16"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--device cpu"), std::string::npos) << msg;
+}
 
 TEST_F(EvalLib, CalibrationIsSharedAndTheFileRoundTrips) {
   const EvalResult r = run_eval(o_);

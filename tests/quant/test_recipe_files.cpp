@@ -2,7 +2,6 @@
 // these tests in that framework's format: numerics snippets, units, presets, complete recipes) load
 // unchanged; the loader's `$import` forms, nested imports, cycles, recipe roots and its errors.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -53,29 +52,8 @@ bool has(const std::vector<std::string>& v, const std::string& x) {
 }
 
 // A fresh directory, removed at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("moefq_recipe_files_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  std::string write(const std::string& name, const std::string& text) const {
-    const fs::path p = path_ / name;
-    fs::create_directories(p.parent_path());
-    std::ofstream(p) << text;
-    return p.string();
-  }
-
- private:
-  fs::path path_;
+struct TempDir : test::TempDir {
+  TempDir() : test::TempDir("moefq_recipe_files_") {}
 };
 
 constexpr const char* kAttr = "# modelopt-schema: modelopt.torch.quantization.config.QuantizerAttributeConfig\n";

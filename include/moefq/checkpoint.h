@@ -1,0 +1,47 @@
+// Loading one MoE layer from a Hugging Face checkpoint directory (model.safetensors.index.json and
+// its shards, or one model.safetensors): the routed experts a rank holds, the shared expert and
+// the router, under the tensor names of the config's architecture (MoeConfig::model_type).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "moefq/moe_config.h"
+#include "moefq/weights.h"
+
+namespace moefq {
+
+// The tensor names of one layer.
+// - DeepSeek-V2/V3/V4, Kimi-K2, GLM-4.5, Qwen3-MoE, OLMoE and configs without model_type:
+//   model.layers.{L}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight, mlp.shared_experts.*,
+//   mlp.gate.weight and mlp.gate.e_score_correction_bias.
+// - Mixtral: model.layers.{L}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight (w1 the gate, w3 the
+//   up and w2 the down projection) and block_sparse_moe.gate.weight.
+// An e4m3 weight has its fp32 128x128 block scales in `<weight name minus ".weight">.weight_scale_inv`.
+struct LayerTensorNames {
+  std::string experts;  // "model.layers.3.mlp.experts." (then "{e}.")
+  std::string shared;   // "model.layers.3.mlp.shared_experts."
+  std::string gate_proj, up_proj, down_proj;  // "gate_proj", "up_proj", "down_proj" or "w1", "w3", "w2"
+  std::string router;   // "model.layers.3.mlp.gate.weight"
+  std::string bias;     // "model.layers.3.mlp.gate.e_score_correction_bias"
+
+  // "<prefix><proj>.weight" of routed expert e, e.g. "model.layers.3.mlp.experts.7.up_proj.weight".
+  std::string expert_weight(int64_t e, const std::string& proj) const;
+};
+LayerTensorNames layer_tensor_names(const MoeConfig& cfg, int64_t layer);
+
+// The format of the checkpoint's expert weights, from the dtype of layer `layer`'s expert 0 gate
+// projection (kE4m3 for F8_E4M3, kBf16 for BF16); reads the shard's header only. Errors as
+// load_checkpoint_layer's.
+WeightFormat checkpoint_weight_format(const std::string& dir, int64_t layer, const MoeConfig& cfg);
+
+// Loads experts [first_expert, first_expert + num_local) of layer `layer`, opening each shard
+// once. The format is the checkpoint's: kE4m3 when the expert weights are F8_E4M3 (scale_inv
+// required), kBf16 when they are BF16; the router weight may be BF16 or F32; the correction bias is
+// required (and loaded) only with cfg.noaux_tc. Missing tensors or shard files, wrong shapes or
+// dtypes, a malformed index and an expert range outside [0, E) are moefq::Error (bad input)
+// naming the tensor and the file.
+LayerWeights load_checkpoint_layer(const std::string& dir, int64_t layer, const MoeConfig& cfg,
+                                   int64_t first_expert, int64_t num_local);
+
+}  // namespace moefq

@@ -1,0 +1,293 @@
+// Loading one MoE layer from a checkpoint directory (checkpoint.h): the index or the single
+// file, each shard opened once, every tensor checked for its name, dtype and shape before its bytes
+// are copied out.
+#include "moefq/checkpoint.h"
+
+#include <bit>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <span>
+#include <sstream>
+
+#include "moefq/errors.h"
+#include "moefq/fileio.h"
+#include "moefq/safetensors.h"
+
+namespace moefq {
+
+namespace fs = std::filesystem;
+
+// Scales and bf16 values are copied straight out of the mapped files.
+static_assert(std::endian::native == std::endian::little, "checkpoint: little-endian hosts only");
+
+namespace {
+
+constexpr int64_t kBlock = 128;  // weight scales cover 128 x 128 blocks
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void check_shapes_and_range(const MoeConfig& cfg, int64_t first_expert, int64_t num_local,
+                            const std::string& where) {
+  MOEFQ_CHECK(cfg.hidden > 0 && cfg.hidden % kBlock == 0, where, ": hidden size ", cfg.hidden,
+              " must be a positive multiple of 128");
+  MOEFQ_CHECK(cfg.intermediate > 0 && cfg.intermediate % kBlock == 0, where,
+              ": intermediate size ", cfg.intermediate, " must be a positive multiple of 128");
+  MOEFQ_CHECK(cfg.num_experts > 0, where, ": num_experts is ", cfg.num_experts,
+              ", must be positive");
+  MOEFQ_CHECK(cfg.num_shared >= 0, where, ": num_shared is ", cfg.num_shared,
+              ", must be >= 0");
+  MOEFQ_CHECK(first_expert >= 0 && num_local >= 0 && num_local <= cfg.num_experts &&
+                  first_expert <= cfg.num_experts - num_local,
+              where, ": expert range [", first_expert, ", ", first_expert + num_local,
+              ") (first_expert ", first_expert, ", num_local ", num_local,
+              ") is outside the routed experts [0, ", cfg.num_experts, ")");
+}
+
+std::string shape_str(std::span<const int64_t> shape) {
+  std::ostringstream os;
+  os << '[';
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << ']';
+  return os.str();
+}
+
+// The tensors of a checkpoint directory: the index's weight map (or the single file's tensors)
+// and the shards opened so far, each opened once.
+class Checkpoint {
+ public:
+  // DeepSeek-V3's index is about 9 MB; the cap keeps a hostile one (or a link to /dev/zero) bounded.
+  static constexpr size_t kMaxIndexBytes = size_t(256) << 20;
+
+  explicit Checkpoint(const std::string& dir) : dir_(dir) {
+    const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+    std::error_code ec;
+    if (fs::exists(fs::symlink_status(index, ec))) {  // a link that leads nowhere is reported, not skipped
+      read_index(index.string());
+      return;
+    }
+    const fs::path single = fs::path(dir) / "model.safetensors";
+    MOEFQ_CHECK(fs::exists(single, ec), dir,
+                ": not a checkpoint directory: neither model.safetensors.index.json nor "
+                "model.safetensors is there");
+    single_ = single.string();
+  }
+
+  // The tensor's info and file, or nullptr when the checkpoint has no tensor of that name.
+  struct Found {
+    const SafetensorsFile* file;
+    const TensorInfo* info;
+  };
+  std::optional<Found> find(const std::string& name) {
+    std::string shard_path;
+    if (single_.empty()) {
+      const auto it = weight_map_.find(name);
+      if (it == weight_map_.end()) return std::nullopt;
+      shard_path = (fs::path(dir_) / it->second).string();
+    } else {
+      shard_path = single_;
+    }
+    const SafetensorsFile& file = open_shard(shard_path, name);
+    const TensorInfo* info = file.find(name);
+    if (single_.empty())
+      MOEFQ_CHECK(info != nullptr, "tensor ", name, ": the index ", index_path_, " maps it to ",
+                  shard_path, ", which has no tensor of that name");
+    if (info == nullptr) return std::nullopt;
+    return Found{&file, info};
+  }
+
+  // The tensor, which must exist.
+  Found require(const std::string& name, const char* role) {
+    const auto found = find(name);
+    MOEFQ_CHECK(found.has_value(), "missing tensor ", name, " (", role, ") in checkpoint ",
+                where());
+    return *found;
+  }
+
+  std::string where() const { return single_.empty() ? index_path_ : single_; }
+
+ private:
+  void read_index(const std::string& path) {
+    index_path_ = path;
+    const std::string text = read_regular_file(path, kMaxIndexBytes, "checkpoint index " + path);
+    nlohmann::json root;
+    try {
+      root = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      MOEFQ_FAIL(ErrorKind::kBadInput, path, ": malformed checkpoint index (not JSON): ", e.what());
+    }
+    MOEFQ_CHECK(root.is_object(), path, ": malformed checkpoint index: the top level is a JSON ",
+                root.type_name(), ", expected an object with \"weight_map\"");
+    const auto wm = root.find("weight_map");
+    MOEFQ_CHECK(wm != root.end(), path, ": malformed checkpoint index: no \"weight_map\"");
+    MOEFQ_CHECK(wm->is_object(), path, ": malformed checkpoint index: \"weight_map\" is a JSON ",
+                wm->type_name(), ", expected an object {tensor name: shard file}");
+    for (const auto& [name, file] : wm->items()) {
+      MOEFQ_CHECK(file.is_string(), path, ": malformed checkpoint index: \"weight_map\" entry \"",
+                  name, "\" is a JSON ", file.type_name(), ", expected a shard file name");
+      const std::string shard = file.get<std::string>();
+      const fs::path p(shard);
+      bool escapes = shard.empty() || p.is_absolute();
+      for (const auto& part : p) escapes = escapes || part == "..";
+      MOEFQ_CHECK(!escapes, path, ": malformed checkpoint index: \"weight_map\" entry \"", name,
+                  "\" names shard \"", shard, "\", which is not a file inside the directory");
+      weight_map_.emplace(name, shard);
+    }
+  }
+
+  const SafetensorsFile& open_shard(const std::string& path, const std::string& tensor) {
+    auto it = shards_.find(path);
+    if (it != shards_.end()) return it->second;
+    const std::string what = "tensor " + tensor + ": shard file " + path +
+                             (single_.empty() ? " (named by " + index_path_ + ")" : std::string());
+    return shards_.emplace(path, SafetensorsFile::open(path, what)).first->second;
+  }
+
+  std::string dir_, index_path_, single_;
+  std::map<std::string, std::string> weight_map_;
+  std::map<std::string, SafetensorsFile> shards_;
+};
+
+void check_tensor(const Checkpoint::Found& t, const std::string& name,
+                  std::initializer_list<StDtype> dtypes, const std::vector<int64_t>& shape) {
+  bool dtype_ok = false;
+  std::string expected;
+  for (const StDtype d : dtypes) {
+    dtype_ok = dtype_ok || t.info->dtype == d;
+    expected += (expected.empty() ? "" : " or ") + std::string(st_dtype_name(d));
+  }
+  MOEFQ_CHECK(dtype_ok, "tensor ", name, " in ", t.file->path(), ": dtype ",
+              st_dtype_name(t.info->dtype), ", expected ", expected);
+  MOEFQ_CHECK(t.info->shape == shape, "tensor ", name, " in ", t.file->path(), ": shape ",
+              shape_str(t.info->shape), ", expected ", shape_str(shape));
+}
+
+template <typename T>
+void append_tensor(std::vector<T>& out, const Checkpoint::Found& t) {
+  const size_t old = out.size(), n = size_t(t.info->end - t.info->begin);
+  MOEFQ_ASSERT(n % sizeof(T) == 0, "tensor ", t.info->name, ": ", n, " bytes is not a whole number of elements");
+  out.resize(old + n / sizeof(T));
+  t.file->read_into(*t.info, {reinterpret_cast<uint8_t*>(out.data() + old), n});
+}
+
+// The format an expert weight's dtype stands for.
+WeightFormat format_of(const Checkpoint::Found& t, const std::string& name) {
+  MOEFQ_CHECK(t.info->dtype == StDtype::kF8E4M3 || t.info->dtype == StDtype::kBF16, "tensor ", name, " in ",
+              t.file->path(), ": dtype ", st_dtype_name(t.info->dtype),
+              ", expected F8_E4M3 (with weight_scale_inv) or BF16");
+  return t.info->dtype == StDtype::kF8E4M3 ? WeightFormat::kE4m3 : WeightFormat::kBf16;
+}
+
+// One expert (routed or shared) under `prefix` ("model.layers.3.mlp.experts.7."): gate and up
+// concatenated into gate_up, their scales likewise (I is a multiple of 128, so the up rows start
+// a new row of blocks).
+ExpertWeights load_expert(Checkpoint& ckpt, const LayerTensorNames& names, const std::string& prefix, int64_t hidden,
+                          int64_t inter, std::optional<WeightFormat>& format) {
+  ExpertWeights w;
+  w.hidden = hidden;
+  w.intermediate = inter;
+  for (const std::string* proj : {&names.gate_proj, &names.up_proj, &names.down_proj}) {
+    const bool down = proj == &names.down_proj;
+    const int64_t rows = down ? hidden : inter, cols = down ? inter : hidden;
+    const std::string name = prefix + *proj + ".weight";
+    const auto t = ckpt.require(name, "expert weight");
+    // The first expert weight decides the format; every other one must agree.
+    if (!format.has_value()) format = format_of(t, name);
+    w.format = *format;
+    if (*format == WeightFormat::kE4m3) {
+      check_tensor(t, name, {StDtype::kF8E4M3}, {rows, cols});
+      const std::string sname = prefix + *proj + ".weight_scale_inv";
+      const auto s = ckpt.require(sname, "block scales of an e4m3 expert weight");
+      check_tensor(s, sname, {StDtype::kF32}, {ceil_div(rows, kBlock), ceil_div(cols, kBlock)});
+      append_tensor(down ? w.down_e4m3 : w.gate_up_e4m3, t);
+      append_tensor(down ? w.down_scale : w.gate_up_scale, s);
+    } else {
+      check_tensor(t, name, {StDtype::kBF16}, {rows, cols});
+      append_tensor(down ? w.down_bf16 : w.gate_up_bf16, t);
+    }
+  }
+  return w;
+}
+
+}  // namespace
+
+std::string LayerTensorNames::expert_weight(int64_t e, const std::string& proj) const {
+  return experts + std::to_string(e) + "." + proj + ".weight";
+}
+
+LayerTensorNames layer_tensor_names(const MoeConfig& cfg, int64_t layer) {
+  const std::string base = "model.layers." + std::to_string(layer) + ".";
+  LayerTensorNames n;
+  if (cfg.model_type == "mixtral") {
+    const std::string moe = base + "block_sparse_moe.";
+    n.experts = moe + "experts.";
+    n.shared = moe + "shared_experts.";  // Mixtral has none; never read (num_shared is 0)
+    n.gate_proj = "w1";
+    n.up_proj = "w3";
+    n.down_proj = "w2";
+    n.router = moe + "gate.weight";
+    n.bias = moe + "gate.e_score_correction_bias";
+  } else {
+    const std::string mlp = base + "mlp.";
+    n.experts = mlp + "experts.";
+    n.shared = mlp + "shared_experts.";
+    n.gate_proj = "gate_proj";
+    n.up_proj = "up_proj";
+    n.down_proj = "down_proj";
+    n.router = mlp + "gate.weight";
+    n.bias = mlp + "gate.e_score_correction_bias";
+  }
+  return n;
+}
+
+WeightFormat checkpoint_weight_format(const std::string& dir, int64_t layer, const MoeConfig& cfg) {
+  MOEFQ_CHECK(layer >= 0, dir, ": layer ", layer, " must be >= 0");
+  Checkpoint ckpt(dir);
+  const LayerTensorNames names = layer_tensor_names(cfg, layer);
+  const std::string name = names.expert_weight(0, names.gate_proj);
+  return format_of(ckpt.require(name, "expert weight"), name);
+}
+
+LayerWeights load_checkpoint_layer(const std::string& dir, int64_t layer, const MoeConfig& cfg,
+                                   int64_t first_expert, int64_t num_local) {
+  check_shapes_and_range(cfg, first_expert, num_local, dir);
+  MOEFQ_CHECK(layer >= 0, dir, ": layer ", layer, " must be >= 0");
+  Checkpoint ckpt(dir);
+  const LayerTensorNames names = layer_tensor_names(cfg, layer);
+
+  LayerWeights lw;
+  lw.first_expert = first_expert;
+  std::optional<WeightFormat> format;
+  lw.experts.reserve(size_t(num_local));
+  for (int64_t e = first_expert; e < first_expert + num_local; ++e)
+    lw.experts.push_back(load_expert(ckpt, names, names.experts + std::to_string(e) + ".", cfg.hidden,
+                                     cfg.intermediate, format));
+  if (cfg.num_shared > 0)
+    lw.shared.push_back(load_expert(ckpt, names, names.shared, cfg.hidden, cfg.intermediate * cfg.num_shared, format));
+
+  const auto g = ckpt.require(names.router, "router weight");
+  check_tensor(g, names.router, {StDtype::kBF16, StDtype::kF32}, {cfg.num_experts, cfg.hidden});
+  if (g.info->dtype == StDtype::kF32) {
+    append_tensor(lw.gate, g);
+  } else {
+    std::vector<bf16> raw;
+    append_tensor(raw, g);
+    lw.gate.resize(raw.size());
+    for (size_t i = 0; i < raw.size(); ++i) lw.gate[i] = to_f32(raw[i]);
+  }
+
+  // The correction bias only steers selection under noaux_tc; without it the router ignores it.
+  if (cfg.noaux_tc) {
+    const auto b = ckpt.find(names.bias);
+    MOEFQ_CHECK(b.has_value(), "missing tensor ", names.bias, " in checkpoint ", ckpt.where(),
+                ": the config uses noaux_tc routing, which needs the correction bias");
+    check_tensor(*b, names.bias, {StDtype::kF32}, {cfg.num_experts});
+    append_tensor(lw.gate_bias, *b);
+  }
+  return lw;
+}
+
+}  // namespace moefq

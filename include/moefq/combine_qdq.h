@@ -1,7 +1,7 @@
 // The combine quantizer of fake_quant.md as one operation on host tensors, for callers that hold
 // the combine rows themselves (the Python binding): each active routed row QDQ'd along H, then
 // engine.md's re-sum (fp32 from +0, active slots ascending, the shared row last and unquantized,
-// one bf16 rounding). The same bits as FakeQuantMoe's combine quantizer on the same rows.
+// one bf16 rounding). FakeQuantMoe's host combine quantizer is this function on its buffer's rows.
 #pragma once
 
 #include <cstdint>

@@ -31,6 +31,7 @@ struct NoQdq {
 
 struct Params {
   const uint8_t* rows;      // buffer + combine_offset: [K + fused][T][H] bf16
+  const uint8_t* shared;    // the shared rows [T][H] bf16 (slot K of rows, or CombineRows::shared)
   uint64_t slot_stride;     // T * H * 2: bytes from one slot's rows to the next
   int64_t hidden;           // H
   int64_t num_tokens;
@@ -145,9 +146,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
       // Read before y_out is written (they may alias); plain loads, as the array may be written.
       if (in_row) engine = __ldcs(reinterpret_cast<const int4*>(p.y_engine) + chunk);
     }
-    const uint8_t* row = p.rows + (t * p.chunks_per_row + c_read) * int64_t(sizeof(int4));
+    const int64_t row_offset = (t * p.chunks_per_row + c_read) * int64_t(sizeof(int4));
+    const uint8_t* row = p.rows + row_offset;
     int4 shared_raw = make_int4(0, 0, 0, 0);
-    if (p.fused) shared_raw = load_row_chunk(row + uint32_t(p.top_k) * stride);
+    if (p.fused) shared_raw = load_row_chunk(p.shared + row_offset);
 
     // engine.md's order: fp32 from +0, active routed slots ascending, then the shared slot; no fma.
     // Slots are visited by index in batches (no compaction): a slot costs a pointer add and one
@@ -237,6 +239,7 @@ bool validate(const CombineRows& r, const bf16* y, const char* who) {
   MOEFQ_CHECK(r.buffer && r.topk_idx && y, who, ": null buffer, topk_idx or output");
   MOEFQ_CHECK(aligned16(r.buffer + r.combine_offset) && aligned16(y), who,
               ": the combine rows (buffer + offset ", r.combine_offset, ") and the output must be 16-byte aligned");
+  MOEFQ_CHECK(!r.shared || aligned16(r.shared), who, ": the shared rows must be 16-byte aligned");
   return true;
 }
 
@@ -249,6 +252,7 @@ Params make_params(const CombineRows& r, bf16* y) {
   p.chunks_per_row = int(r.hidden / kChunkElems);
   p.top_k = int(r.top_k);
   p.fused = r.fused_shared;
+  p.shared = r.shared ? reinterpret_cast<const uint8_t*>(r.shared) : p.rows + uint64_t(r.top_k) * p.slot_stride;
   p.topk_idx = r.topk_idx;
   p.y_out = y;
   return p;

@@ -24,6 +24,10 @@ struct CombineRows {
   bool fused_shared = false;
   const int32_t* topk_idx = nullptr;  // device [num_tokens, K]; -1 inactive
   int64_t num_tokens = 0;             // <= T
+  // With fused_shared: where the shared rows are, device [num_tokens, H] bf16, 16-byte aligned
+  // (row t at shared + t * H); null: slot K of the buffer (the engine's layout). Callers holding
+  // the rows and the shared expert's output in separate tensors (the Python binding) set it.
+  const bf16* shared = nullptr;
 };
 
 // engine.md's combine: y[t] = bf16(fp32 sum from +0 of the active routed rows in ascending slot

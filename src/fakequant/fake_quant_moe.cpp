@@ -6,6 +6,7 @@
 
 #include "engine/expert_cpu.h"
 #include "fakequant/fake_quant_driver.h"
+#include "moefq/combine_qdq.h"
 #include "moefq/errors.h"
 #include "moefq/qdq.h"
 
@@ -115,34 +116,30 @@ class CpuFakeQuantOps final : public FakeQuantOps {
     const int64_t K = config().top_k, H = config().hidden;
     const bool fused = fused_shared();
     const float amax = amax_[size_t(num_local_ranks() + r)];
-    std::vector<bf16> resum(static_cast<size_t>(H)), qrows(static_cast<size_t>(K * H));
-    for (int64_t t = 0; t < b.num_tokens; ++t) {
+    // The layout check: the engine's output (still in y) against the plain re-sum of the rows read
+    // where this layer expects them.
+    std::vector<bf16> resum(static_cast<size_t>(H));
+    for (int64_t t = 0; check && t < b.num_tokens; ++t) {
       const bf16* rows[kMaxCombineRows];
       int n = 0;
-      if (check) {
-        for (int64_t k = 0; k < K + (fused ? 1 : 0); ++k)
-          if (k == K || b.topk_idx[t * K + k] >= 0) rows[n++] = row(r, k, t);
-        combine_rows(rows, n, H, resum.data());
-        for (int64_t h = 0; h < H && !mismatch_[size_t(r)]; ++h)
-          if (resum[size_t(h)].bits != b.y[t * H + h].bits)
-            mismatch_[size_t(r)] = LayoutMismatch{t, h, b.y[t * H + h].bits, resum[size_t(h)].bits};
-        n = 0;
-      }
-      // QDQ each active routed row (read in place, into scratch rows), then the engine's re-sum
-      // with the shared slot last and unquantized.
-      for (int64_t k = 0; k < K; ++k) {
-        if (b.topk_idx[t * K + k] < 0) continue;
-        if (!format) {
-          rows[n++] = row(r, k, t);
-          continue;
-        }
-        bf16* q_row = qrows.data() + n * H;
-        qdq_ref(*format, row(r, k, t), q_row, 1, H, amax);
-        rows[n++] = q_row;
-      }
-      if (fused) rows[n++] = row(r, K, t);
-      combine_rows(rows, n, H, b.y + t * H);
+      for (int64_t k = 0; k < K + (fused ? 1 : 0); ++k)
+        if (k == K || b.topk_idx[t * K + k] >= 0) rows[n++] = row(r, k, t);
+      combine_rows(rows, n, H, resum.data());
+      for (int64_t h = 0; h < H && !mismatch_[size_t(r)]; ++h)
+        if (resum[size_t(h)].bits != b.y[t * H + h].bits)
+          mismatch_[size_t(r)] = LayoutMismatch{t, h, b.y[t * H + h].bits, resum[size_t(h)].bits};
     }
+    // QDQ each active routed row (read in place), then the engine's re-sum with the shared slot
+    // last and unquantized: combine_qdq_ref on the rows where the buffer holds them.
+    HostCombineRows rows;
+    rows.rows = row(r, 0, 0);
+    rows.slot_stride = max_tokens() * H;
+    rows.top_k = K;
+    rows.num_tokens = b.num_tokens;
+    rows.hidden = H;
+    rows.topk_idx = b.topk_idx;
+    rows.shared = fused ? row(r, K, 0) : nullptr;
+    combine_qdq_ref(rows, format, amax, b.y);
   }
   std::optional<LayoutMismatch> read_check(int64_t r) override { return std::exchange(mismatch_[size_t(r)], {}); }
   void synchronize() override {}

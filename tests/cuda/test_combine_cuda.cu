@@ -647,6 +647,41 @@ TEST(CombineCuda, TrapIsOptInAndKillsOnlyTheContext) {
   MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+// The shared rows may live apart from the buffer (CombineRows::shared, as the Python binding's
+// combine_qdq_resum passes them): the same bits as from slot K, and slot K (poisoned here) unread.
+TEST(CombineCuda, SharedRowsFromTheirOwnPointer) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 700;
+  for (const Shape& s : kShapes) {
+    if (!s.fused) continue;
+    const HostRows h = make_rows(s, seed++, true);
+    HostRows poisoned = h;
+    std::vector<bf16> shared(size_t(s.T * s.H));
+    for (int64_t t = 0; t < s.T; ++t) {
+      std::memcpy(shared.data() + t * s.H, h.row(s.K, t), size_t(s.H) * 2);
+      for (int64_t i = 0; i < s.H; ++i) std::memcpy(poisoned.row(s.K, t) + i, &kPoison, 2);
+    }
+    DeviceRows d(poisoned);
+    DeviceBuffer<bf16> d_shared(shared), y(size_t(s.num_tokens * s.H));
+    cuda::CombineRows r = d.rows;
+    r.shared = d_shared.get();
+    const float amax = routed_amax(h);
+    DeviceBuffer<float> d_amax(std::vector<float>{amax});
+    for (Format f : kAllFormats) {
+      SCOPED_TRACE(describe(s) + " " + format_name(f));
+      cuda::launch_combine_qdq(r, true, f, format_has_global_amax(f) ? d_amax.get() : nullptr, {}, y.get(), nullptr);
+      MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(test::bytes_equal(reference(h, f, amax), y.download()));
+    }
+    cuda::launch_combine(r, y.get(), nullptr);
+    MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(test::bytes_equal(reference(h, std::nullopt, 0.0f), y.download())) << describe(s);
+    if (s.num_tokens == 0) continue;  // nothing is launched, nothing checked
+    r.shared = d_shared.get() + 1;    // 2 bytes off: not 16-byte aligned
+    EXPECT_THROW(cuda::launch_combine(r, y.get(), nullptr), Error);
+  }
+}
+
 TEST(CombineCuda, RejectsWhatTheLayoutCannotHold) {
   SKIP_WITHOUT_GPU();
   const Shape s{8, 4, 256, false, 8};

@@ -1,0 +1,230 @@
+// moefq eval and moefq calibrate from Python (eval.h, report.h): keyword options in, the report as
+// the JSON text `moefq eval --out` writes; safetensors files (the activations file of
+// `moefq eval --activations`), and numerics.md's error metrics on tensors.
+#include <pybind11/functional.h>
+
+#include <thread>
+
+#include "bindings.h"
+#include "moefq/errors.h"
+#include "moefq/eval.h"
+#include "moefq/fileio.h"
+#include "moefq/metrics.h"
+#include "moefq/report.h"
+#include "moefq/safetensors.h"
+#ifdef MOEFQ_HAS_CUDA
+#include "cuda/host_api.h"
+#include "eval/layer_runner.h"
+#endif
+
+namespace moefq::py {
+namespace {
+
+namespace pb = pybind11;
+
+// The options both entry points take, as `moefq eval` spells them (messages name the keyword).
+template <typename T>
+T option(const pb::handle& value, const std::string& key, const char* expected) {
+  try {
+    return value.cast<T>();
+  } catch (const pb::cast_error&) {
+    MOEFQ_FAIL(ErrorKind::kBadInput, key, ": expected ", expected, ", got ", std::string(pb::str(value.get_type())));
+  }
+}
+
+EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
+  EvalOptions o;
+  std::string device = "auto", pipeline = "device";
+  for (const auto& [key, value] : kw) {
+    const std::string k = pb::str(key);
+    if (value.is_none()) continue;
+    if (k == "preset") {
+      o.preset = option<std::string>(value, k, "a string");
+      o.preset_given = true;
+    } else if (k == "config") {
+      o.config_path = option<std::string>(value, k, "a string");
+    } else if (k == "checkpoint") {
+      o.checkpoint_dir = option<std::string>(value, k, "a string");
+    } else if (k == "layers") {
+      o.layers = parse_layers(option<std::string>(value, k, "a string"));
+    } else if (k == "activations") {
+      o.activations_path = option<std::string>(value, k, "a string");
+    } else if (k == "synthetic") {
+      const auto s = parse_synthetic_kind(option<std::string>(value, k, "a string"));
+      MOEFQ_CHECK(s.has_value(), "synthetic: unknown kind '", option<std::string>(value, k, "a string"), "' (expected model or gaussian)");
+      o.synthetic = *s;
+    } else if (k == "recipes" && with_recipes) {
+      o.recipes = option<std::vector<std::string>>(value, k, "a list of strings");
+    } else if (k == "ranks") {
+      o.ranks = option<int64_t>(value, k, "an integer");
+    } else if (k == "tokens") {
+      o.tokens = option<int64_t>(value, k, "an integer");
+    } else if (k == "calib_batches") {
+      o.calib_batches = option<int>(value, k, "an integer");
+    } else if (k == "eval_batches" && with_recipes) {
+      o.eval_batches = option<int>(value, k, "an integer");
+    } else if (k == "seed") {
+      const int64_t seed = option<int64_t>(value, k, "an integer");
+      MOEFQ_CHECK(seed >= 0, "seed must be >= 0, got ", seed);
+      o.seed = uint64_t(seed);
+    } else if (k == "device") {
+      device = option<std::string>(value, k, "a string");
+    } else if (k == "pipeline") {
+      pipeline = option<std::string>(value, k, "a string");
+    } else if (k == "threads") {
+      o.num_threads = option<int>(value, k, "an integer");
+    } else if (k == "load_calibration" && with_recipes) {
+      o.load_calibration = option<std::string>(value, k, "a string");
+    } else if (k == "max_rel_l2" && with_recipes) {
+      o.max_rel_l2 = option<double>(value, k, "a number");
+    } else if (k == "progress") {
+      auto f = option<std::function<void(const std::string&)>>(value, k, "a callable");
+      o.progress = [f](const std::string& line) {
+        pb::gil_scoped_acquire gil;
+        f(line);
+      };
+    } else {
+      MOEFQ_FAIL(ErrorKind::kBadInput, with_recipes ? "eval" : "calibrate", ": unknown option '", k, "'");
+    }
+  }
+  MOEFQ_CHECK(device == "auto" || device == "cpu" || device == "cuda", "device: unknown device '", device,
+              "' (expected auto, cpu or cuda)");
+  const bool gpu = cuda_device_count() > 0;
+  MOEFQ_CHECK(gpu || device != "cuda", "device cuda: no CUDA device is visible",
+              built_with_cuda() ? "" : " (this moefq was built without CUDA)");
+  if (device != "cpu" && gpu) {
+#ifdef MOEFQ_HAS_CUDA
+    cuda::register_cuda_backends();
+    register_cuda_layer_runner();
+    MOEFQ_CHECK(pipeline == "device" || pipeline == "host", "pipeline: unknown pipeline '", pipeline,
+                "' (expected device or host)");
+    o.device = pipeline == "device" ? EvalDevice::kCuda : EvalDevice::kCpu;
+    o.backend_kind = "mega_moe_cuda";
+    o.device_name = cuda::device_description() + (pipeline == "host" ? " (host pipeline)" : "");
+#endif
+  } else {
+    MOEFQ_CHECK(pipeline == "device", "pipeline ", pipeline, " needs a GPU (device cuda)");
+    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    const unsigned n = o.num_threads > 0 ? unsigned(o.num_threads) : hw;
+    o.device_name = "cpu (" + std::to_string(n) + (n == 1 ? " thread)" : " threads)");
+  }
+  return o;
+}
+
+// eval(**options) -> (report JSON text, warnings); out: also write report.{json,csv,html} there.
+std::string eval_json(const pb::kwargs& kw) {
+  pb::kwargs options;
+  std::string out;
+  for (const auto& [key, value] : kw) {
+    if (pb::str(key).cast<std::string>() == "out") {
+      if (!value.is_none()) out = value.cast<std::string>();
+    } else {
+      options[key] = value;
+    }
+  }
+  const EvalOptions o = make_options(options, true);
+  if (!out.empty()) check_output_dir(out, "out", kEvalReportFiles);  // before any work, as the CLI
+  pb::gil_scoped_release release;
+  const EvalResult r = run_eval(o);
+  if (!out.empty()) write_eval_reports(r, out);
+  return eval_report_json(r);
+}
+
+// calibrate(save, **options) -> [{layer, dispatch_amax, combine_amax, *_rank_amax}]; writes `save`.
+pb::list calibrate(const std::string& save, const pb::kwargs& kw) {
+  const EvalOptions o = make_options(kw, false);
+  const NamedPath inputs[] = {{"config", o.config_path}, {"activations", o.activations_path}};
+  check_output_path(save, "save", inputs);  // before any work, as the CLI
+  CalibrationState state;
+  {
+    pb::gil_scoped_release release;
+    EvalSetup setup;
+    state = run_calibration(o, &setup);
+    save_eval_calibration(save, state, setup);
+  }
+  pb::list layers;
+  for (const LayerCalibration& c : state.layers) {
+    pb::dict d;
+    d["layer"] = c.layer;
+    d["dispatch_amax"] = c.dispatch_amax;
+    d["combine_amax"] = c.combine_amax;
+    d["dispatch_rank_amax"] = c.dispatch_rank_amax;
+    d["combine_rank_amax"] = c.combine_rank_amax;
+    layers.append(d);
+  }
+  return layers;
+}
+
+StDtype st_dtype_of(const Tensor& t) {
+  switch (t.elem()) {
+    case Elem::kBF16: return StDtype::kBF16;
+    case Elem::kF32: return StDtype::kF32;
+    case Elem::kI32: return StDtype::kI32;
+    case Elem::kI64: return StDtype::kI64;
+    default: break;
+  }
+  MOEFQ_FAIL(ErrorKind::kBadInput, t.what(), " has dtype ", t.dtype_name(),
+             "; safetensors files here take bfloat16, float32, int32 or int64");
+}
+
+// save_safetensors(path, [(name, capsule)], metadata): CPU tensors, written atomically.
+void save_safetensors(const std::string& path, const std::vector<std::pair<std::string, pb::capsule>>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  SafetensorsWriter w;
+  for (const auto& [name, cap] : tensors) {
+    Tensor t(cap, "save_safetensors: tensor '" + name + "'");
+    MOEFQ_CHECK(!t.cuda(), t.what(), " is on ", t.device_name(), "; move it to the CPU first");
+    w.add(name, st_dtype_of(t), t.shape(), {static_cast<const uint8_t*>(t.data()), t.bytes()});
+  }
+  for (const auto& [k, v] : metadata) w.set_metadata(k, v);
+  pb::gil_scoped_release release;
+  w.write(path);
+}
+
+// load_safetensors(path) -> ([(name, dtype name, shape, bytes)], metadata).
+pb::tuple load_safetensors(const std::string& path) {
+  const SafetensorsFile f = SafetensorsFile::open(path);
+  pb::list tensors;
+  for (const TensorInfo& t : f.header().tensors) {
+    const std::vector<uint8_t> b = f.read(t);
+    tensors.append(pb::make_tuple(t.name, st_dtype_name(t.dtype), t.shape,
+                                  pb::bytes(reinterpret_cast<const char*>(b.data()), b.size())));
+  }
+  return pb::make_tuple(tensors, f.header().metadata);
+}
+
+// metrics(y, ref): numerics.md's error metrics of y against ref (CPU tensors of one dtype and shape).
+pb::dict metrics(const pb::capsule& yc, const pb::capsule& rc) {
+  Tensor y(yc, "metrics: y"), r(rc, "metrics: ref");
+  y.expect_elem({Elem::kBF16, Elem::kF32}, "bfloat16 or float32 (or uint16 holding bf16 bits)");
+  r.expect_like(y);
+  MOEFQ_CHECK(!y.cuda(), "metrics: the tensors are on ", y.device_name(), "; move them to the CPU first");
+  ErrorMetrics m;
+  {
+    pb::gil_scoped_release release;
+    m = y.elem() == Elem::kBF16 ? compute_metrics(y.ptr<bf16>(), r.ptr<bf16>(), y.numel())
+                                : compute_metrics(y.ptr<float>(), r.ptr<float>(), y.numel());
+  }
+  pb::dict d;
+  d["rel_l2"] = m.rel_l2;
+  d["cosine"] = m.cosine;
+  d["calc_diff"] = m.calc_diff;
+  d["max_abs"] = m.max_abs;
+  d["snr_db"] = m.snr_db;
+  d["count"] = m.count;
+  d["skipped_nonfinite"] = m.skipped_nonfinite;
+  return d;
+}
+
+}  // namespace
+
+void init_eval(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("eval_json", &eval_json);
+  m.def("calibrate", &calibrate, py::arg("save"));
+  m.def("save_safetensors", &save_safetensors, py::arg("path"), py::arg("tensors"), py::arg("metadata"));
+  m.def("load_safetensors", &load_safetensors, py::arg("path"));
+  m.def("metrics", &metrics, py::arg("y"), py::arg("ref"));
+}
+
+}  // namespace moefq::py

@@ -1,0 +1,368 @@
+// MoeLayer: one fake-quantized MoE layer (FakeQuantMoe on the CPU engine, or CudaFakeQuantMoe on the
+// CUDA engine) with the weights `moefq eval` uses for the same model, layer and seed, R simulated
+// expert-parallel ranks and the shared expert unfused (the model adds it to the routed output,
+// computed on the unquantized x, in fp32 with one bf16 rounding, as the eval does). The caller's
+// tokens [N, H] are cut into R consecutive parts, one per rank.
+
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "bindings.h"
+#include "eval/layer_runner.h"
+#include "moefq/calibration_file.h"
+#include "moefq/errors.h"
+#include "moefq/expert_backend.h"
+#include "moefq/fake_quant_moe.h"
+#include "moefq/router.h"
+#ifdef MOEFQ_HAS_CUDA
+#include "cuda/cuda_check.h"
+#include "cuda/device_buffer.h"
+#include "cuda/router_kernels.cuh"
+#include "eval/cuda/eval_kernels.cuh"
+#include "fakequant/cuda/cuda_fake_quant.cuh"
+#endif
+
+namespace moefq::py {
+namespace {
+
+namespace pb = pybind11;
+namespace fs = std::filesystem;
+
+struct LayerOptions {
+  std::string preset, config_path, checkpoint;
+  int64_t layer = 0, ranks = 1, max_tokens = 256;
+  std::string device = "cpu";
+  uint64_t seed = 1;
+  std::string synthetic = "model";
+  int num_threads = 0;
+};
+
+MoeConfig resolve_config(const LayerOptions& o, std::string* source) {
+  const int given = int(!o.preset.empty()) + int(!o.config_path.empty()) + int(!o.checkpoint.empty());
+  MOEFQ_CHECK(given <= 1, "MoeLayer: give at most one of preset, config and checkpoint");
+  if (!o.checkpoint.empty()) {
+    const fs::path cj = fs::path(o.checkpoint) / "config.json";
+    MOEFQ_CHECK(fs::is_regular_file(cj), "MoeLayer: checkpoint ", o.checkpoint, ": no config.json in the directory");
+    *source = "checkpoint " + o.checkpoint;
+    return load_hf_config(cj.string());
+  }
+  if (!o.config_path.empty()) {
+    MOEFQ_CHECK(fs::is_regular_file(o.config_path), "MoeLayer: config ", o.config_path, ": no such file");
+    *source = "config " + o.config_path;
+    return load_hf_config(o.config_path);
+  }
+  const std::string name = o.preset.empty() ? "tiny" : o.preset;
+  *source = "preset " + name;
+  return moefq::preset(name);
+}
+
+class MoeLayer {
+ public:
+  explicit MoeLayer(const LayerOptions& o) : cuda_(o.device == "cuda"), layer_(o.layer) {
+    MOEFQ_CHECK(o.device == "cpu" || o.device == "cuda", "MoeLayer: device must be 'cpu' or 'cuda', got '", o.device,
+                "'");
+    RunnerSetup s;
+    s.config = resolve_config(o, &source_);
+    s.config.validate();
+    MOEFQ_CHECK(o.layer >= 0, "MoeLayer: layer must be >= 0, got ", o.layer);
+    MOEFQ_CHECK(o.ranks >= 1 && s.config.num_experts % o.ranks == 0, "MoeLayer: ranks ", o.ranks,
+                " must divide the ", s.config.num_experts, " routed experts of ", s.config.name);
+    MOEFQ_CHECK(o.max_tokens >= 1, "MoeLayer: max_tokens must be >= 1, got ", o.max_tokens);
+    const auto kind = parse_synthetic_kind(o.synthetic);
+    MOEFQ_CHECK(kind.has_value(), "MoeLayer: synthetic must be 'model' or 'gaussian', got '", o.synthetic, "'");
+    MOEFQ_CHECK(o.num_threads >= 0, "MoeLayer: threads must be >= 0");
+    s.ranks = o.ranks;
+    s.tokens = o.max_tokens;
+    s.seed = o.seed;
+    s.synthetic = *kind;
+    s.checkpoint_dir = o.checkpoint;
+    s.num_threads = o.num_threads;
+    cfg_ = s.config;
+    ranks_ = o.ranks;
+    max_tokens_ = o.max_tokens;
+    threads_ = o.num_threads;
+    std::vector<LayerWeights> w;
+    for (int64_t r = 0; r < ranks_; ++r) w.push_back(rank_weights(s, o.layer, r));
+    gate_ = w[0].gate;
+    bias_ = w[0].gate_bias;
+    EngineOptions eo;
+    eo.fuse_shared = false;  // the dispatch quantizer needs the shared expert run on its own
+    eo.num_threads = o.num_threads;
+    if (!cuda_) {
+      host_ = std::make_unique<FakeQuantMoe>(make_expert_backend("mega_moe", cfg_, ranks_, max_tokens_, std::move(w), eo),
+                                             o.layer);
+      return;
+    }
+#ifdef MOEFQ_HAS_CUDA
+    MOEFQ_CHECK(cuda::device_count() > 0, "MoeLayer: device 'cuda' but no GPU is visible");
+    MOEFQ_CUDA_CHECK(cudaGetDevice(&device_id_));
+    device_ = std::make_unique<cuda::CudaFakeQuantMoe>(
+        std::make_unique<cuda::CudaEngine>(cfg_, ranks_, max_tokens_, w, eo), o.layer);
+    d_gate_ = cuda::DeviceBuffer<float>(gate_);
+    if (!bias_.empty()) d_bias_ = cuda::DeviceBuffer<float>(bias_);
+#else
+    throw std::runtime_error("MoeLayer: device 'cuda' needs a moefq built with CUDA (rebuild with nvcc)");
+#endif
+  }
+
+  const MoeConfig& config() const { return cfg_; }
+  std::string source() const { return source_; }
+  int64_t ranks() const { return ranks_; }
+  int64_t max_tokens() const { return max_tokens_; }
+  int64_t layer() const { return layer_; }
+  std::string device() const { return cuda_ ? "cuda:" + std::to_string(device_id_) : "cpu"; }
+  int device_id() const { return device_id_; }
+  bool has_shared() const { return cfg_.num_shared > 0; }
+
+  std::vector<std::string> quantizer_names() const {
+    return {MoeQuantizers::dispatch_name(layer_), MoeQuantizers::combine_name(layer_)};
+  }
+  const MoeQuantizers& quantizers() const { return cuda_ ? device_q().quantizers() : host_->quantizers(); }
+  void configure(const std::map<std::string, QuantizerConfig>& configs) {
+    if (cuda_) return device_q().configure(configs);
+    host_->configure(configs);
+  }
+  void start_calibration() {
+    if (cuda_) return device_q().start_calibration();
+    host_->start_calibration();
+  }
+  void finish_calibration() {
+    if (cuda_) return device_q().finish_calibration();
+    host_->finish_calibration();
+  }
+  std::vector<float> rank_amax(int which) const {
+    return cuda_ ? device_q().rank_amax(which) : host_->rank_amax(which);
+  }
+  void set_calibrated_amax(float dispatch_amax, float combine_amax) {
+    check_amax(dispatch_amax, "set_calibrated_amax");
+    check_amax(combine_amax, "set_calibrated_amax");
+    if (cuda_) return device_q().set_calibrated_amax(dispatch_amax, combine_amax);
+    host_->set_calibrated_amax(dispatch_amax, combine_amax);
+  }
+  void save(const std::string& path) const { save_calibration(path, quantizers().calibration_state()); }
+  void load(const std::string& path) {
+    if (cuda_) return device_q().load_calibration_file(path);
+    host_->load_calibration_file(path);
+  }
+  bool layout_checked(int64_t rank) const {
+    MOEFQ_CHECK(rank >= 0 && rank < ranks_, "layout_checked: rank ", rank, " is not in [0, ", ranks_, ")");
+    return cuda_ ? device_q().layout_checked(rank) : host_->layout_checked(rank);
+  }
+
+  // y = the layer's output for x routed by (topk_idx, topk_weights). shared_scratch: [N, H] bf16 on
+  // the layer's GPU for the shared expert's output (CUDA with a shared expert), else None.
+  void forward(const pb::capsule& xc, const pb::capsule& idxc, const pb::capsule& wc, const pb::capsule& yc,
+               const pb::object& scratch_c, bool include_shared, uintptr_t stream) {
+    const int64_t H = cfg_.hidden, K = cfg_.top_k;
+    Tensor x(xc, "MoeLayer.forward: x"), idx(idxc, "MoeLayer.forward: topk_idx"), w(wc, "MoeLayer.forward: topk_weights"),
+        y(yc, "MoeLayer.forward: out");
+    const int64_t n = check_tokens(x);
+    idx.expect_elem({Elem::kI32}, "int32");
+    idx.expect_shape({n, K});
+    w.expect_elem({Elem::kF32}, "float32");
+    w.expect_shape({n, K});
+    y.expect_like(x);
+    for (const Tensor* t : {&idx, &w, &y}) t->expect_same_device(x);
+    const std::optional<Tensor> scratch = optional_tensor(scratch_c, "MoeLayer.forward: shared scratch");
+    const bool add_shared = include_shared && has_shared();
+    std::vector<RankBatch> batches = split(x, idx, w, y, n);
+    if (!cuda_) {
+      pb::gil_scoped_release release;
+      host_->forward(batches);
+      if (add_shared) {
+        std::vector<bf16> s;
+        for (int64_t r = 0; r < ranks_; ++r) {
+          const RankBatch& b = batches[size_t(r)];
+          s.resize(size_t(b.num_tokens * H));
+          host_->backend().shared_expert(r, b.x, b.num_tokens, s.data());
+          for (size_t i = 0; i < s.size(); ++i) b.y[i].bits = bf16_round(add_rn(to_f32(b.y[i]), to_f32(s[i])));
+        }
+      }
+      return;
+    }
+#ifdef MOEFQ_HAS_CUDA
+    if (add_shared) {
+      MOEFQ_CHECK(scratch.has_value(), "MoeLayer.forward: the shared expert needs a scratch tensor on the GPU");
+      scratch->expect_like(x);
+    }
+    pb::gil_scoped_release release;
+    DeviceGuard device(device_id_);
+    const cudaStream_t s = as_stream(stream);
+    device_q().forward(batches, s);
+    if (add_shared) {
+      bf16* sh = scratch->ptr<bf16>();
+      for (int64_t r = 0; r < ranks_; ++r) {
+        const RankBatch& b = batches[size_t(r)];
+        bf16* sr = sh + (b.x - x.ptr<bf16>());
+        device_q().engine().shared_expert(r, b.x, b.num_tokens, sr, s);
+      }
+      cuda::launch_assemble_output(y.ptr<bf16>(), sh, y.ptr<bf16>(), n, H, s);
+    }
+#else
+    (void)stream;
+#endif
+  }
+
+  // The layer's router: topk_idx [N, K] int32, topk_weights [N, K] float32 for x [N, H] (on CUDA
+  // with a workspace of route_workspace_bytes(N) bytes on the GPU).
+  void route(const pb::capsule& xc, const pb::capsule& idxc, const pb::capsule& wc, const pb::object& ws_c,
+             uintptr_t stream) {
+    const int64_t K = cfg_.top_k;
+    Tensor x(xc, "MoeLayer.route: x"), idx(idxc, "MoeLayer.route: topk_idx"), w(wc, "MoeLayer.route: topk_weights");
+    const int64_t n = check_tokens(x, false);
+    idx.expect_elem({Elem::kI32}, "int32");
+    idx.expect_shape({n, K});
+    w.expect_elem({Elem::kF32}, "float32");
+    w.expect_shape({n, K});
+    idx.expect_same_device(x);
+    w.expect_same_device(x);
+    const std::optional<Tensor> ws = optional_tensor(ws_c, "MoeLayer.route: workspace");
+    if (!cuda_) {
+      pb::gil_scoped_release release;
+      const Routing r = moefq::route(cfg_, x.ptr<bf16>(), n, gate_, bias_, {}, threads_);
+      if (n == 0) return;
+      std::memcpy(idx.data(), r.topk_idx.data(), r.topk_idx.size() * sizeof(int32_t));
+      std::memcpy(w.data(), r.topk_weights.data(), r.topk_weights.size() * sizeof(float));
+      return;
+    }
+#ifdef MOEFQ_HAS_CUDA
+    MOEFQ_CHECK(ws.has_value() && ws->bytes() >= route_workspace_bytes(n), "MoeLayer.route: the workspace needs ",
+                route_workspace_bytes(n), " bytes");
+    ws->expect_same_device(x);
+    pb::gil_scoped_release release;
+    DeviceGuard device(device_id_);
+    cuda::launch_route(cfg_, x.ptr<bf16>(), n, d_gate_.get(), d_bias_.get(), nullptr, ws->data(), idx.ptr<int32_t>(),
+                       w.ptr<float>(), as_stream(stream));
+#else
+    (void)stream;
+#endif
+  }
+
+  size_t route_workspace_bytes(int64_t n) const {
+#ifdef MOEFQ_HAS_CUDA
+    if (cuda_) return cuda::route_workspace_bytes(cfg_, n);
+#endif
+    (void)n;
+    return 0;
+  }
+
+  // Raises a layout mismatch a captured graph recorded on the GPU (synchronising the stream).
+  void synchronize(uintptr_t stream) {
+#ifdef MOEFQ_HAS_CUDA
+    if (cuda_) {
+      pb::gil_scoped_release release;
+      DeviceGuard device(device_id_);
+      device_q().synchronize(as_stream(stream));
+    }
+#endif
+    (void)stream;
+  }
+
+ private:
+  // x: [N, H] bf16 on the layer's device, N <= ranks * max_tokens.
+  int64_t check_tokens(const Tensor& x, bool limit = true) const {
+    x.expect_elem({Elem::kBF16}, "bfloat16 (or uint16 holding bf16 bits)");
+    x.expect_shape({-1, cfg_.hidden});
+    require_cuda_build(x);
+    MOEFQ_CHECK(x.cuda() == cuda_ && (!cuda_ || x.device_id() == device_id_), x.what(), " is on ", x.device_name(),
+                " but the layer is on ", device());
+    const int64_t n = x.dim(0);
+    MOEFQ_CHECK(!limit || n <= ranks_ * max_tokens_, x.what(), " has ", n, " tokens; the layer takes at most ranks x ",
+                "max_tokens = ", ranks_ * max_tokens_, " per call");
+    return n;
+  }
+  // Rank r's part: tokens [r * per, min(n, (r + 1) * per)), per = ceil(n / R).
+  std::vector<RankBatch> split(const Tensor& x, const Tensor& idx, const Tensor& w, const Tensor& y, int64_t n) const {
+    const int64_t H = cfg_.hidden, K = cfg_.top_k, per = (n + ranks_ - 1) / ranks_;
+    std::vector<RankBatch> b(static_cast<size_t>(ranks_));
+    for (int64_t r = 0; r < ranks_; ++r) {
+      const int64_t first = std::min(n, r * per), count = std::min(n, first + per) - first;
+      b[size_t(r)] = {x.ptr<bf16>() + first * H, count, idx.ptr<int32_t>() + first * K, w.ptr<float>() + first * K,
+                      y.ptr<bf16>() + first * H};
+    }
+    return b;
+  }
+#ifdef MOEFQ_HAS_CUDA
+  cuda::CudaFakeQuantMoe& device_q() const { return *device_; }
+  std::unique_ptr<cuda::CudaFakeQuantMoe> device_;
+  cuda::DeviceBuffer<float> d_gate_, d_bias_;
+#else
+  FakeQuantMoe& device_q() const { throw std::logic_error("no CUDA"); }
+#endif
+  bool cuda_ = false;
+  int device_id_ = 0;
+  int64_t layer_ = 0, ranks_ = 1, max_tokens_ = 0;
+  int threads_ = 0;
+  MoeConfig cfg_;
+  std::string source_;
+  std::vector<float> gate_, bias_;
+  std::unique_ptr<FakeQuantMoe> host_;
+};
+
+pb::dict config_dict(const MoeConfig& c) {
+  pb::dict d;
+  d["name"] = c.name;
+  d["hidden"] = c.hidden;
+  d["intermediate"] = c.intermediate;
+  d["num_experts"] = c.num_experts;
+  d["top_k"] = c.top_k;
+  d["num_shared"] = c.num_shared;
+  d["n_group"] = c.n_group;
+  d["topk_group"] = c.topk_group;
+  d["routed_scaling"] = c.routed_scaling;
+  d["scoring"] = scoring_name(c.scoring);
+  d["norm_topk_prob"] = c.norm_topk_prob;
+  d["noaux_tc"] = c.noaux_tc;
+  d["swiglu_clamp"] = c.swiglu_clamp ? pb::object(pb::float_(*c.swiglu_clamp)) : pb::object(pb::none());
+  return d;
+}
+
+}  // namespace
+
+void init_layer(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("preset_names", &preset_names);
+  py::class_<MoeLayer>(m, "MoeLayer")
+      .def(py::init([](const std::string& preset, const std::string& config, const std::string& checkpoint,
+                       int64_t layer, int64_t ranks, int64_t max_tokens, const std::string& device, int64_t seed,
+                       const std::string& synthetic, int threads) {
+             MOEFQ_CHECK(seed >= 0, "MoeLayer: seed must be >= 0, got ", seed);
+             LayerOptions o{preset, config, checkpoint, layer, ranks, max_tokens, device, uint64_t(seed), synthetic,
+                            threads};
+             py::gil_scoped_release release;  // weights are generated or loaded meanwhile
+             return std::make_unique<MoeLayer>(o);
+           }),
+           py::arg("preset"), py::arg("config"), py::arg("checkpoint"), py::arg("layer"), py::arg("ranks"),
+           py::arg("max_tokens"), py::arg("device"), py::arg("seed"), py::arg("synthetic"), py::arg("threads"))
+      .def_property_readonly("config", [](const MoeLayer& l) { return config_dict(l.config()); })
+      .def_property_readonly("source", &MoeLayer::source)
+      .def_property_readonly("ranks", &MoeLayer::ranks)
+      .def_property_readonly("max_tokens", &MoeLayer::max_tokens)
+      .def_property_readonly("layer", &MoeLayer::layer)
+      .def_property_readonly("device", &MoeLayer::device)
+      .def_property_readonly("device_id", &MoeLayer::device_id)
+      .def_property_readonly("has_shared", &MoeLayer::has_shared)
+      .def_property_readonly("quantizer_names", &MoeLayer::quantizer_names)
+      .def("quantizer", [](const MoeLayer& l, int which, int64_t rank) {
+             MOEFQ_CHECK(rank >= 0 && rank < l.ranks(), "quantizer: rank ", rank, " is not in [0, ", l.ranks(), ")");
+             return which == 0 ? l.quantizers().dispatch(rank) : l.quantizers().combine(rank);
+           }, py::arg("which"), py::arg("rank"))
+      .def("configure", &MoeLayer::configure, py::arg("configs"))
+      .def("start_calibration", &MoeLayer::start_calibration)
+      .def("finish_calibration", &MoeLayer::finish_calibration)
+      .def("rank_amax", &MoeLayer::rank_amax, py::arg("which"))
+      .def("set_calibrated_amax", &MoeLayer::set_calibrated_amax, py::arg("dispatch_amax"), py::arg("combine_amax"))
+      .def("save_calibration", &MoeLayer::save, py::arg("path"))
+      .def("load_calibration", &MoeLayer::load, py::arg("path"))
+      .def("layout_checked", &MoeLayer::layout_checked, py::arg("rank"))
+      .def("forward", &MoeLayer::forward, py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"),
+           py::arg("shared_scratch"), py::arg("include_shared"), py::arg("stream"))
+      .def("route", &MoeLayer::route, py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
+           py::arg("workspace"), py::arg("stream"))
+      .def("route_workspace_bytes", &MoeLayer::route_workspace_bytes, py::arg("num_tokens"))
+      .def("synchronize", &MoeLayer::synchronize, py::arg("stream"));
+}
+
+}  // namespace moefq::py

@@ -1,0 +1,80 @@
+"""moefq.MoeLayer on the CPU engine against `moefq eval` on the same tokens: the same calibrated amax
+and the same error metrics, so the layer a Python caller drives is the one the eval measures."""
+
+import numpy as np
+import pytest
+
+import moefq
+from conftest import first_mismatch, special_data, to_bf16_bits
+
+RANKS, TOKENS, H = 2, 32, 1024  # the tiny preset's hidden size
+
+
+def tokens(seed, n):
+    return to_bf16_bits(special_data(np.random.default_rng(seed), n, H, finite=True))
+
+
+def test_layer_matches_eval(tmp_path):
+    calib, held_out = tokens(20, RANKS * TOKENS), tokens(21, RANKS * TOKENS)
+    acts = tmp_path / "acts.safetensors"
+    moefq.save_safetensors(acts, {"layers.1": np.concatenate([calib, held_out])})
+    report = moefq.eval(preset="tiny", layers=[1], activations=acts, ranks=RANKS, tokens=TOKENS, calib_batches=1,
+                        eval_batches=1, recipes=["moe_dispatch_fp8", "moe_combine_nvfp4"], device="cpu", threads=1)
+
+    layer = moefq.MoeLayer("tiny", layer=1, ranks=RANKS, max_tokens=TOKENS, threads=1)
+    assert layer.config["hidden"] == H and layer.quantizer_names == [
+        "layers.1.mlp.experts.dispatch_quantizer", "layers.1.mlp.experts.combine_quantizer"]
+    reference = layer.forward(held_out)
+    assert first_mismatch(layer.forward(held_out), reference) is None  # deterministic
+    cal = report["calibration"][0]
+    for recipe, which in (("moe_dispatch_fp8", "dispatch_amax"), ("moe_combine_nvfp4", "combine_amax")):
+        layer.configure(recipe)
+        amax = dict(zip(("dispatch_amax", "combine_amax"), layer.calibrate([calib])))
+        assert amax[which] == cal[which], recipe  # the same max over the same routed values
+        y = layer.forward(held_out)
+        assert first_mismatch(y, reference) is not None
+        row = next(r for r in report["results"] if r["recipe"] == recipe)
+        m = moefq.metrics(y, reference)
+        assert m["count"] == row["count"]
+        assert m["rel_l2"] == pytest.approx(row["rel_l2"], rel=1e-9), recipe
+        assert m["max_abs"] == row["max_abs"]
+
+
+def test_layer_calibration_file_round_trip(tmp_path):
+    layer = moefq.MoeLayer("tiny", ranks=RANKS, max_tokens=TOKENS, threads=1, recipe="moe_combine_nvfp4")
+    layer.calibrate([tokens(22, RANKS * TOKENS)])
+    x = tokens(23, TOKENS)
+    y = layer.forward(x)
+    layer.save_calibration(tmp_path / "calib.json")
+    other = moefq.MoeLayer("tiny", ranks=RANKS, max_tokens=TOKENS, threads=1, recipe="moe_combine_nvfp4")
+    other.load_calibration(tmp_path / "calib.json")
+    assert other.combine_amax == layer.combine_amax
+    assert first_mismatch(other.forward(x), y) is None
+
+
+def test_layer_errors(tmp_path):
+    with pytest.raises(ValueError, match="MoeLayer: ranks 3 must divide the 32 routed experts of tiny"):
+        moefq.MoeLayer("tiny", ranks=3)
+    with pytest.raises(ValueError, match="MoeLayer: device must be 'cpu' or 'cuda', got 'tpu'"):
+        moefq.MoeLayer("tiny", device="tpu")
+    with pytest.raises(ValueError, match="MoeLayer: config .*missing.json: no such file"):
+        moefq.MoeLayer(config=tmp_path / "missing.json")
+    layer = moefq.MoeLayer("tiny", max_tokens=4, threads=1)
+    with pytest.raises(ValueError, match=r"MoeLayer.route: x has shape \[2, 512\]; expected \[\*, 1024\]"):
+        layer.forward(np.zeros((2, 512), dtype=np.uint16))
+    with pytest.raises(ValueError, match="has 5 tokens; the layer takes at most ranks x max_tokens = 4"):
+        layer.forward(np.zeros((5, 1024), dtype=np.uint16))
+    with pytest.raises(ValueError, match="eval: unknown option 'recipe'"):
+        moefq.eval(recipe="x")
+    with pytest.raises(ValueError, match="device: unknown device 'gpu'"):
+        moefq.eval(device="gpu")
+
+
+def test_eval_checks_its_outputs_before_any_work(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    with pytest.raises(ValueError, match="^out"):
+        moefq.eval(preset="tiny", out=taken, device="cpu", threads=1)
+    with pytest.raises(ValueError, match="^save"):
+        moefq.calibrate(tmp_path / "missing_dir" / "calib.json", preset="tiny", device="cpu", threads=1)
+    assert taken.read_text() == "x" and not (tmp_path / "missing_dir").exists()

@@ -202,9 +202,10 @@ def _copy_into(out, x):
     return out
 
 
-def load_recipe(path_or_unit_name):
-    """A recipe file (ModelOpt-style YAML) or a shipped unit by name, imports expanded."""
-    return _C.load_recipe(os.fspath(path_or_unit_name))
+def load_recipe(path_or_unit_name, recipe_root=""):
+    """A recipe file in Model Optimizer's layout (unit, preset or complete recipe) or a shipped unit
+    by name, imports expanded; recipe_root: where `imports:` paths are looked for first."""
+    return _C.load_recipe(os.fspath(path_or_unit_name), os.fspath(recipe_root))
 
 
 def _as_recipe(recipe):

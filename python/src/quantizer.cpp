@@ -133,9 +133,14 @@ void init_quantizer(pybind11::module_& m) {
       .def("__repr__", [](const Recipe& r) {
         return "Recipe(" + r.name + ", " + std::to_string(r.entries.size()) + " entries)";
       });
-  m.def("load_recipe", &load_recipe, py::arg("path_or_unit_name"));
-  m.def("parse_recipe_text", &parse_recipe_text, py::arg("yaml_text"), py::arg("origin"));
-  m.def("list_recipe_units", &list_recipe_units);
+  m.def("load_recipe", &load_recipe, py::arg("path_or_unit_name"), py::arg("recipe_root") = "");
+  m.def(
+      "parse_recipe_text",
+      [](const std::string& text, const std::string& origin, const std::string& root) {
+        return parse_recipe_text(text, origin, root);
+      },
+      py::arg("yaml_text"), py::arg("origin"), py::arg("recipe_root") = "");
+  m.def("list_recipe_units", &list_recipe_units, py::arg("recipe_root") = "");
   m.def("apply_recipe", &apply_recipe, py::arg("recipe"), py::arg("quantizer_names"));
   m.def("wildcard_match", &wildcard_match, py::arg("pattern"), py::arg("name"));
 

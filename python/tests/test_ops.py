@@ -163,7 +163,7 @@ def test_recipes_and_quantizer(tmp_path):
     configs = moefq.apply_recipe(moefq.load_recipe("moe_combine_nvfp4"), names)
     assert not configs[names[0]].enable
     assert configs[names[1]].enable and configs[names[1]].spec.format == "nvfp4"
-    with pytest.raises(ValueError, match="'nope' is neither a recipe file nor a unit"):
+    with pytest.raises(ValueError, match="'nope' is neither a recipe file.*nor a unit"):
         moefq.load_recipe("nope")
     q = moefq.Quantizer(names[1], "nvfp4")
     x = special_data(np.random.default_rng(12), 4, 64, finite=True)

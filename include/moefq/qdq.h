@@ -26,6 +26,15 @@ int format_block_size(Format f);
 // Whether the format has a global (per-tensor) amax: fp8, nvfp4, int8.
 bool format_has_global_amax(Format f);
 
+// Bytes one row of `cols` elements occupies on the wire in format f, its scales included; nullopt
+// is the unquantized bf16 row (2 * cols), the reference the savings are measured against. A short
+// final block carries a whole scale; 4-bit elements round up to whole bytes.
+//   fp8, int8: cols (the one per-tensor scale is amortised over the tensor: counted as 0);
+//   nvfp4:     cols / 2 + cols / 16 (an e4m3 scale per block of 16);
+//   mxfp8:     cols + cols / 32     (a ue8m0 scale per block of 32);
+//   mxfp4:     cols / 2 + cols / 32.
+double wire_bytes_per_row(std::optional<Format> f, int64_t cols);
+
 enum class DType { kBF16, kF32 };
 
 // max |x| over the non-NaN elements (+inf counts), 0 for an empty tensor: the "dynamic" amax.

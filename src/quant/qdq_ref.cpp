@@ -40,6 +40,21 @@ int format_block_size(Format f) {
 
 bool format_has_global_amax(Format f) { return format_block_size(f) != kMxBlock; }
 
+double wire_bytes_per_row(std::optional<Format> f, int64_t cols) {
+  MOEFQ_ASSERT(cols >= 0, "wire_bytes_per_row: negative cols");
+  const auto blocks = [cols](int64_t size) { return double((cols + size - 1) / size); };
+  const double nibbles = double((cols + 1) / 2);  // two 4-bit elements per byte
+  if (!f) return 2.0 * double(cols);
+  switch (*f) {
+    case Format::kFp8:
+    case Format::kInt8: return double(cols);
+    case Format::kNvfp4: return nibbles + blocks(kNvfp4Block);
+    case Format::kMxfp8: return double(cols) + blocks(kMxBlock);
+    case Format::kMxfp4: return nibbles + blocks(kMxBlock);
+  }
+  MOEFQ_FAIL(ErrorKind::kInternal, "wire_bytes_per_row: unknown format");
+}
+
 namespace {
 
 template <typename T>

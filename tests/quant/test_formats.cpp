@@ -28,6 +28,9 @@ TEST(Formats, WireBytesOfAFullRow) {
   EXPECT_EQ(wire_bytes_per_row(Format::kNvfp4, kH), 3584.0 + 448.0);
   EXPECT_EQ(wire_bytes_per_row(Format::kMxfp8, kH), 7168.0 + 224.0);
   EXPECT_EQ(wire_bytes_per_row(Format::kMxfp4, kH), 3584.0 + 224.0);
+  EXPECT_EQ(wire_bytes_per_row(Format::kFp8Block128, kH), 7168.0 + 56.0 * 4.0);
+  EXPECT_EQ(wire_bytes_per_row(Format::kFp8Block128Ue8m0, kH), 7168.0 + 56.0);
+  EXPECT_EQ(wire_bytes_per_row(Format::kLogfmt10, kH), 8960.0 + 56.0 * 4.0);  // 10 bits + bf16 amax, amin
 }
 
 // A short final block carries a whole scale; an odd count of 4-bit elements takes a whole byte.
@@ -38,6 +41,9 @@ TEST(Formats, WireBytesOfShortBlocks) {
   EXPECT_EQ(wire_bytes_per_row(Format::kNvfp4, 17), 9.0 + 2.0);
   EXPECT_EQ(wire_bytes_per_row(Format::kMxfp8, 33), 33.0 + 2.0);
   EXPECT_EQ(wire_bytes_per_row(Format::kMxfp4, 33), 17.0 + 2.0);
+  EXPECT_EQ(wire_bytes_per_row(Format::kFp8Block128, 129), 129.0 + 8.0);
+  EXPECT_EQ(wire_bytes_per_row(Format::kFp8Block128Ue8m0, 129), 129.0 + 2.0);
+  EXPECT_EQ(wire_bytes_per_row(Format::kLogfmt10, 129), 162.0 + 8.0);  // 1290 bits in 162 bytes
   for (Format f : kAllFormats) EXPECT_EQ(wire_bytes_per_row(f, 0), 0.0) << format_name(f);
 }
 

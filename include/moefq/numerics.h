@@ -619,7 +619,7 @@ MOEFQ_HD float log2_1p_unit(float f) {
 }
 // log2(x) = E + log2(m) for x = 2^E m, m in [1, 2) (subnormal x normalised): the sum of the exact
 // float(E) and log2_1p_unit(m - 1), one rounding. So for a bf16 x (m = 1 + j/128) it is
-// add_rn(float(E), log2_1p_unit(j / 128)), which kernels read from a 128-entry table.
+// add_rn(float(E), log2_1p_unit(j / 128)): a kernel could read it from a 128-entry table.
 // +-0 gives -inf, +inf gives +inf, NaN and x < 0 the canonical NaN.
 MOEFQ_HD float log2_f32(float x) {
   if (is_nan(x) || x < 0.0f) return canonical_nan_f32();

@@ -125,8 +125,8 @@ TEST(Log2Exp2, SpecialValues) {
   EXPECT_EQ(f32_bits(log2_f32(FLT_TRUE_MIN)), f32_bits(-149.0f));
 }
 
-// The kernels read log2 of a bf16 value as add_rn(float(E), table[j]) with table[j] =
-// log2_1p_unit(j / 128): the same bits as log2_f32 on every normal bf16.
+// log2 of a normal bf16 value is add_rn(float(E), table[j]) with table[j] = log2_1p_unit(j / 128):
+// the same bits as log2_f32 (what a kernel could read from a 128-entry table).
 TEST(Log2Exp2, Bf16LogarithmIsExponentPlusTable) {
   for (uint32_t b = 0x0080; b < 0x7F80; ++b) {
     const float x = bf16_to_f32(uint16_t(b));

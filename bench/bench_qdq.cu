@@ -59,7 +59,7 @@ int run_bench_qdq(const QdqBenchOptions& o) {
   report["device"] = device;
   report["date"] = today();
   report["cols"] = o.cols;
-  std::printf("%7s  %-10s  %10s  %9s  %9s  %6s  %s\n", "rows", "case", "time_us", "GB/s", "copy_GB/s", "ratio", "check");
+  std::printf("%7s  %-18s  %10s  %9s  %9s  %6s  %s\n", "rows", "case", "time_us", "GB/s", "copy_GB/s", "ratio", "check");
   bool all_ok = true;
   for (int64_t rows : o.rows) {
     MOEFQ_CHECK(rows > 0, "--rows must be positive");
@@ -92,7 +92,7 @@ int run_bench_qdq(const QdqBenchOptions& o) {
       MOEFQ_CUDA_CHECK(cudaMemcpyAsync(out[i % sets].get(), in[i % sets].get(), bytes, cudaMemcpyDeviceToDevice, s));
     }, o.launches_per_graph, o.reps);
     const double copy_gbs = 2.0 * double(bytes) / copy_us * 1e-3;
-    std::printf("%7lld  %-10s  %10.2f  %9.1f  %9.1f  %6.3f  %s\n", (long long)rows, "copy", copy_us, copy_gbs, copy_gbs, 1.0, "-");
+    std::printf("%7lld  %-18s  %10.2f  %9.1f  %9.1f  %6.3f  %s\n", (long long)rows, "copy", copy_us, copy_gbs, copy_gbs, 1.0, "-");
     nlohmann::json row = {{"rows", rows}, {"copy_us", copy_us}, {"copy_gbs", copy_gbs}, {"sets", sets}};
     for (const Case& c : cases) {
       double us = 0, moved = 0;
@@ -138,7 +138,7 @@ int run_bench_qdq(const QdqBenchOptions& o) {
       }
       const double gbs = moved / us * 1e-3;
       all_ok = all_ok && ok;
-      std::printf("%7lld  %-10s  %10.2f  %9.1f  %9.1f  %6.3f  %s\n", (long long)rows, c.name.c_str(), us, gbs,
+      std::printf("%7lld  %-18s  %10.2f  %9.1f  %9.1f  %6.3f  %s\n", (long long)rows, c.name.c_str(), us, gbs,
                   copy_gbs, gbs / copy_gbs, ok ? "ok" : "MISMATCH");
       row["cases"].push_back({{"case", c.name}, {"time_us", us}, {"bytes", moved}, {"gbs", gbs},
                               {"ratio_to_copy", gbs / copy_gbs}, {"check", ok ? "ok" : "mismatch"}});

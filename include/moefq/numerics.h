@@ -558,6 +558,87 @@ MOEFQ_HD float sigmoid_f32(float l) {
 // the threshold of torch.nn.functional.softplus). NaN gives the canonical NaN.
 MOEFQ_HD float softplus_f32(float l) { return l > 20.0f ? l : log1p_f32(exp_f32(l)); }
 
+// log2 and exp2 for LogFMT, in the spec's binary32 operations (fma_rn included), so CPU and GPU
+// compute the same bits (the GPU's lg2.approx / ex2.approx and the C library's log2f / exp2f differ
+// between platforms). tests/numerics/test_log2_exp2.cpp bounds them against long double:
+// exp2_f32 within 1 ulp, log2_f32 within 2 ulp (2^-23 absolute for x in [1/2, 1)).
+
+// floor, exactly (both sides compute the exact value, so any correct instruction gives the bits).
+MOEFQ_HD float floor_f32(float x) {
+#if defined(__CUDA_ARCH__)
+  return floorf(x);
+#else
+  return __builtin_floorf(x);
+#endif
+}
+// x rounded to an integral value, ties to even, for |x| < 2^22: adding and subtracting 1.5 * 2^23
+// puts the rounding at the units place; both additions are single RN operations.
+inline constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
+MOEFQ_HD float round_magic(float x) { return add_rn(add_rn(x, kRoundMagic), -kRoundMagic); }
+
+// 2^f for |f| <= 1/2: a degree-6 polynomial (Chebyshev fit on [-1/2, 1/2], coefficients rounded to
+// binary32, Horner with fma_rn); under 1 ulp from 2^f.
+MOEFQ_HD float exp2_poly(float f) {
+  float p = 0x1.444p-13f;
+  p = fma_rn(p, f, 0x1.5f48cp-10f);
+  p = fma_rn(p, f, 0x1.3b2a1cp-7f);
+  p = fma_rn(p, f, 0x1.c6aeccp-5f);
+  p = fma_rn(p, f, 0x1.ebfbep-3f);
+  p = fma_rn(p, f, 0x1.62e43p-1f);
+  return fma_rn(p, f, 1.0f);
+}
+// 2^y: y = n + f with n = round(y) (ties to even) and |f| <= 1/2, 2^y = exp2_poly(f) * 2^n (exact
+// while normal; one rounding into the subnormals). NaN gives the canonical NaN, y >= 128 gives +inf,
+// y < -151 gives +0.
+MOEFQ_HD float exp2_f32(float y) {
+  if (is_nan(y)) return canonical_nan_f32();
+  if (y >= 128.0f) return f32_from_bits(0x7F800000u);
+  if (y < -151.0f) return 0.0f;
+  const float n = round_magic(y);
+  const float p = exp2_poly(add_rn(y, -n));  // y - n is exact
+  const int ni = int(n);
+  if (ni < -126) return mul_rn(mul_rn(p, exp2i(ni + 64)), exp2i(-64));
+  if (ni > 127) return mul_rn(mul_rn(p, exp2i(ni - 1)), 2.0f);
+  return mul_rn(p, exp2i(ni));
+}
+// log2(1 + f) for f in [0, 1) (f = m - 1 for a significand m, exact): f / ln2 + f^2 R(f), with
+// 1 / ln2 split as kHi + kLo and R a degree-9 polynomial (Chebyshev fit on [0, 1]). Under 2 ulp.
+MOEFQ_HD float log2_1p_unit(float f) {
+  float r = 0x1.08e414p-8f;
+  r = fma_rn(r, f, -0x1.962fbep-6f);
+  r = fma_rn(r, f, 0x1.2362eap-4f);
+  r = fma_rn(r, f, -0x1.0e0966p-3f);
+  r = fma_rn(r, f, 0x1.8116c4p-3f);
+  r = fma_rn(r, f, -0x1.e388p-3f);
+  r = fma_rn(r, f, 0x1.26d30ap-2f);
+  r = fma_rn(r, f, -0x1.714836p-2f);
+  r = fma_rn(r, f, 0x1.ec704p-2f);
+  r = fma_rn(r, f, -0x1.715476p-1f);
+  const float t = fma_rn(f, r, 0x1.4ae0cp-26f);  // kLo + f R(f)
+  return fma_rn(f, 0x1.715476p+0f, mul_rn(f, t));  // f kHi + f (kLo + f R(f))
+}
+// log2(x) = E + log2(m) for x = 2^E m, m in [1, 2) (subnormal x normalised): the sum of the exact
+// float(E) and log2_1p_unit(m - 1), one rounding. So for a bf16 x (m = 1 + j/128) it is
+// add_rn(float(E), log2_1p_unit(j / 128)): a kernel could read it from a 128-entry table.
+// +-0 gives -inf, +inf gives +inf, NaN and x < 0 the canonical NaN.
+MOEFQ_HD float log2_f32(float x) {
+  if (is_nan(x) || x < 0.0f) return canonical_nan_f32();
+  uint32_t u = f32_bits(x);
+  if (u == 0 || u == 0x80000000u) return f32_from_bits(0xFF800000u);
+  if (u == 0x7F800000u) return x;
+  int e = int(u >> 23) - 127;
+  if (e == -127) {  // subnormal: shift the significand up to the hidden bit
+    int shift = 0;
+    while ((u & 0x00800000u) == 0) {
+      u <<= 1;
+      ++shift;
+    }
+    e = -126 - shift;
+  }
+  const float f = add_rn(f32_from_bits((u & 0x007FFFFFu) | 0x3F800000u), -1.0f);
+  return add_rn(float(e), log2_1p_unit(f));
+}
+
 // e4m3 staging of expert inputs (1 x 128 blocks, fp32 scales): the real FP8 cast of the engine.
 // block_amax is the max |x| over the block's non-NaN elements.
 MOEFQ_HD float stage_scale(float block_amax) {
@@ -566,6 +647,93 @@ MOEFQ_HD float stage_scale(float block_amax) {
 }
 MOEFQ_HD uint8_t stage_encode(float x, float inv_scale) { return e4m3_encode_sat(mul_rn(x, inv_scale)); }
 MOEFQ_HD float stage_decode(uint8_t x8, float scale) { return mul_rn(e4m3_decode(x8), scale); }
+
+// ---------------------------------------------------------------------------------------------
+// The expert-parallel libraries' FP8 per row and 128 channels (DeepEP's low-latency dispatch cast,
+// csrc/kernels/legacy/utils.cuh calculate_fp8_scales; a DeepGEMM fork's FP8 combine with
+// get_e4m3_sf_and_sf_inv). Per block of 128 along a row: a = max(bmax, 1e-4) (bmax: max |x| over
+// the non-NaN elements, +inf counts); the wire carries e4m3(x * s) and a scale si; the receiver
+// decodes float(e4m3) * si, rounded once to the output dtype.
+inline constexpr int kFp8BlockSize = 128;
+inline constexpr float kFp8BlockAmaxFloor = 1e-4f;
+inline constexpr float kInvE4m3Max = 1.0f / 448.0f;  // RN(1/448): the kernels' 1/448 constant
+
+MOEFQ_HD float fp8_block_amax(float bmax) { return bmax > kFp8BlockAmaxFloor ? bmax : kFp8BlockAmaxFloor; }
+// fp8_block128: s = 448 / a (a division), si = a * RN(1/448) (a multiply, not a / 448). The element
+// rule is fp8_qdq's with these per-block parameters. A block holding +-inf has s = 0 and si = inf:
+// every element NaN, as per-tensor fp8 with an infinite amax.
+MOEFQ_HD Fp8Params fp8_block128_params(float bmax) {
+  const float a = fp8_block_amax(bmax);
+  return {div_rn(kE4m3Max, a), mul_rn(a, kInvE4m3Max)};
+}
+// fp8_block128_ue8m0: the scale rounded up to a power of two, si = 2^e with e = ceil(log2(a *
+// RN(1/448))) (ue8m0 code e + 127, e in [-22, 120]), s = 2^-e; the element rule is mxfp8_qdq's. A
+// block holding +-inf has the ue8m0 NaN code (0xFF): every element NaN.
+inline constexpr int kFp8BlockUe8m0MinExp = -22;  // ceil(log2(1e-4 * RN(1/448)))
+MOEFQ_HD MxScale fp8_block128_ue8m0_scale(float bmax) {
+  const float a = fp8_block_amax(bmax);
+  if (!is_finite(a)) return {0.0f, canonical_nan_f32()};
+  return mx_scale(ceil_log2(mul_rn(a, kInvE4m3Max)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// LogFMT-10 (DeepEP's low-latency combine, csrc/kernels/legacy/internode_ll.cu logfmt_encode and
+// decode_and_accumulate): per block of 128 channels of a bf16 row, amax and amin of |x|; the
+// block's magnitudes are coded on a log-uniform grid of 511 values from 2^log_amin to 2^log_amax
+// (code 0 = zero), 9 bits plus a sign; a block is cast only when log2(amax) < 0 and log_amin <
+// log2(amax), and only when every block of its cast group is (DeepEP's send unit: 1024 channels when
+// the row length is a multiple of 1024, else 512); other groups are sent as bf16. DeepEP computes
+// its logarithms with lg2.approx / ex2.approx; moefq uses log2_f32 / exp2_f32 in exactly the same
+// formulas (its CPU and GPU agree bit for bit), and keeps NaN as NaN where DeepEP codes it as zero.
+inline constexpr int kLogFmtBlock = 128;
+inline constexpr int kLogFmtMaxCode = 511;       // 9-bit magnitude codes, 1..511 on the grid
+inline constexpr float kLogFmtSteps = 510.0f;    // kNumValues - 2: grid steps from amin to amax
+inline constexpr float kLogFmtMinClip = 32.0f;   // log_amin >= log_amax - 32
+// Blocks per cast group for a row of `cols` elements (the last group may be short).
+MOEFQ_HD int logfmt_group_blocks(int64_t cols) { return cols % 1024 == 0 ? 8 : 4; }
+
+struct LogFmtBlock {
+  float log_amin;  // the grid's first value is 2^log_amin (code 1)
+  float step;      // log2 of the grid's ratio
+  float step_inv;  // 1 / step
+  float fused;     // the encoder's offset: code = floor(log2|x| * step_inv + fused)
+  bool ok;         // the block alone could be cast
+};
+// From the block's amax and amin of |x| over its non-NaN elements (bf16 values; amax 0 and amin
+// +inf for a block with none): DeepEP's formulas, in its order, with its contractions (fma where
+// nvcc contracts a * b + c).
+MOEFQ_HD LogFmtBlock logfmt_block(float amax, float amin) {
+  LogFmtBlock b;
+  const float log_amax = log2_f32(amax);
+  const float clip = add_rn(log_amax, -kLogFmtMinClip);
+  const float log_amin_raw = log2_f32(amin);  // -inf for 0, so the clip applies (fmaxf's rule)
+  const float log_amin = log_amin_raw > clip ? log_amin_raw : clip;
+  b.ok = log_amax < 0.0f && log_amin < log_amax;
+  b.log_amin = log_amin;
+  b.step = div_rn(add_rn(log_amax, -log_amin), kLogFmtSteps);
+  b.step_inv = div_rn(1.0f, b.step);
+  // rounding = 2 - log2((1 + 2^step) / 2) / step: codes change at the linear midpoints of the grid.
+  const float rounding = fma_rn(-log2_f32(mul_rn(add_rn(1.0f, exp2_f32(b.step)), 0.5f)), b.step_inv, 2.0f);
+  b.fused = fma_rn(-log_amin, b.step_inv, rounding);
+  return b;
+}
+// The code of |x| (0..511) from t = log2|x| * step_inv + fused: below 1 is code 0 (zero), and codes
+// are capped at 511 (the 9-bit field; reached only by rounding at amax).
+MOEFQ_HD float logfmt_code(float t) {
+  if (!(t >= 1.0f)) return 0.0f;
+  const float k = floor_f32(t);
+  return k < float(kLogFmtMaxCode) ? k : float(kLogFmtMaxCode);
+}
+// The decoded magnitude of code k >= 1: 2^((k - 1) * step + log_amin).
+MOEFQ_HD float logfmt_decode(float k, const LogFmtBlock& b) {
+  return exp2_f32(fma_rn(add_rn(k, -1.0f), b.step, b.log_amin));
+}
+// QDQ of one element x (a bf16 value) of a cast block: NaN stays NaN, zero codes keep the sign.
+MOEFQ_HD float logfmt_qdq(float x, const LogFmtBlock& b) {
+  if (is_nan(x)) return canonical_nan_f32();
+  const float k = logfmt_code(fma_rn(log2_f32(abs_f32(x)), b.step_inv, b.fused));
+  return copysign_f32(k == 0.0f ? 0.0f : logfmt_decode(k, b), x);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Sum-exact element rules, for the combine quantizer only. The combine adds each QDQ'd row into an

@@ -12,19 +12,39 @@
 
 namespace moefq {
 
-enum class Format { kFp8, kNvfp4, kMxfp8, kMxfp4, kInt8 };
-inline constexpr Format kAllFormats[] = {Format::kFp8, Format::kNvfp4, Format::kMxfp8,
-                                         Format::kMxfp4, Format::kInt8};
+// The formats of numerics.md, and those the expert-parallel libraries put on the wire
+// (docs/numerics.md): fp8_block128 (e4m3, fp32 scale per 128 channels), fp8_block128_ue8m0 (its
+// scale a power of two) and logfmt10 (DeepEP's 10-bit log format, bf16 where a group cannot be cast).
+enum class Format { kFp8, kNvfp4, kMxfp8, kMxfp4, kInt8, kFp8Block128, kFp8Block128Ue8m0, kLogfmt10 };
+inline constexpr Format kAllFormats[] = {Format::kFp8,   Format::kNvfp4,        Format::kMxfp8,
+                                         Format::kMxfp4, Format::kInt8,         Format::kFp8Block128,
+                                         Format::kFp8Block128Ue8m0, Format::kLogfmt10};
 
 const char* format_name(Format f);
-// "fp8", "nvfp4", "mxfp8", "mxfp4", "int8"; nullopt for anything else.
+// "fp8", "nvfp4", "mxfp8", "mxfp4", "int8", "fp8_block128", "fp8_block128_ue8m0", "logfmt10";
+// nullopt for anything else.
 std::optional<Format> parse_format(std::string_view name);
-// "fp8|nvfp4|mxfp8|mxfp4|int8", for messages.
+// "fp8|nvfp4|...|logfmt10", for messages.
 std::string format_choices();
 // Elements per block along the last dimension; 0 for the per-tensor formats.
 int format_block_size(Format f);
-// Whether the format has a global (per-tensor) amax: fp8, nvfp4, int8.
+// Whether the format has a global (per-tensor) amax: fp8, nvfp4, int8. The others scale each block
+// from its own data.
 bool format_has_global_amax(Format f);
+
+// Bytes one row of `cols` elements occupies on the wire in format f, its scales included; nullopt
+// is the unquantized bf16 row (2 * cols), the reference the savings are measured against. A short
+// final block carries a whole scale; 4-bit elements round up to whole bytes.
+//   fp8, int8: cols (the one per-tensor scale is amortised over the tensor: counted as 0);
+//   nvfp4:     cols / 2 + cols / 16 (an e4m3 scale per block of 16);
+//   mxfp8:     cols + cols / 32     (a ue8m0 scale per block of 32);
+//   mxfp4:     cols / 2 + cols / 32;
+//   fp8_block128:       cols + 4 * cols / 128 (an fp32 scale per block of 128);
+//   fp8_block128_ue8m0: cols + cols / 128     (a ue8m0 scale per block of 128);
+//   logfmt10:  10 * cols / 8 + 4 * cols / 128 (bf16 amax and amin per block of 128), the size when
+//              every group is cast, as DeepEP counts it; a group sent as bf16 takes 2 bytes per
+//              element instead.
+double wire_bytes_per_row(std::optional<Format> f, int64_t cols);
 
 enum class DType { kBF16, kF32 };
 
@@ -32,8 +52,8 @@ enum class DType { kBF16, kF32 };
 float amax_ref(const bf16* x, int64_t n);
 float amax_ref(const float* x, int64_t n);
 
-// y = QDQ_f(x) with the given global amax (ignored by mxfp8/mxfp4). x, y: [rows, cols].
-// y may alias x.
+// y = QDQ_f(x) with the given global amax (ignored by the formats without one). x, y: [rows, cols].
+// y may alias x. logfmt10 works on bf16 values: an fp32 tensor is rounded to bf16 first.
 void qdq_ref(Format f, const bf16* x, bf16* y, int64_t rows, int64_t cols, float amax);
 void qdq_ref(Format f, const float* x, float* y, int64_t rows, int64_t cols, float amax);
 

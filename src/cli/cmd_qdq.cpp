@@ -295,7 +295,7 @@ std::function<int()> add_qdq_command(CLI::App& app) {
              "print each tensor's error metrics. Without --in, runs every format on a built-in sample.");
   sub->add_option("--in", opts->in, "input .safetensors file");
   sub->add_option("--out", opts->out, "output .safetensors file (same names, dtypes and shapes)");
-  sub->add_option("--format", opts->format, "fp8 | nvfp4 | mxfp8 | mxfp4 | int8");
+  sub->add_option("--format", opts->format, format_choices());
   sub->add_option("--amax", opts->amax, "global amax (fp8, nvfp4, int8); default: each tensor's own max |x|");
   sub->add_option("--tensor", opts->tensors, "only these tensors (repeatable); the others are copied unchanged");
   sub->add_option("--device", opts->device, "auto | cpu | cuda (default auto: cuda when a GPU is visible)");

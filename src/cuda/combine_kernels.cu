@@ -65,7 +65,7 @@ __device__ __forceinline__ uint16_t half_word(int4 raw, int i) {
 // is a multiple of the block and each warp starts on a multiple of 32 chunks of the row). With a
 // check, the unquantized values go into `plain` as well.
 template <typename R, bool kCheck>
-__device__ __forceinline__ void add_routed(const R& rule, int4 raw, float (&acc)[kChunkElems],
+__device__ __forceinline__ void add_routed(R& rule, int4 raw, float (&acc)[kChunkElems],
                                            float (&plain)[kChunkElems]) {
   constexpr int kLanes = R::kBlock ? R::kBlock / kChunkElems : 1;
   const CombineWords w = {uint32_t(raw.x), uint32_t(raw.y), uint32_t(raw.z), uint32_t(raw.w)};
@@ -122,11 +122,15 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
   static_assert(kBatch % 2 == 0, "slots are paired within a batch");
   constexpr bool kQuant = !std::is_same_v<R, NoQdq>;
   __shared__ typename R::Shared shared;
-  const R rule(p.amax, shared);
+  R rule(p.amax, shared);  // not const: logfmt10's rule keeps its vote's parity
   if constexpr (!std::is_same_v<typename R::Shared, NoShared>) __syncthreads();
 
   const int c = int(blockIdx.y) * kThreads + int(threadIdx.x);
   const bool in_row = c < p.chunks_per_row;
+  if constexpr (requires { rule.bind_row(p.chunks_per_row, in_row); }) {
+    static_assert(kThreads == 32 * R::kWarps, "logfmt10's cast groups are voted within the CTA");
+    rule.bind_row(p.chunks_per_row, in_row);
+  }
   const int c_read = in_row ? c : 0;
   const int lane = int(threadIdx.x) & 31;
   const bool slot_lane = lane < p.top_k;  // lane k reads slot k's expert index
@@ -299,6 +303,9 @@ void launch_combine_qdq(const CombineRows& rows, bool quantize, Format f, const 
     MOEFQ_CHECK(uint64_t(rows.num_tokens) * uint64_t(rows.hidden) <= (1ull << 32), kWho, ": ",
                 rows.num_tokens, " x ", rows.hidden, " positions do not fit the check record's 32 bits");
   }
+  MOEFQ_CHECK(!quantize || format_block_size(f) <= kMxBlock || rows.hidden % format_block_size(f) == 0, kWho,
+              ": ", format_name(f), " needs a hidden size that is a multiple of ", format_block_size(f), ", got ",
+              rows.hidden);
   Params p = make_params(rows, y_out);
   p.amax = d_amax;
   p.y_engine = check.y_engine;
@@ -312,6 +319,9 @@ void launch_combine_qdq(const CombineRows& rows, bool quantize, Format f, const 
     case Format::kMxfp8: return launch_rule<Rule<Format::kMxfp8>>(p, n, with_check, stream);
     case Format::kMxfp4: return launch_rule<Rule<Format::kMxfp4>>(p, n, with_check, stream);
     case Format::kInt8: return launch_rule<Rule<Format::kInt8>>(p, n, with_check, stream);
+    case Format::kFp8Block128: return launch_rule<Rule<Format::kFp8Block128>>(p, n, with_check, stream);
+    case Format::kFp8Block128Ue8m0: return launch_rule<Rule<Format::kFp8Block128Ue8m0>>(p, n, with_check, stream);
+    case Format::kLogfmt10: return launch_rule<Rule<Format::kLogfmt10>>(p, n, with_check, stream);
   }
   MOEFQ_FAIL(ErrorKind::kInternal, kWho, ": unknown format");
 }

@@ -120,6 +120,60 @@ void launch_format(const T* x, T* y, int64_t rows, int64_t cols, const float* am
   }
 }
 
+// logfmt10 (numerics.h): one CTA per cast group of a row, warp w on the group's block w (up to 8
+// blocks of 128; a short last group or block keeps what it has), lane l on the block's elements
+// l, l + 32, .... The group is cast when every block can be (__syncthreads_and); the values are
+// the input rounded to bf16, as on the CPU. Any shape and alignment.
+constexpr int kLogFmtThreads = 8 * 32;
+
+template <typename T>
+__global__ void __launch_bounds__(kLogFmtThreads) logfmt_kernel(const T* x, T* y, int64_t cols, int64_t groups_per_row,
+                                                                int64_t group) {
+  constexpr int kPerLane = kLogFmtBlock / 32;
+  const int64_t row = int64_t(blockIdx.x) / groups_per_row;
+  const int64_t g0 = (int64_t(blockIdx.x) % groups_per_row) * group;
+  const int64_t b0 = g0 + int64_t(threadIdx.x >> 5) * kLogFmtBlock;
+  const int64_t b1 = min(min(b0 + kLogFmtBlock, g0 + group), cols);
+  const int lane = int(threadIdx.x) & 31;
+  const T* xr = x + row * cols;
+  float v[kPerLane];
+  float amax = 0.0f, amin = f32_from_bits(0x7F800000u);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int64_t c = b0 + lane + 32 * i;
+    v[i] = c < b1 ? bf16_to_f32(bf16_round(to_f32(xr[c]))) : canonical_nan_f32();  // NaN: left out
+    const float a = abs_f32(v[i]);
+    if (is_nan(a)) continue;
+    amax = a > amax ? a : amax;
+    amin = a < amin ? a : amin;
+  }
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float xa = __shfl_xor_sync(0xFFFFFFFFu, amax, o), xi = __shfl_xor_sync(0xFFFFFFFFu, amin, o);
+    amax = xa > amax ? xa : amax;
+    amin = xi < amin ? xi : amin;
+  }
+  const LogFmtBlock b = logfmt_block(amax, amin);
+  const bool cast = __syncthreads_and(b0 >= b1 || b.ok);  // a warp past the group votes to cast
+  T* yr = y + row * cols;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int64_t c = b0 + lane + 32 * i;
+    if (c < b1) store_out(&yr[c], cast ? logfmt_qdq(v[i], b) : v[i]);
+  }
+}
+
+template <typename T>
+void launch_logfmt(const T* x, T* y, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  const int64_t group = int64_t(logfmt_group_blocks(cols)) * kLogFmtBlock;
+  const int64_t groups_per_row = (cols + group - 1) / group;
+  MOEFQ_CHECK(rows * groups_per_row <= int64_t(0x7FFFFFFF), "launch_qdq: logfmt10 on ", rows, " rows of ", cols,
+              " is more cast groups than one launch holds");
+  logfmt_kernel<T><<<unsigned(rows * groups_per_row), kLogFmtThreads, 0, stream>>>(x, y, cols, groups_per_row, group);
+  MOEFQ_CUDA_CHECK_LAUNCH();
+}
+
 template <typename T>
 void launch_typed(Format f, const T* x, T* y, int64_t rows, int64_t cols, const float* amax,
                   cudaStream_t stream) {
@@ -129,6 +183,10 @@ void launch_typed(Format f, const T* x, T* y, int64_t rows, int64_t cols, const 
     case Format::kMxfp8: return launch_format<T, Format::kMxfp8>(x, y, rows, cols, amax, stream);
     case Format::kMxfp4: return launch_format<T, Format::kMxfp4>(x, y, rows, cols, amax, stream);
     case Format::kInt8: return launch_format<T, Format::kInt8>(x, y, rows, cols, amax, stream);
+    case Format::kFp8Block128: return launch_format<T, Format::kFp8Block128>(x, y, rows, cols, amax, stream);
+    case Format::kFp8Block128Ue8m0:
+      return launch_format<T, Format::kFp8Block128Ue8m0>(x, y, rows, cols, amax, stream);
+    case Format::kLogfmt10: return launch_logfmt(x, y, rows, cols, stream);
   }
 }
 

@@ -309,4 +309,100 @@ struct Rule<Format::kMxfp4> : MxRule<Format::kMxfp4> {
   using MxRule::MxRule;
 };
 
+// fp8_block128 and fp8_block128_ue8m0: e4m3 elements, a scale per block of 128 from the block's
+// own maximum (numerics.h), an fp32 scale or a power of two. The combine's chunk uses the
+// sum-exact element rules, which hold for any block parameters.
+template <bool kUe8m0>
+struct Fp8BlockRule {
+  static constexpr int kBlock = kFp8BlockSize;
+  using Shared = NoShared;
+  using Param = std::conditional_t<kUe8m0, MxScale, Fp8Params>;
+  __device__ Fp8BlockRule(const float*, Shared&) {}
+  __device__ float reduce(float m, float x) const { return max_ignore_nan(m, abs_f32(x)); }
+  __device__ Param block_param(float bmax) const {
+    if constexpr (kUe8m0) return fp8_block128_ue8m0_scale(bmax);
+    else return fp8_block128_params(bmax);
+  }
+  __device__ float apply(float x, Param p) const {
+    if constexpr (kUe8m0) return mxfp8_qdq(x, p);
+    else return fp8_qdq(x, p);
+  }
+  template <int kLanes>
+  __device__ void combine_chunk(const CombineWords& w, float (&v)[kCombineElems]) const {
+    unpack(w, v);
+    const Param p = block_param(combine_block_max<kLanes>(w));
+#pragma unroll
+    for (int i = 0; i < kCombineElems; ++i) {
+      if constexpr (kUe8m0) v[i] = mxfp8_qdq_sum(v[i], p);
+      else v[i] = fp8_qdq_sum(v[i], p);
+    }
+    round_to_bf16(v);
+  }
+};
+template <>
+struct Rule<Format::kFp8Block128> : Fp8BlockRule<false> {
+  using Fp8BlockRule::Fp8BlockRule;
+};
+template <>
+struct Rule<Format::kFp8Block128Ue8m0> : Fp8BlockRule<true> {
+  using Fp8BlockRule::Fp8BlockRule;
+};
+
+// logfmt10 in the combine (numerics.h): a block of 128 spans 16 lanes; a cast group (8 blocks when
+// H is a multiple of 1024, else 4) spans 4 or 2 warps of the 128-thread CTA, which always starts on
+// a group (CTAs cover 1024 channels of one token). Whether a group is cast is voted through shared
+// memory, so every thread of the CTA calls combine_chunk equally often (the kernel's active-slot
+// mask is CTA-uniform). The flags are double-buffered: a thread writes flags[parity] only after
+// the barrier of the next call, which every reader of the previous use has passed.
+template <>
+struct Rule<Format::kLogfmt10> {
+  static constexpr int kBlock = kLogFmtBlock;
+  static constexpr int kWarps = 4;
+  struct Shared {
+    int ok[2][kWarps];
+  };
+  Shared& sh;
+  int parity = 0;
+  int group_warps = 4;  // warps per cast group
+  bool in_row = true;   // lanes past the row's end vote to cast (their blocks are not the row's)
+  __device__ Rule(const float*, Shared& s) : sh(s) {}
+  // The row's length in 16-byte chunks and whether this thread's chunk is in it.
+  __device__ void bind_row(int chunks_per_row, bool chunk_in_row) {
+    group_warps = logfmt_group_blocks(int64_t(chunks_per_row) * kCombineElems) == 8 ? 4 : 2;
+    in_row = chunk_in_row;
+  }
+  template <int kLanes>
+  __device__ void combine_chunk(const CombineWords& w, float (&v)[kCombineElems]) {
+    static_assert(kLanes == kLogFmtBlock / kCombineElems);
+    unpack(w, v);
+    float amax = 0.0f, amin = f32_from_bits(0x7F800000u);
+#pragma unroll
+    for (int i = 0; i < kCombineElems; ++i) {
+      const float a = abs_f32(v[i]);
+      if (is_nan(a)) continue;
+      amax = a > amax ? a : amax;
+      amin = a < amin ? a : amin;
+    }
+#pragma unroll
+    for (int o = 1; o < kLanes; o <<= 1) {
+      const float xa = __shfl_xor_sync(0xFFFFFFFFu, amax, o), xi = __shfl_xor_sync(0xFFFFFFFFu, amin, o);
+      amax = xa > amax ? xa : amax;
+      amin = xi < amin ? xi : amin;
+    }
+    const LogFmtBlock b = logfmt_block(amax, amin);
+    const bool warp_ok = __all_sync(0xFFFFFFFFu, b.ok || !in_row);
+    const int warp = int(threadIdx.x) >> 5;
+    if ((threadIdx.x & 31) == 0) sh.ok[parity][warp] = warp_ok;
+    __syncthreads();
+    const int first = warp / group_warps * group_warps;
+    bool cast = true;
+    for (int i = first; i < first + group_warps; ++i) cast = cast && sh.ok[parity][i];
+    parity ^= 1;
+    if (!cast) return;
+#pragma unroll
+    for (int i = 0; i < kCombineElems; ++i) v[i] = logfmt_qdq(v[i], b);
+    round_to_bf16(v);
+  }
+};
+
 }  // namespace moefq::cuda::rules

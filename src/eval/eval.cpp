@@ -271,20 +271,6 @@ std::vector<bool> outlier_channels(const std::vector<double>& ref2) {
   return out;
 }
 
-// Bytes per row of `cols` elements on the wire in a format, scales included; bf16 when nullopt.
-double wire_bytes(std::optional<Format> f, int64_t cols) {
-  const double c = double(cols);
-  if (!f) return 2 * c;
-  switch (*f) {
-    case Format::kFp8:
-    case Format::kInt8: return c;              // + one per-tensor scale, amortised
-    case Format::kNvfp4: return c / 2 + c / 16;  // e2m1 + an e4m3 scale per 16
-    case Format::kMxfp8: return c + c / 32;      // e4m3 + a ue8m0 scale per 32
-    case Format::kMxfp4: return c / 2 + c / 32;  // e2m1 + a ue8m0 scale per 32
-  }
-  return 2 * c;
-}
-
 // The global amax a quantizer configured this way uses: the calibrated one, its constant, or none
 // (a dynamic amax, a format without one, disabled).
 std::optional<float> global_amax(const QuantizerConfig& c, float calibrated) {
@@ -571,8 +557,8 @@ EvalResult run_eval(const EvalOptions& options) {
           ref2 += pass.reference_channels[size_t(h)];
         }
       row.rel_l2_non_outlier = std::isnan(row.metrics.rel_l2) ? row.metrics.rel_l2 : ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
-      row.dispatch_wire_bytes_per_token = wire_bytes(d.enable ? std::optional<Format>(d.spec.format) : std::nullopt, H);
-      row.combine_wire_bytes_per_token = wire_bytes(c.enable ? std::optional<Format>(c.spec.format) : std::nullopt, H);
+      row.dispatch_wire_bytes_per_token = wire_bytes_per_row(d.enable ? std::optional<Format>(d.spec.format) : std::nullopt, H);
+      row.combine_wire_bytes_per_token = wire_bytes_per_row(c.enable ? std::optional<Format>(c.spec.format) : std::nullopt, H);
       row.wire_saving = 1.0 - (row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token) / (4.0 * double(H));
       row.over_budget = s.max_rel_l2 && !(row.metrics.rel_l2 <= *s.max_rel_l2);
     }

@@ -1,6 +1,7 @@
 #include "moefq/qdq.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "moefq/errors.h"
 
@@ -13,6 +14,9 @@ const char* format_name(Format f) {
     case Format::kMxfp8: return "mxfp8";
     case Format::kMxfp4: return "mxfp4";
     case Format::kInt8: return "int8";
+    case Format::kFp8Block128: return "fp8_block128";
+    case Format::kFp8Block128Ue8m0: return "fp8_block128_ue8m0";
+    case Format::kLogfmt10: return "logfmt10";
   }
   return "?";
 }
@@ -34,11 +38,34 @@ int format_block_size(Format f) {
     case Format::kNvfp4: return kNvfp4Block;
     case Format::kMxfp8:
     case Format::kMxfp4: return kMxBlock;
+    case Format::kFp8Block128:
+    case Format::kFp8Block128Ue8m0: return kFp8BlockSize;
+    case Format::kLogfmt10: return kLogFmtBlock;
     default: return 0;
   }
 }
 
-bool format_has_global_amax(Format f) { return format_block_size(f) != kMxBlock; }
+bool format_has_global_amax(Format f) {
+  return f == Format::kFp8 || f == Format::kNvfp4 || f == Format::kInt8;
+}
+
+double wire_bytes_per_row(std::optional<Format> f, int64_t cols) {
+  MOEFQ_ASSERT(cols >= 0, "wire_bytes_per_row: negative cols");
+  const auto blocks = [cols](int64_t size) { return double((cols + size - 1) / size); };
+  const double nibbles = double((cols + 1) / 2);  // two 4-bit elements per byte
+  if (!f) return 2.0 * double(cols);
+  switch (*f) {
+    case Format::kFp8:
+    case Format::kInt8: return double(cols);
+    case Format::kNvfp4: return nibbles + blocks(kNvfp4Block);
+    case Format::kMxfp8: return double(cols) + blocks(kMxBlock);
+    case Format::kMxfp4: return nibbles + blocks(kMxBlock);
+    case Format::kFp8Block128: return double(cols) + 4.0 * blocks(kFp8BlockSize);
+    case Format::kFp8Block128Ue8m0: return double(cols) + blocks(kFp8BlockSize);
+    case Format::kLogfmt10: return double((cols * 10 + 7) / 8) + 4.0 * blocks(kLogFmtBlock);
+  }
+  MOEFQ_FAIL(ErrorKind::kInternal, "wire_bytes_per_row: unknown format");
+}
 
 namespace {
 
@@ -64,6 +91,42 @@ void for_each_block(const T* x, T* y, int64_t rows, int64_t cols, int64_t block,
   }
 }
 
+// max |x| over the block's non-NaN elements (+inf counts), 0 if none.
+template <typename T>
+float block_amax(const T* b, int64_t len) {
+  float bmax = 0.0f;
+  for (int64_t i = 0; i < len; ++i) bmax = max_ignore_nan(bmax, abs_f32(to_f32(b[i])));
+  return bmax;
+}
+
+// logfmt10 of one row (numerics.h): the values as bf16, blocks of 128, each cast group cast only
+// when all its blocks can be; other groups keep the bf16 values.
+template <typename T>
+void logfmt_row(const T* x, T* y, int64_t cols) {
+  thread_local std::vector<float> v;
+  v.resize(size_t(cols));
+  for (int64_t c = 0; c < cols; ++c) v[size_t(c)] = bf16_to_f32(bf16_round(to_f32(x[c])));
+  const int64_t group = int64_t(logfmt_group_blocks(cols)) * kLogFmtBlock;
+  for (int64_t g0 = 0; g0 < cols; g0 += group) {
+    const int64_t g1 = std::min(cols, g0 + group);
+    LogFmtBlock blocks[8];
+    bool cast = true;
+    for (int64_t b0 = g0, i = 0; b0 < g1; b0 += kLogFmtBlock, ++i) {
+      float amax = 0.0f, amin = f32_from_bits(0x7F800000u);
+      for (int64_t c = b0; c < std::min(g1, b0 + kLogFmtBlock); ++c) {
+        const float a = abs_f32(v[size_t(c)]);
+        if (is_nan(a)) continue;
+        amax = a > amax ? a : amax;
+        amin = a < amin ? a : amin;
+      }
+      blocks[i] = logfmt_block(amax, amin);
+      cast = cast && blocks[i].ok;
+    }
+    for (int64_t c = g0; c < g1; ++c)
+      store_out(&y[c], cast ? logfmt_qdq(v[size_t(c)], blocks[(c - g0) / kLogFmtBlock]) : v[size_t(c)]);
+  }
+}
+
 template <typename T>
 void qdq_impl(Format f, const T* x, T* y, int64_t rows, int64_t cols, float amax) {
   MOEFQ_ASSERT(rows >= 0 && cols >= 0, "qdq_ref: negative shape");
@@ -83,11 +146,7 @@ void qdq_impl(Format f, const T* x, T* y, int64_t rows, int64_t cols, float amax
       const float gs = nvfp4_global_scale(amax);
       for_each_block(
           x, y, rows, cols, kNvfp4Block,
-          [gs](const T* b, int64_t len) {
-            float bmax = 0.0f;
-            for (int64_t i = 0; i < len; ++i) bmax = max_ignore_nan(bmax, abs_f32(to_f32(b[i])));
-            return nvfp4_block_scale(bmax, gs);
-          },
+          [gs](const T* b, int64_t len) { return nvfp4_block_scale(block_amax(b, len), gs); },
           [](float v, float scale) { return nvfp4_qdq(v, scale); });
       return;
     }
@@ -97,13 +156,25 @@ void qdq_impl(Format f, const T* x, T* y, int64_t rows, int64_t cols, float amax
       for_each_block(
           x, y, rows, cols, kMxBlock,
           [fp8](const T* b, int64_t len) {
-            float bmax = 0.0f;
-            for (int64_t i = 0; i < len; ++i) bmax = max_ignore_nan(bmax, abs_f32(to_f32(b[i])));
-            return mx_scale(mx_block_exponent(bmax, fp8 ? kE4m3Max : kE2m1Max));
+            return mx_scale(mx_block_exponent(block_amax(b, len), fp8 ? kE4m3Max : kE2m1Max));
           },
           [fp8](float v, MxScale s) { return fp8 ? mxfp8_qdq(v, s) : mxfp4_qdq(v, s); });
       return;
     }
+    case Format::kFp8Block128:
+      for_each_block(
+          x, y, rows, cols, kFp8BlockSize, [](const T* b, int64_t len) { return fp8_block128_params(block_amax(b, len)); },
+          [](float v, Fp8Params p) { return fp8_qdq(v, p); });
+      return;
+    case Format::kFp8Block128Ue8m0:
+      for_each_block(
+          x, y, rows, cols, kFp8BlockSize,
+          [](const T* b, int64_t len) { return fp8_block128_ue8m0_scale(block_amax(b, len)); },
+          [](float v, MxScale s) { return mxfp8_qdq(v, s); });
+      return;
+    case Format::kLogfmt10:
+      for (int64_t r = 0; r < rows; ++r) logfmt_row(x + r * cols, y + r * cols, cols);
+      return;
   }
 }
 
@@ -126,9 +197,7 @@ void stage_impl(const T* x, uint8_t* x8, float* scales, int64_t rows, int64_t co
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t c0 = b * kStageBlock, c1 = std::min(cols, c0 + kStageBlock);
-      float bmax = 0.0f;
-      for (int64_t c = c0; c < c1; ++c) bmax = max_ignore_nan(bmax, abs_f32(to_f32(x[r * cols + c])));
-      const float sf = stage_scale(bmax);
+      const float sf = stage_scale(block_amax(x + r * cols + c0, c1 - c0));
       const float inv = div_rn(1.0f, sf);
       for (int64_t c = c0; c < c1; ++c) x8[r * cols + c] = stage_encode(to_f32(x[r * cols + c]), inv);
       scales[r * nblocks + b] = sf;

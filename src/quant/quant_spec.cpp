@@ -34,6 +34,9 @@ std::string QuantSpec::describe() const {
     case Format::kMxfp4: os << " (e2m1, block 32, ue8m0 scales)"; break;
     case Format::kFp8: os << " (e4m3, per tensor)"; break;
     case Format::kInt8: os << " (int8, per tensor)"; break;
+    case Format::kFp8Block128: os << " (e4m3, block 128, fp32 scales)"; break;
+    case Format::kFp8Block128Ue8m0: os << " (e4m3, block 128, ue8m0 scales)"; break;
+    case Format::kLogfmt10: os << " (10-bit log, block 128, bf16 fallback)"; break;
   }
   if (format_has_global_amax(format)) {
     os << ", amax " << amax_source_name(amax_source);

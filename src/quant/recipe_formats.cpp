@@ -42,6 +42,13 @@ const Row kRows[] = {
     {Bits::fp(2, 1), 16, Bits::fp(4, 3), Format::kNvfp4},
     {Bits::fp(4, 3), 32, Bits::fp(8, 0), Format::kMxfp8},
     {Bits::fp(2, 1), 32, Bits::fp(8, 0), Format::kMxfp4},
+    // The wire formats of the dispatch and combine kernels: e4m3 with an fp32 scale per 128
+    // channels (Model Optimizer's block quantization without scale_bits), the same with the scale
+    // rounded up to a power of two, and DeepEP's 10-bit log format (a moefq extension: Model
+    // Optimizer has no log format).
+    {Bits::fp(4, 3), 128, {}, Format::kFp8Block128},
+    {Bits::fp(4, 3), 128, Bits::fp(8, 0), Format::kFp8Block128Ue8m0},
+    {Bits{Bits::Kind::kName, 0, 0, 0, "logfmt10"}, 0, {}, Format::kLogfmt10},
 };
 
 std::string describe_row(const Row& r) {

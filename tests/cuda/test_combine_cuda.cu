@@ -411,6 +411,46 @@ TEST(CombineCuda, QdqCombineEqualsCpuOnExtremeBlocks) {
     }
 }
 
+// logfmt10's cast groups in the combine: rows scaled below 1 so groups are cast, with a block >= 1
+// in some rows (its whole group stays bf16); H a multiple of 1024 (a group is the CTA's 4 warps),
+// of 512 only (2 warps), and 640 and 384 (a short last group, lanes past the row's end). Byte for
+// byte against the CPU quantizer's re-sum, which must differ from the plain combine (cast rows).
+TEST(CombineCuda, LogFmtCastGroupsEqualCpu) {
+  SKIP_WITHOUT_GPU();
+  const Shape shapes[] = {{32, 8, 1024, true, 32}, {16, 8, 7168, false, 16}, {24, 6, 1536, true, 24},
+                          {24, 8, 640, false, 21}, {16, 4, 384, true, 16}};
+  uint64_t seed = 900;
+  for (const Shape& s : shapes) {
+    HostRows h = make_rows(s, seed++, false);
+    std::mt19937_64 rng(seed);
+    for (int64_t t = 0; t < s.num_tokens; ++t)
+      for (int64_t k = 0; k <= s.K; ++k) {
+        if (k < s.K && !h.active(t, k)) continue;
+        bf16* row = h.row(k, t);
+        for (int64_t e = 0; e < s.H; ++e) row[e] = bf16{bf16_round(std::ldexp(to_f32(row[e]), -6))};
+        if (rng() % 4 == 0) row[rng() % uint64_t(s.H)] = bf16{bf16_round(1.5f)};  // its group stays bf16
+      }
+    SCOPED_TRACE(describe(s));
+    DeviceRows d(h);
+    DeviceBuffer<bf16> y(size_t(s.num_tokens * s.H));
+    cuda::launch_combine_qdq(d.rows, true, Format::kLogfmt10, nullptr, {}, y.get(), nullptr);
+    MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<bf16> want = reference(h, Format::kLogfmt10, 0.0f);
+    EXPECT_TRUE(test::bytes_equal(want, y.download()));
+    EXPECT_FALSE(test::bytes_equal(want, reference(h, std::nullopt, 0.0f))) << "no group was cast";
+  }
+}
+
+// The block-128 formats need H to be a multiple of 128.
+TEST(CombineCuda, Block128FormatsRejectOtherHiddenSizes) {
+  SKIP_WITHOUT_GPU();
+  HostRows h = make_rows({8, 4, 160, false, 8}, 5, false);
+  DeviceRows d(h);
+  DeviceBuffer<bf16> y(size_t(8 * 160));
+  for (Format f : {Format::kFp8Block128, Format::kFp8Block128Ue8m0, Format::kLogfmt10})
+    EXPECT_THROW(cuda::launch_combine_qdq(d.rows, true, f, nullptr, {}, y.get(), nullptr), Error) << format_name(f);
+}
+
 TEST(CombineCuda, QuantizeFalseIsThePlainCombine) {
   SKIP_WITHOUT_GPU();
   const Shape s{32, 8, 384, true, 32};

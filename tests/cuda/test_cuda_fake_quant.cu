@@ -131,7 +131,10 @@ TEST(CudaFakeQuant, CombineQuantizationWithAndWithoutFusedShared) {
     Format f;
     float amax;
   };
-  for (const Case& cs : {Case{kCombineNvfp4, Format::kNvfp4, 2688.0f}, Case{kCombineMxfp4, Format::kMxfp4, 0.0f}})
+  for (const Case& cs : {Case{kCombineNvfp4, Format::kNvfp4, 2688.0f}, Case{kCombineMxfp4, Format::kMxfp4, 0.0f},
+                         Case{"$import: [moe_combine_fp8_block128]\n", Format::kFp8Block128, 0.0f},
+                         Case{"$import: [moe_combine_fp8_block128_ue8m0]\n", Format::kFp8Block128Ue8m0, 0.0f},
+                         Case{"$import: [moe_combine_logfmt10]\n", Format::kLogfmt10, 0.0f}})
     for (bool fused : {false, true}) {
       SCOPED_TRACE(std::string(format_name(cs.f)) + (fused ? " fused" : " unfused"));
       Layer l = make_layer(c, R, T, fused, cs.yaml);

@@ -149,6 +149,32 @@ TEST(CudaQdq, LargeTensorEqualsReference) {
   for (Format f : kAllFormats) check_qdq(f, x, rows, cols, 95.5f);
 }
 
+// The wire formats on data they cast: activations scaled below 1, so most LogFMT groups are cast
+// (the sample activations reach 1 and keep most groups bf16). Rows of 1024 multiples (groups of 8
+// blocks), of 512 multiples, others with a short last group or block; aligned and not.
+TEST(CudaQdq, WireFormatsOnSmallActivationsEqualReference) {
+  SKIP_WITHOUT_GPU();
+  // (A last block of 1 element would keep its row bf16: amin == amax cannot be cast.)
+  const Shape shapes[] = {{8, 7168}, {5, 1536}, {7, 640}, {3, 700}, {4, 130}, {2, 2048 + 128}};
+  uint64_t seed = 40;
+  for (const Shape& s : shapes) {
+    std::vector<float> xf = test::activations(s.rows, s.cols, seed++, false);
+    for (float& v : xf) v = std::ldexp(v, -8);
+    const std::vector<bf16> xb = test::to_bf16(xf);
+    for (Format f : {Format::kFp8Block128, Format::kFp8Block128Ue8m0, Format::kLogfmt10}) {
+      check_qdq(f, xb, s.rows, s.cols, 0.0f);
+      check_qdq(f, xb, s.rows, s.cols, 0.0f, 3);
+      check_qdq(f, xf, s.rows, s.cols, 0.0f);
+      // The data must be cast (this data: 0.56-0.67 of the elements change in logfmt10, over 0.9 in fp8).
+      std::vector<bf16> y(xb.size());
+      qdq_ref(f, xb.data(), y.data(), s.rows, s.cols, 0.0f);
+      int64_t changed = 0;
+      for (size_t i = 0; i < y.size(); ++i) changed += y[i].bits != xb[i].bits;
+      EXPECT_GT(changed, int64_t(y.size()) / 3) << format_name(f) << " " << s.cols;
+    }
+  }
+}
+
 TEST(CudaQdq, AmaxEqualsReference) {
   SKIP_WITHOUT_GPU();
   for (const Shape& s : kShapes) {

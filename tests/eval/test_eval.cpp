@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <random>
 #include <string>
 
@@ -299,6 +300,34 @@ TEST_F(EvalLib, RowsShowTheErrorsShapeAndTheBudgetsAnswer) {
     if (!row.over_budget) {
       EXPECT_GE(row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token, best) << row.recipe;
     }
+  }
+}
+
+// The wire formats of the expert-parallel libraries, named by unit: a row each, with their wire
+// bytes (H = 256: two fp32 scales, two ue8m0 scales, logfmt10's 320 + 8) and a finite error, above
+// 0 for the fp8 combine rows. fp8_block128 on the dispatch is the engine's own e4m3 staging of
+// its input (1 x 128 blocks, amax floored at 1e-4), so there it may change nothing at all.
+TEST_F(EvalLib, WireFormatUnitsHaveRowsAndWireBytes) {
+  o_.layers = {0};
+  o_.recipes = {"moe_combine_fp8_block128", "moe_combine_fp8_block128_ue8m0", "moe_combine_logfmt10",
+                "moe_dispatch_fp8_block128"};
+  const EvalResult r = run_eval(o_);
+  ASSERT_EQ(r.rows.size(), 4u);
+  const std::map<std::string, std::pair<double, double>> bytes = {
+      {"moe_combine_fp8_block128", {512.0, 256.0 + 8.0}},
+      {"moe_combine_fp8_block128_ue8m0", {512.0, 256.0 + 2.0}},
+      {"moe_combine_logfmt10", {512.0, 320.0 + 8.0}},
+      {"moe_dispatch_fp8_block128", {256.0 + 8.0, 512.0}}};
+  for (const EvalRow& row : r.rows) {
+    SCOPED_TRACE(row.recipe);
+    ASSERT_TRUE(bytes.count(row.recipe));
+    EXPECT_EQ(row.dispatch_wire_bytes_per_token, bytes.at(row.recipe).first);
+    EXPECT_EQ(row.combine_wire_bytes_per_token, bytes.at(row.recipe).second);
+    EXPECT_TRUE(std::isfinite(row.metrics.rel_l2));
+    if (row.recipe == "moe_combine_fp8_block128" || row.recipe == "moe_combine_fp8_block128_ue8m0") {
+      EXPECT_GT(row.metrics.rel_l2, 0.0);
+    }
+    EXPECT_LT(row.metrics.rel_l2, 0.1);
   }
 }
 

@@ -718,6 +718,9 @@ TEST(FakeQuantMoe, OutputEqualsResumOfQdqRowsForEveryCombineFormat) {
                {"moe_combine_nvfp4", Format::kNvfp4},
                {"moe_combine_mxfp8", Format::kMxfp8},
                {"moe_combine_mxfp4", Format::kMxfp4},
+               {"moe_combine_fp8_block128", Format::kFp8Block128},
+               {"moe_combine_fp8_block128_ue8m0", Format::kFp8Block128Ue8m0},
+               {"moe_combine_logfmt10", Format::kLogfmt10},
                {nullptr, Format::kInt8}};
   const Problem calib = make_problem(c, R, n, 1300, 4), eval = make_problem(c, R, n, 1301, 3);
   for (const std::string kind : {"mega_moe", "routed_experts"}) {

@@ -331,6 +331,63 @@ inline float div_rn(float a, float b) {
   return f32_from_bits(round_to_f32_bits(neg, quot, x.e - y.e - 64, rem != 0));
 }
 
+// RN of the exact (-1)^neg_p * p + (-1)^neg_c * c for non-negative dyadics p and c (either may be
+// 0), with IEEE's zero signs (an exact zero is +0, or -0 when both terms are -0 or zero of the same
+// negative sign). When one term lies more than 62 bits below the other's top bit it cannot move the
+// result by a quantum; it is replaced by one unit 3 bits below the larger term's 61-bit normalised
+// significand, which lies on the same side of every rounding boundary.
+inline float signed_sum_rn(bool neg_p, Dyadic p, bool neg_c, Dyadic c) {
+  if (p.m == 0 && c.m == 0) return with_sign(0.0f, neg_p && neg_c);
+  if (p.m == 0) return f32_from_bits(round_to_f32_bits(neg_c, c.m, c.e, false));
+  if (c.m == 0) return f32_from_bits(round_to_f32_bits(neg_p, p.m, p.e, false));
+  const int top_p = p.e + bit_length(p.m), top_c = c.e + bit_length(c.m);
+  const bool p_big = top_p >= top_c;
+  Dyadic big = p_big ? p : c, small = p_big ? c : p;
+  const bool neg_big = p_big ? neg_p : neg_c, neg_small = p_big ? neg_c : neg_p;
+  if (std::max(top_p, top_c) - std::min(top_p, top_c) > 62) {
+    const int up = 61 - bit_length(big.m);
+    u128 m = u128(big.m) << up << 3;
+    m = neg_small == neg_big ? m + 1 : m - 1;
+    return f32_from_bits(round_to_f32_bits(neg_big, m, big.e - up - 3, false));
+  }
+  const int k = std::min(big.e, small.e);
+  const u128 a = u128(big.m) << (big.e - k), b = u128(small.m) << (small.e - k);
+  if (neg_big == neg_small) return f32_from_bits(round_to_f32_bits(neg_big, a + b, k, false));
+  if (a == b) return 0.0f;
+  return f32_from_bits(round_to_f32_bits(a > b ? neg_big : neg_small, a > b ? a - b : b - a, k, false));
+}
+
+// RN(a * b + c) with one rounding; NaN, inf and zero signs as IEEE fma.
+inline float fma_rn(float a, float b, float c) {
+  const uint32_t ua = f32_to_bits(a), ub = f32_to_bits(b), uc = f32_to_bits(c);
+  if (nan_bits(ua) || nan_bits(ub) || nan_bits(uc)) return quiet_nan();
+  const bool neg_p = neg_bits(ua) != neg_bits(ub);
+  if (inf_bits(ua) || inf_bits(ub)) {
+    if (zero_bits(ua) || zero_bits(ub)) return quiet_nan();
+    if (inf_bits(uc) && neg_bits(uc) != neg_p) return quiet_nan();
+    return with_sign(infinity(), neg_p);
+  }
+  if (inf_bits(uc)) return c;
+  const Dyadic x = magnitude_bits(ua), y = magnitude_bits(ub);
+  const Dyadic prod{x.m * y.m, x.e + y.e};  // at most 48 bits
+  return signed_sum_rn(neg_p, prod, neg_bits(uc), magnitude_bits(uc));
+}
+inline float add_rn(float a, float b) { return fma_rn(a, 1.0f, b); }
+
+// floor(x), exactly, from the bits.
+inline float floor_f32(float x) {
+  const uint32_t u = f32_to_bits(x);
+  if (nan_bits(u) || inf_bits(u) || zero_bits(u)) return x;
+  const Dyadic d = magnitude_bits(u);
+  if (d.e >= 0) return x;  // an integer already
+  const int shift = -d.e;
+  const uint64_t whole = shift >= 64 ? 0 : d.m >> shift;
+  const bool frac = shift >= 64 ? true : (d.m & ((uint64_t(1) << shift) - 1)) != 0;
+  if (!neg_bits(u)) return whole == 0 ? 0.0f : to_f32({whole, 0});
+  const uint64_t mag = whole + (frac ? 1 : 0);  // -1.5 -> -2; -0.5 -> -1
+  return with_sign(to_f32({mag, 0}), true);
+}
+
 // Smallest e with 2^e >= r, for finite r > 0, by search.
 inline int ceil_log2(float r) {
   const Dyadic d = magnitude(r);
@@ -426,9 +483,132 @@ inline float int8_qdq(float x, float amax) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The expert-parallel libraries' block FP8 (1 x 128 per row; amax floored at 1e-4).
+
+inline float fp8_block_amax(float bmax) { return bmax > 1e-4f ? bmax : 1e-4f; }
+inline float inv_e4m3_max() { return div_rn(1.0f, 448.0f); }  // the kernels' RN(1/448)
+
+// s = 448 / a, si = a * RN(1/448).
+inline Fp8Scales fp8_block128_scales(float bmax) {
+  const float a = fp8_block_amax(bmax);
+  return {div_rn(448.0f, a), mul_rn(a, inv_e4m3_max())};
+}
+// The power-of-two scale's exponent e = ceil(log2(a * RN(1/448))); nullopt for an infinite a (the
+// ue8m0 NaN code: the block is NaN).
+inline bool fp8_block128_ue8m0_exponent(float bmax, int& e) {
+  const float a = fp8_block_amax(bmax);
+  if (!is_finite(a)) return false;
+  e = ceil_log2(mul_rn(a, inv_e4m3_max()));
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// log2, exp2 and LogFMT-10: the algorithms of numerics.h (their polynomials are the definition),
+// each binary32 operation done exactly in integers by the functions above.
+
+inline float exp2_poly(float f) {
+  const float c[] = {0x1.444p-13f, 0x1.5f48cp-10f, 0x1.3b2a1cp-7f, 0x1.c6aeccp-5f, 0x1.ebfbep-3f, 0x1.62e43p-1f, 1.0f};
+  float p = c[0];
+  for (int i = 1; i < 7; ++i) p = fma_rn(p, f, c[i]);
+  return p;
+}
+inline float exp2_f32(float y) {
+  if (is_nan(y)) return quiet_nan();
+  if (y >= 128.0f) return infinity();
+  if (y < -151.0f) return 0.0f;
+  const float magic = to_f32({3, 22});  // 1.5 * 2^23
+  const float n = add_rn(add_rn(y, magic), with_sign(magic, true));
+  const float p = exp2_poly(add_rn(y, with_sign(n, !sign_bit(n))));
+  const int ni = int(n);  // an integer value in [-151, 128]
+  if (ni < -126) return mul_rn(mul_rn(p, pow2_f32(ni + 64)), pow2_f32(-64));
+  if (ni > 127) return mul_rn(mul_rn(p, pow2_f32(ni - 1)), 2.0f);
+  return mul_rn(p, pow2_f32(ni));
+}
+inline float log2_1p_unit(float f) {
+  const float c[] = {0x1.08e414p-8f, -0x1.962fbep-6f, 0x1.2362eap-4f, -0x1.0e0966p-3f, 0x1.8116c4p-3f,
+                     -0x1.e388p-3f,  0x1.26d30ap-2f,  -0x1.714836p-2f, 0x1.ec704p-2f,  -0x1.715476p-1f};
+  float r = c[0];
+  for (int i = 1; i < 10; ++i) r = fma_rn(r, f, c[i]);
+  const float t = fma_rn(f, r, 0x1.4ae0cp-26f);
+  return fma_rn(f, 0x1.715476p+0f, mul_rn(f, t));
+}
+// x = 2^E * m with m in [1, 2), found by comparing with powers of two.
+inline float log2_f32(float x) {
+  const uint32_t u = f32_to_bits(x);
+  if (nan_bits(u) || (neg_bits(u) && !zero_bits(u))) return quiet_nan();
+  if (zero_bits(u)) return with_sign(infinity(), true);
+  if (inf_bits(u)) return x;
+  const Dyadic d = magnitude_bits(u);
+  int e = -149;
+  while (compare({1, e + 1}, d) <= 0) ++e;  // 2^e <= x < 2^(e + 1)
+  const float m = to_f32({d.m, d.e - e});    // x / 2^e, exactly: in [1, 2)
+  const float f = add_rn(m, -1.0f);
+  const float ef = e < 0 ? with_sign(to_f32({uint64_t(-e), 0}), true) : (e == 0 ? 0.0f : to_f32({uint64_t(e), 0}));
+  return add_rn(ef, log2_1p_unit(f));
+}
+
+struct LogFmt {
+  float log_amin, step, step_inv, fused;
+  bool ok;
+};
+inline LogFmt logfmt_block(float amax, float amin) {
+  LogFmt b;
+  const float log_amax = log2_f32(amax);
+  const float clip = add_rn(log_amax, -32.0f);
+  float log_amin = clip;
+  if (amin != 0) {
+    const float l = log2_f32(amin);
+    if (l > clip) log_amin = l;
+  }
+  b.ok = log_amax < 0 && log_amin < log_amax;
+  b.log_amin = log_amin;
+  b.step = div_rn(add_rn(log_amax, with_sign(log_amin, !sign_bit(log_amin))), 510.0f);
+  b.step_inv = div_rn(1.0f, b.step);
+  const float l = log2_f32(mul_rn(add_rn(1.0f, exp2_f32(b.step)), 0.5f));
+  const float rounding = fma_rn(with_sign(l, !sign_bit(l)), b.step_inv, 2.0f);
+  b.fused = fma_rn(with_sign(log_amin, !sign_bit(log_amin)), b.step_inv, rounding);
+  return b;
+}
+inline float logfmt_qdq(float x, const LogFmt& b) {
+  if (is_nan(x)) return quiet_nan();
+  const float t = fma_rn(log2_f32(abs_f32(x)), b.step_inv, b.fused);
+  float k = 0;
+  if (t >= 1.0f) {
+    k = floor_f32(t);
+    if (k > 511.0f) k = 511.0f;
+  }
+  if (k == 0) return with_sign(0.0f, sign_bit(x));
+  return with_sign(exp2_f32(fma_rn(add_rn(k, -1.0f), b.step, b.log_amin)), sign_bit(x));
+}
+// One row: values rounded to bf16; blocks of 128; groups of 8 blocks when the row length is a
+// multiple of 1024, else 4; a group is cast when each of its blocks is, else its bf16 values stay.
+inline void logfmt_row(const std::vector<float>& x, int64_t begin, int64_t cols, std::vector<float>& y) {
+  std::vector<float> v(static_cast<size_t>(cols));
+  for (int64_t c = 0; c < cols; ++c) v[size_t(c)] = bf16_value(bf16_round(x[size_t(begin + c)]));
+  const int64_t group = (cols % 1024 == 0 ? 8 : 4) * 128;
+  for (int64_t g = 0; g < cols; g += group) {
+    std::vector<LogFmt> blocks;
+    bool cast = true;
+    for (int64_t b = g; b < std::min(cols, g + group); b += 128) {
+      float amax = 0, amin = infinity();
+      for (int64_t c = b; c < std::min({cols, g + group, b + 128}); ++c) {
+        if (is_nan(v[size_t(c)])) continue;
+        const float a = abs_f32(v[size_t(c)]);
+        if (a > amax) amax = a;
+        if (a < amin) amin = a;
+      }
+      blocks.push_back(logfmt_block(amax, amin));
+      cast = cast && blocks.back().ok;
+    }
+    for (int64_t c = g; c < std::min(cols, g + group); ++c)
+      y[size_t(begin + c)] = cast ? logfmt_qdq(v[size_t(c)], blocks[size_t((c - g) / 128)]) : v[size_t(c)];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Tensors: row-major [rows, cols], blocks along cols, a short final block uses what it has.
 
-enum class Fmt { kFp8, kNvfp4, kMxfp8, kMxfp4, kInt8 };
+enum class Fmt { kFp8, kNvfp4, kMxfp8, kMxfp4, kInt8, kFp8Block128, kFp8Block128Ue8m0, kLogfmt10 };
 
 inline float amax_of(const std::vector<float>& x) {
   float m = 0;
@@ -487,6 +667,24 @@ inline std::vector<float> qdq_values(Fmt f, const std::vector<float>& x, int64_t
     }
     case Fmt::kInt8:
       for (size_t i = 0; i < x.size(); ++i) y[i] = int8_qdq(x[i], amax);
+      return y;
+    case Fmt::kFp8Block128:
+    case Fmt::kFp8Block128Ue8m0:
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < cols; b += 128) {
+          const int64_t begin = r * cols + b;
+          const int64_t end = r * cols + std::min<int64_t>(b + 128, cols);
+          const float bmax = block_max(x, begin, end, false);
+          int e = 0;
+          const bool finite = fp8_block128_ue8m0_exponent(bmax, e);
+          for (int64_t i = begin; i < end; ++i) {
+            if (f == Fmt::kFp8Block128) y[i] = fp8_qdq(x[i], fp8_block128_scales(bmax));
+            else y[i] = finite ? mx_qdq(x[i], e, false) : quiet_nan();
+          }
+        }
+      return y;
+    case Fmt::kLogfmt10:
+      for (int64_t r = 0; r < rows; ++r) logfmt_row(x, r * cols, cols, y);
       return y;
   }
   return y;

@@ -44,11 +44,15 @@ slow::Fmt to_slow(Format f) {
     case Format::kMxfp8: return slow::Fmt::kMxfp8;
     case Format::kMxfp4: return slow::Fmt::kMxfp4;
     case Format::kInt8: return slow::Fmt::kInt8;
+    case Format::kFp8Block128: return slow::Fmt::kFp8Block128;
+    case Format::kFp8Block128Ue8m0: return slow::Fmt::kFp8Block128Ue8m0;
+    case Format::kLogfmt10: return slow::Fmt::kLogfmt10;
   }
   return slow::Fmt::kFp8;
 }
 
-bool is_mx(Format f) { return f == Format::kMxfp8 || f == Format::kMxfp4; }
+// The formats that scale each block from its own data ignore the amax argument.
+bool ignores_amax(Format f) { return !format_has_global_amax(f); }
 
 std::string label(Format f, const char* dtype, const std::string& data, Shape s, float amax) {
   char buf[200];
@@ -91,10 +95,10 @@ void expect_f32_qdq(Format f, const std::vector<uint32_t>& x, Shape s, float ama
   EXPECT_EQ(m.count(), 0) << m.report();
 }
 
-// The amax values a test runs a format with: the list above for the per-tensor formats; two for
-// the mx formats, which ignore it.
+// The amax values a test runs a format with: the list above for the formats with a global amax;
+// two for the others, which ignore it.
 std::vector<float> amaxes_for(Format f) {
-  if (is_mx(f)) return {1.0f, 0.0f};
+  if (ignores_amax(f)) return {1.0f, 0.0f};
   return std::vector<float>(std::begin(kAmaxes), std::end(kAmaxes));
 }
 
@@ -227,7 +231,7 @@ TEST_P(QdqExhaustive, DynamicAmax) {
 // (NaN * inf for x = +-inf); nvfp4 gs = inf, so each block's scale is e4m3(bmax / inf) * inf =
 // 0 * inf (inf / inf for a block holding inf); int8 s = 127/inf = 0, so y = rint(x * 0) / 0 = 0 / 0
 // (the amax < 2^-24 rule is for tiny amax only). So every output element is the canonical NaN.
-// The mx formats ignore amax, inf included: the same output as with amax = 1.
+// The formats without a global amax ignore it, inf included: the same output as with amax = 1.
 TEST_P(QdqExhaustive, InfiniteAmax) {
   const Format f = GetParam();
   uint64_t seed = 500;
@@ -242,12 +246,12 @@ TEST_P(QdqExhaustive, InfiniteAmax) {
     qdq_ref(f, vb.data(), yb.data(), s.rows, s.cols, INFINITY);
     std::vector<uint32_t> want_f(xf.size(), slow::kNanF32);
     std::vector<uint16_t> want_b(xb.size(), slow::kNanBf16);
-    if (is_mx(f)) {
+    if (ignores_amax(f)) {
       want_f = slow::qdq_f32(to_slow(f), xf, s.rows, s.cols, 1.0f);
       want_b = slow::qdq_bf16(to_slow(f), xb, s.rows, s.cols, 1.0f);
     }
-    Mismatches mf(label(f, "fp32", "stress", s, INFINITY) + (is_mx(f) ? " (as amax 1)" : " (all NaN)"));
-    Mismatches mb(label(f, "bf16", "stress", s, INFINITY) + (is_mx(f) ? " (as amax 1)" : " (all NaN)"));
+    Mismatches mf(label(f, "fp32", "stress", s, INFINITY) + (ignores_amax(f) ? " (as amax 1)" : " (all NaN)"));
+    Mismatches mb(label(f, "bf16", "stress", s, INFINITY) + (ignores_amax(f) ? " (as amax 1)" : " (all NaN)"));
     for (size_t i = 0; i < xf.size(); ++i) mf.add(xf[i], want_f[i], f32_to_bits(yf[i]), 8, 8, at(int64_t(i), s.cols));
     for (size_t i = 0; i < xb.size(); ++i) mb.add(xb[i], want_b[i], yb[i].bits, 4, 4, at(int64_t(i), s.cols));
     EXPECT_EQ(mf.count(), 0) << mf.report();
@@ -267,7 +271,7 @@ TEST_P(QdqExhaustive, AllBf16PatternsBf16) {
   const std::vector<uint16_t> all = all_bf16_patterns();
   std::vector<uint16_t> shuffled = all;
   std::shuffle(shuffled.begin(), shuffled.end(), std::mt19937(3));
-  const std::vector<float> amaxes = is_mx(f) ? std::vector<float>{1.0f}
+  const std::vector<float> amaxes = ignores_amax(f) ? std::vector<float>{1.0f}
                                              : std::vector<float>{1e-30f, 1.0f, 448.0f, 2688.0f, 3e38f};
   for (float amax : amaxes) {
     expect_bf16_qdq(f, all, {4096, 16}, amax, "all bf16 patterns");
@@ -283,7 +287,7 @@ TEST_P(QdqExhaustive, AllBf16PatternsF32) {
   const std::vector<uint32_t> all = widen(all_bf16_patterns());
   std::vector<uint32_t> shuffled = all;
   std::shuffle(shuffled.begin(), shuffled.end(), std::mt19937(4));
-  const std::vector<float> amaxes = is_mx(f) ? std::vector<float>{1.0f}
+  const std::vector<float> amaxes = ignores_amax(f) ? std::vector<float>{1.0f}
                                              : std::vector<float>{1e-30f, 1.0f, 448.0f, 2688.0f, 3e38f};
   for (float amax : amaxes) {
     expect_f32_qdq(f, all, {4096, 16}, amax, "all bf16 patterns");
@@ -302,7 +306,7 @@ TEST_P(QdqExhaustive, RandomF32Patterns) {
   for (float amax : {1.0f, 2688.0f, 1e30f, FLT_MAX}) {
     expect_f32_qdq(f, x, {2048, 32}, amax, "random binary32");
     expect_f32_qdq(f, x, {512, 128}, amax, "random binary32");
-    if (is_mx(f)) break;
+    if (ignores_amax(f)) break;
   }
 }
 

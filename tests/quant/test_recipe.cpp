@@ -74,6 +74,11 @@ TEST(RecipeUnits, EveryShippedUnitLoadsAndMapsToItsFormat) {
       {"moe_combine_mxfp8", "*combine_quantizer", Format::kMxfp8, 32},
       {"moe_dispatch_mxfp4", "*dispatch_quantizer", Format::kMxfp4, 32},
       {"moe_combine_mxfp4", "*combine_quantizer", Format::kMxfp4, 32},
+      {"moe_dispatch_fp8_block128", "*dispatch_quantizer", Format::kFp8Block128, 128},
+      {"moe_combine_fp8_block128", "*combine_quantizer", Format::kFp8Block128, 128},
+      {"moe_dispatch_fp8_block128_ue8m0", "*dispatch_quantizer", Format::kFp8Block128Ue8m0, 128},
+      {"moe_combine_fp8_block128_ue8m0", "*combine_quantizer", Format::kFp8Block128Ue8m0, 128},
+      {"moe_combine_logfmt10", "*combine_quantizer", Format::kLogfmt10, 0},
   };
   const std::vector<std::string> units = list_recipe_units();
   EXPECT_EQ(units.size(), std::size(cases));
@@ -444,6 +449,25 @@ quant_cfg:
              "must set at least one quantizer attribute");
 }
 
+// The wire formats of the expert-parallel libraries: blocks of 128 with fp32 scales when
+// scale_bits is absent, ue8m0 scales with e8m0, and the logfmt10 extension without blocks.
+TEST(RecipeCfg, WireFormats) {
+  QuantSpec s = parse_one_cfg("{num_bits: e4m3, block_sizes: {-1: 128, type: dynamic}}");
+  EXPECT_EQ(s.format, Format::kFp8Block128);
+  EXPECT_EQ(s.block_size, 128);
+  EXPECT_EQ(parse_one_cfg("{num_bits: [4, 3], block_sizes: {-1: 128, type: dynamic, scale_bits: [8, 0]}}").format,
+            Format::kFp8Block128Ue8m0);
+  s = parse_one_cfg("{num_bits: logfmt10}");
+  EXPECT_EQ(s.format, Format::kLogfmt10);
+  EXPECT_EQ(s.block_size, 0);
+  // No global amax: a constant one is refused, as for the mx formats.
+  EXPECT_HAS(parse_error("quant_cfg:\n  - {quantizer_name: a, cfg: {num_bits: logfmt10, constant_amax: 1}}\n"),
+             "has no effect on logfmt10");
+  EXPECT_HAS(parse_error("quant_cfg:\n  - {quantizer_name: a, cfg: {num_bits: e4m3, block_sizes: {-1: 128, "
+                         "type: dynamic}, constant_amax: 1}}\n"),
+             "has no effect on fp8_block128");
+}
+
 TEST(RecipeCfg, EnableSpellingsAndFlowEntries) {
   const Recipe r = parse_recipe_text(
       "quant_cfg: [{quantizer_name: '*dispatch*', enable: True}, {quantizer_name: '*combine*', enable: off}]\n",
@@ -581,6 +605,9 @@ TEST(RecipeErrors, NumBitsAndUnsupportedCombinations) {
       {"{num_bits: e2m1, block_sizes: {-1: 16, type: dynamic}}", "{-1: 16, type: dynamic}"},
       {"{num_bits: e2m1, block_sizes: {type: dynamic, scale_bits: e4m3}}", "{-1: null"},
       {"{num_bits: e2m1, block_sizes: {-1: 16, type: dynamic, scale_bits: e5m2}}", "scale_bits: e5m2"},
+      {"{num_bits: e2m1, block_sizes: {-1: 128, type: dynamic}}", "num_bits e2m1 with block_sizes {-1: 128"},
+      {"{num_bits: e4m3, block_sizes: {-1: 128, type: dynamic, scale_bits: e4m3}}", "{-1: 128, type: dynamic, scale_bits: e4m3}"},
+      {"{num_bits: logfmt10, block_sizes: {-1: 128, type: dynamic}}", "num_bits 'logfmt10' with block_sizes {-1: 128"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.cfg);

@@ -122,13 +122,23 @@ def test_cuda_errors():
 
 
 def test_moe_layer_cuda_close_to_cpu():
+    # The two engines accumulate the fp8 GEMMs in different orders (docs/engine_cuda.md): the
+    # unquantized layers agree to about 1e-3; nvfp4 then rounds some of the slightly different
+    # elements to neighbouring codes, so the quantized layers differ by a fraction of nvfp4's own
+    # error (rel_l2 about 0.08 here).
     x = bf16(np.random.default_rng(39), 64, 1024)
-    cpu = moefq.MoeLayer("tiny", ranks=2, max_tokens=32, recipe="moe_combine_nvfp4")
-    gpu = moefq.MoeLayer("tiny", ranks=2, max_tokens=32, recipe="moe_combine_nvfp4", device="cuda")
+    cpu = moefq.MoeLayer("tiny", ranks=2, max_tokens=32)
+    gpu = moefq.MoeLayer("tiny", ranks=2, max_tokens=32, device="cuda")
+    y = gpu.forward(x.cuda())
+    gpu.synchronize()
+    m = moefq.metrics(y.cpu(), cpu.forward(x))
+    assert m["rel_l2"] < 1e-2, m
+    cpu.configure("moe_combine_nvfp4")
+    gpu.configure("moe_combine_nvfp4")
     cpu.calibrate([x])
     gpu.calibrate([x.cuda()])
     assert gpu.combine_amax == pytest.approx(cpu.combine_amax, rel=1e-2)
     y = gpu.forward(x.cuda())
     gpu.synchronize()
     m = moefq.metrics(y.cpu(), cpu.forward(x))
-    assert m["rel_l2"] < 2e-2, m
+    assert m["rel_l2"] < 5e-2, m

@@ -461,11 +461,11 @@ TEST(RecipeCfg, WireFormats) {
   EXPECT_EQ(s.format, Format::kLogfmt10);
   EXPECT_EQ(s.block_size, 0);
   // No global amax: a constant one is refused, as for the mx formats.
-  EXPECT_HAS(parse_error("quant_cfg:\n  - {quantizer_name: a, cfg: {num_bits: logfmt10, constant_amax: 1}}\n"),
-             "has no effect on logfmt10");
-  EXPECT_HAS(parse_error("quant_cfg:\n  - {quantizer_name: a, cfg: {num_bits: e4m3, block_sizes: {-1: 128, "
-                         "type: dynamic}, constant_amax: 1}}\n"),
+  EXPECT_HAS(cfg_error("{num_bits: logfmt10, constant_amax: 1}"), "has no effect on logfmt10");
+  EXPECT_HAS(cfg_error("{num_bits: e4m3, block_sizes: {-1: 128, type: dynamic}, constant_amax: 1}"),
              "has no effect on fp8_block128");
+  EXPECT_HAS(cfg_error("{num_bits: e4m3, block_sizes: {-1: 128, type: dynamic, scale_bits: e8m0}, constant_amax: 1}"),
+             "has no effect on fp8_block128_ue8m0");
 }
 
 TEST(RecipeCfg, EnableSpellingsAndFlowEntries) {

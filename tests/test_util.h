@@ -24,6 +24,11 @@
 #include "moefq/numerics.h"
 #include "moefq/synthetic.h"
 
+// Expects `part` inside the message string (an error's text), showing both when it is not.
+#define EXPECT_HAS(message, part)                                                  \
+  EXPECT_NE(std::string(message).find(part), std::string::npos)                    \
+      << "expected \"" << (part) << "\" in: " << (message)
+
 namespace moefq::test {
 
 // [rows, cols] synthetic activations (heavy-tailed, outlier channels), plus (if specials) NaN,

@@ -1,4 +1,4 @@
-// Every number format and every QDQ rule of the project (../shared/spec/numerics.md), written
+// Every number format and every QDQ rule of the project (docs/numerics.md), written
 // once as host+device scalar functions. The CPU reference and the CUDA kernels call these, so they
 // produce the same bits on every input, NaN, +-inf, +-0 and subnormals included.
 // Invariants: binary32 round-to-nearest-even everywhere, no FMA contraction (mul_rn/add_rn),

@@ -10,10 +10,6 @@
 
 namespace moefq::test {
 
-#define EXPECT_HAS(message, part)                                               \
-  EXPECT_NE(std::string(message).find(part), std::string::npos) << "expected \"" \
-                                                                 << (part) << "\" in: " << (message)
-
 // A config built by hand (the presets live elsewhere): E=4, H=256, I=128, K=2, one shared expert.
 inline MoeConfig small_weights_config(bool noaux_tc = true) {
   MoeConfig c;

@@ -25,10 +25,6 @@ std::string parse_error(const std::string& text, const std::string& origin = "my
   return error_of([&] { parse_recipe_text(text, origin); });
 }
 
-#define EXPECT_HAS(message, part)                                                  \
-  EXPECT_NE(std::string(message).find(part), std::string::npos)                    \
-      << "expected \"" << (part) << "\" in: " << (message)
-
 std::vector<std::string> four_layers() {
   std::vector<std::string> names;
   for (int i = 0; i < 4; ++i) {

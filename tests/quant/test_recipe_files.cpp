@@ -21,10 +21,6 @@ namespace {
 namespace fs = std::filesystem;
 using test::error_of;
 
-#define EXPECT_HAS(message, part)                                               \
-  EXPECT_NE(std::string(message).find(part), std::string::npos)                 \
-      << "expected \"" << (part) << "\" in: " << (message)
-
 const std::string kRoot = std::string(MOEFQ_SOURCE_DIR) + "/tests/quant/data/modelopt_layout";
 
 std::string at_root(const std::string& rel) { return kRoot + "/" + rel; }

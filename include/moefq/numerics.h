@@ -590,16 +590,24 @@ MOEFQ_HD float exp2_poly(float f) {
 // 2^y: y = n + f with n = round(y) (ties to even) and |f| <= 1/2, 2^y = exp2_poly(f) * 2^n (exact
 // while normal; one rounding into the subnormals). NaN gives the canonical NaN, y >= 128 gives +inf,
 // y < -151 gives +0.
+// exp2_f32's path for n in [-126, 127] (2^n normal), without the range tests: the bits of exp2_f32(y)
+// wherever round(y) is in that range (y in [-126, 127] is). 2^n comes from the bits of y + 1.5 * 2^23,
+// which are 0x4B400000 + n: times 2^23 (mod 2^32) that is n * 2^23, plus 127 * 2^23.
+MOEFQ_HD float exp2_f32_normal(float y) {
+  const float nm = add_rn(y, kRoundMagic);
+  const float p = exp2_poly(add_rn(y, -add_rn(nm, -kRoundMagic)));  // y - n is exact
+  return mul_rn(p, f32_from_bits(f32_bits(nm) * 0x800000u + 0x3F800000u));
+}
 MOEFQ_HD float exp2_f32(float y) {
   if (is_nan(y)) return canonical_nan_f32();
   if (y >= 128.0f) return f32_from_bits(0x7F800000u);
   if (y < -151.0f) return 0.0f;
   const float n = round_magic(y);
-  const float p = exp2_poly(add_rn(y, -n));  // y - n is exact
   const int ni = int(n);
+  if (ni >= -126 && ni <= 127) return exp2_f32_normal(y);
+  const float p = exp2_poly(add_rn(y, -n));  // y - n is exact
   if (ni < -126) return mul_rn(mul_rn(p, exp2i(ni + 64)), exp2i(-64));
-  if (ni > 127) return mul_rn(mul_rn(p, exp2i(ni - 1)), 2.0f);
-  return mul_rn(p, exp2i(ni));
+  return mul_rn(mul_rn(p, exp2i(ni - 1)), 2.0f);
 }
 // log2(1 + f) for f in [0, 1) (f = m - 1 for a significand m, exact): f / ln2 + f^2 R(f), with
 // 1 / ln2 split as kHi + kLo and R a degree-9 polynomial (Chebyshev fit on [0, 1]). Under 2 ulp.
@@ -621,6 +629,11 @@ MOEFQ_HD float log2_1p_unit(float f) {
 // float(E) and log2_1p_unit(m - 1), one rounding. So for a bf16 x (m = 1 + j/128) it is
 // add_rn(float(E), log2_1p_unit(j / 128)): a kernel could read it from a 128-entry table.
 // +-0 gives -inf, +inf gives +inf, NaN and x < 0 the canonical NaN.
+// log2_f32 of a normal bf16 magnitude (bits 0x0080..0x7F7F) as that comment says: float(E - 127)
+// (exact, from the bits of 2^23 + E) plus table[j] = log2_1p_unit(j / 128), one rounding.
+MOEFQ_HD float log2_bf16_normal(uint32_t mag, const float* table) {
+  return add_rn(add_rn(f32_from_bits(0x4B000000u | (mag >> 7)), -8388735.0f), table[mag & 0x7Fu]);
+}
 MOEFQ_HD float log2_f32(float x) {
   if (is_nan(x) || x < 0.0f) return canonical_nan_f32();
   uint32_t u = f32_bits(x);
@@ -728,12 +741,17 @@ MOEFQ_HD float logfmt_code(float t) {
 MOEFQ_HD float logfmt_decode(float k, const LogFmtBlock& b) {
   return exp2_f32(fma_rn(add_rn(k, -1.0f), b.step, b.log_amin));
 }
-// QDQ of one element x (a bf16 value) of a cast block: NaN stays NaN, zero codes keep the sign.
-MOEFQ_HD float logfmt_qdq(float x, const LogFmtBlock& b) {
+// QDQ of one element x (a bf16 value) of a cast block, given l = log2_f32(|x|) (kernels read it from
+// a table): NaN stays NaN, zero codes keep the sign. Decoded values lie in [2^log_amin, 2^log_amax],
+// log_amax < 0, so where log_amin >= -126 exp2_f32_normal gives logfmt_decode's bits.
+MOEFQ_HD float logfmt_qdq_log2(float x, float l, const LogFmtBlock& b) {
   if (is_nan(x)) return canonical_nan_f32();
-  const float k = logfmt_code(fma_rn(log2_f32(abs_f32(x)), b.step_inv, b.fused));
-  return copysign_f32(k == 0.0f ? 0.0f : logfmt_decode(k, b), x);
+  const float k = logfmt_code(fma_rn(l, b.step_inv, b.fused));
+  if (k == 0.0f) return copysign_f32(0.0f, x);
+  if (b.log_amin >= -126.0f) return copysign_f32(exp2_f32_normal(fma_rn(add_rn(k, -1.0f), b.step, b.log_amin)), x);
+  return copysign_f32(logfmt_decode(k, b), x);
 }
+MOEFQ_HD float logfmt_qdq(float x, const LogFmtBlock& b) { return logfmt_qdq_log2(x, log2_f32(abs_f32(x)), b); }
 
 // ---------------------------------------------------------------------------------------------
 // Sum-exact element rules, for the combine quantizer only. The combine adds each QDQ'd row into an
@@ -934,6 +952,20 @@ MOEFQ_HD float nvfp4_qdq_sum_unclamped(float x, float scale, float rcp) {
 // Kernels use the bf16x2 instructions (max.xorsign.abs, sm_86+; fma.rn, one rounding of the exact
 // a * b + c); the host versions apply the scalar rules to each half.
 
+// The host form of bf16x2_max_abs / bf16x2_min_abs: per half, the larger (kMax) or smaller
+// magnitude of the non-NaN operands, the canonical NaN when both are NaN, the sign bit a XOR b.
+template <bool kMax>
+inline uint32_t bf16x2_pick_abs_host(uint32_t a, uint32_t b) {
+  uint32_t r = 0;
+  for (int h = 0; h < 32; h += 16) {
+    const uint32_t x = (a >> h) & 0x7FFFu, y = (b >> h) & 0x7FFFu;
+    const bool xn = x > 0x7F80u, yn = y > 0x7F80u;
+    const uint32_t m = xn && yn ? kCanonicalNanBf16 : (xn ? y : (yn ? x : ((kMax ? x > y : x < y) ? x : y)));
+    r |= (m | (((a ^ b) >> h) & 0x8000u)) << h;
+  }
+  return r;
+}
+
 // Per half, max(|a|, |b|) over the non-NaN of the two (NaN only when both are NaN); the sign bit of
 // each half is unspecified (max.xorsign.abs.bf16x2 sets it to the XOR of the operands' signs).
 // Reduces a block's max |x| over packed words with one instruction per word.
@@ -943,14 +975,18 @@ MOEFQ_HD uint32_t bf16x2_max_abs(uint32_t a, uint32_t b) {
   asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 #else
-  uint32_t r = 0;
-  for (int h = 0; h < 32; h += 16) {
-    const uint32_t x = (a >> h) & 0x7FFFu, y = (b >> h) & 0x7FFFu;
-    const bool xn = x > 0x7F80u, yn = y > 0x7F80u;
-    const uint32_t m = xn && yn ? kCanonicalNanBf16 : (xn ? y : (yn ? x : (x > y ? x : y)));
-    r |= (m | (((a ^ b) >> h) & 0x8000u)) << h;
-  }
+  return bf16x2_pick_abs_host<true>(a, b);
+#endif
+}
+// Per half, min(|a|, |b|) over the non-NaN of the two (NaN only when both are NaN); the sign bit of
+// each half is unspecified (min.xorsign.abs.bf16x2).
+MOEFQ_HD uint32_t bf16x2_min_abs(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("min.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
+#else
+  return bf16x2_pick_abs_host<false>(a, b);
 #endif
 }
 
@@ -1006,6 +1042,19 @@ MOEFQ_HD MxPacked mx_packed_block(uint32_t bits) {
   const int e = int((u + kCarry) >> 7) - kBias;
   const uint32_t floor = (uint32_t(e + kFloorBias) << 7) | 0x40u;
   return {u != 0 && e >= kMxPackedMinExp && e <= kMxPackedMaxExp, floor | (floor << 16)};
+}
+
+// fp8_block128_ue8m0's block in the packed rule: its element rule is mxfp8_qdq's with the scale
+// 2^e of fp8_block128_ue8m0_scale, so mx_qdq_sum_unscaled_x2<true> applies with that e's floor.
+// No element needs the saturation: for a bf16 (or floored) maximum a, RN(a * RN(1/448)) exceeds
+// a / 448 by less than the gap to the next power of two, so 448 * 2^e >= a. Not ok for an infinite
+// maximum (the NaN scale) or e above the packed range; e >= -22 is always inside it.
+MOEFQ_HD MxPacked fp8_block128_ue8m0_packed(float bmax) {
+  const float a = fp8_block_amax(bmax);
+  if (!is_finite(a)) return {false, 0u};
+  const int e = ceil_log2(mul_rn(a, kInvE4m3Max));
+  const uint32_t floor = (uint32_t(e + 127 - 6) << 7) | 0x40u;  // 1.5 * 2^(e - 6) as bf16
+  return {e <= kMxPackedMaxExp, floor | (floor << 16)};
 }
 
 }  // namespace moefq

@@ -104,6 +104,12 @@ __device__ __forceinline__ void add_routed_pair(const R& rule, int4 raw_a, int4 
   for (int i = 0; i < kChunkElems; ++i) acc[i] = add_rn(add_rn(acc[i], va[i]), vb[i]);
 }
 
+// Rules that take a whole batch of slots at once (Rule<kLogfmt10>::combine_batch).
+template <typename R>
+concept BatchRule = requires(R& r, const int4 (&raw)[8], float (&v)[kChunkElems]) {
+  r.template combine_batch<false>(raw, 0u, v, v);
+};
+
 // Routed slots handled per batch: all loads of a batch are issued before the first is used, so the
 // K = 8 routed rows of the DeepSeek presets (and the fused shared row, loaded first) are in flight
 // together. nvfp4's kernel is bound by instruction issue instead: with batches of 4 it needs
@@ -162,9 +168,16 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
     for (uint32_t pending = active; pending != 0; pending >>= kBatch) {
       int4 raw[kBatch];
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j, row += stride)
-        if (pending & (1u << j)) raw[j] = load_row_chunk(row);
-      if constexpr (PairRule<R>) {
+      for (int j = 0; j < kBatch; ++j, row += stride) {
+        if (pending & (1u << j))
+          raw[j] = load_row_chunk(row);
+        else if constexpr (BatchRule<R>)
+          raw[j] = make_int4(0, 0, 0, 0);  // the batch rule reduces every slot's chunk
+      }
+      if constexpr (BatchRule<R>) {
+        static_assert(kBatch == R::kBatch);
+        rule.template combine_batch<kCheck>(raw, pending & ((1u << kBatch) - 1u), acc, plain);
+      } else if constexpr (PairRule<R>) {
         // Slots j and j + 1 together when both are active (the usual case), else one by one.
 #pragma unroll
         for (int j = 0; j < kBatch; j += 2) {

@@ -327,10 +327,22 @@ struct Fp8BlockRule {
     if constexpr (kUe8m0) return mxfp8_qdq(x, p);
     else return fp8_qdq(x, p);
   }
+  // The combine's chunk. The ue8m0 scale is a power of two, so its blocks take mxfp8's packed rule
+  // (two elements per instruction, results already bf16 values) wherever it applies.
   template <int kLanes>
   __device__ void combine_chunk(const CombineWords& w, float (&v)[kCombineElems]) const {
+    const float bmax = combine_block_max<kLanes>(w);
+    if constexpr (kUe8m0) {
+      const MxPacked b = fp8_block128_ue8m0_packed(bmax);
+      if (b.ok) {
+        const CombineWords r = {mx_qdq_sum_unscaled_x2<true>(w[0], b.floor2), mx_qdq_sum_unscaled_x2<true>(w[1], b.floor2),
+                                mx_qdq_sum_unscaled_x2<true>(w[2], b.floor2), mx_qdq_sum_unscaled_x2<true>(w[3], b.floor2)};
+        unpack(r, v);
+        return;
+      }
+    }
     unpack(w, v);
-    const Param p = block_param(combine_block_max<kLanes>(w));
+    const Param p = block_param(bmax);
 #pragma unroll
     for (int i = 0; i < kCombineElems; ++i) {
       if constexpr (kUe8m0) v[i] = mxfp8_qdq_sum(v[i], p);
@@ -350,58 +362,123 @@ struct Rule<Format::kFp8Block128Ue8m0> : Fp8BlockRule<true> {
 
 // logfmt10 in the combine (numerics.h): a block of 128 spans 16 lanes; a cast group (8 blocks when
 // H is a multiple of 1024, else 4) spans 4 or 2 warps of the 128-thread CTA, which always starts on
-// a group (CTAs cover 1024 channels of one token). Whether a group is cast is voted through shared
-// memory, so every thread of the CTA calls combine_chunk equally often (the kernel's active-slot
-// mask is CTA-uniform). The flags are double-buffered: a thread writes flags[parity] only after
-// the barrier of the next call, which every reader of the previous use has passed.
+// a group (CTAs cover 1024 channels of one token). The rule takes a batch of 8 routed slots at once
+// (the kernel's slot batch; its active-slot mask is CTA-uniform):
+// - each slot's block amax and amin of |x| (packed bf16x2 reductions) are reduced across the block's
+//   16 lanes and scattered, so that lane l ends with slot rev3(l % 8)'s and computes that one
+//   block's parameters (logfmt_block): once per two lanes instead of once per lane and slot;
+// - whether each slot's group is cast is voted through shared memory with one barrier per batch
+//   (a mask per warp). The masks are double-buffered: a thread writes ok[parity] only after the
+//   barrier of the next batch, which every reader of the previous use has passed;
+// - each element's log2 is read from a 128-entry table (log2_bf16_normal, numerics.h).
 template <>
 struct Rule<Format::kLogfmt10> {
   static constexpr int kBlock = kLogFmtBlock;
   static constexpr int kWarps = 4;
+  static constexpr int kBatch = 8;
   struct Shared {
-    int ok[2][kWarps];
+    float log2_mant[128];
+    uint32_t ok[2][kWarps];
   };
   Shared& sh;
   int parity = 0;
   int group_warps = 4;  // warps per cast group
   bool in_row = true;   // lanes past the row's end vote to cast (their blocks are not the row's)
-  __device__ Rule(const float*, Shared& s) : sh(s) {}
+  __device__ Rule(const float*, Shared& s) : sh(s) {
+    if (threadIdx.x < 128) s.log2_mant[threadIdx.x] = log2_1p_unit(float(threadIdx.x) * 0.0078125f);
+  }
   // The row's length in 16-byte chunks and whether this thread's chunk is in it.
   __device__ void bind_row(int chunks_per_row, bool chunk_in_row) {
     group_warps = logfmt_group_blocks(int64_t(chunks_per_row) * kCombineElems) == 8 ? 4 : 2;
     in_row = chunk_in_row;
   }
-  template <int kLanes>
-  __device__ void combine_chunk(const CombineWords& w, float (&v)[kCombineElems]) {
-    static_assert(kLanes == kLogFmtBlock / kCombineElems);
-    unpack(w, v);
-    float amax = 0.0f, amin = f32_from_bits(0x7F800000u);
+
+  // v[j] (one word per slot j) combined with op over the 16 lanes of the block: on return, lane l
+  // holds the result of slot rev3(l % 8) (bits 0, 1, 2 of l give bits 2, 1, 0 of the slot). Each
+  // step sends half of what a lane holds to its partner and keeps the other half: 8 shuffles.
+  template <typename Op>
+  __device__ static uint32_t reduce_scatter(const uint32_t (&v)[kBatch], Op op) {
+    constexpr unsigned kAll = 0xFFFFFFFFu;
+    const unsigned lane = threadIdx.x & 31u;
+    uint32_t a[4], c[2];
+    const bool b0 = lane & 1u, b1 = lane & 2u, b2 = lane & 4u;
 #pragma unroll
-    for (int i = 0; i < kCombineElems; ++i) {
-      const float a = abs_f32(v[i]);
-      if (is_nan(a)) continue;
-      amax = a > amax ? a : amax;
-      amin = a < amin ? a : amin;
-    }
+    for (int i = 0; i < 4; ++i) a[i] = op(b0 ? v[i + 4] : v[i], __shfl_xor_sync(kAll, b0 ? v[i] : v[i + 4], 1));
 #pragma unroll
-    for (int o = 1; o < kLanes; o <<= 1) {
-      const float xa = __shfl_xor_sync(0xFFFFFFFFu, amax, o), xi = __shfl_xor_sync(0xFFFFFFFFu, amin, o);
-      amax = xa > amax ? xa : amax;
-      amin = xi < amin ? xi : amin;
+    for (int i = 0; i < 2; ++i) c[i] = op(b1 ? a[i + 2] : a[i], __shfl_xor_sync(kAll, b1 ? a[i] : a[i + 2], 2));
+    const uint32_t d = op(b2 ? c[1] : c[0], __shfl_xor_sync(kAll, b2 ? c[0] : c[1], 4));
+    return op(d, __shfl_xor_sync(kAll, d, 8));
+  }
+  __device__ static int rev3(int j) { return ((j & 1) << 2) | (j & 2) | ((j >> 2) & 1); }
+
+  // One element of a cast block: log2|x| from the table where x is a normal bf16 (subnormals, zeros
+  // and NaN take log2_f32, whose result logfmt_qdq_log2 needs only for subnormals).
+  __device__ float qdq(float x, const LogFmtBlock& b) const {
+    const uint32_t mag = (f32_bits(x) >> 16) & 0x7FFFu;
+    const float l = mag - 0x80u < 0x7F00u ? log2_bf16_normal(mag, sh.log2_mant) : log2_f32(abs_f32(x));
+    return logfmt_qdq_log2(x, l, b);
+  }
+
+  // Adds the batch's active routed slots (bit j of `active`: raw[j] holds slot j's chunk; the
+  // others are zero) to acc in slot order, QDQ'd where their group is cast; with kCheck the
+  // unquantized values go into plain as well.
+  template <bool kCheck>
+  __device__ void combine_batch(const int4 (&raw)[kBatch], uint32_t active, float (&acc)[kCombineElems],
+                                float (&plain)[kCombineElems]) {
+    constexpr unsigned kAll = 0xFFFFFFFFu;
+    const int lane = int(threadIdx.x) & 31;
+    uint32_t mx[kBatch], mn[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const uint32_t w[4] = {uint32_t(raw[j].x), uint32_t(raw[j].y), uint32_t(raw[j].z), uint32_t(raw[j].w)};
+      mx[j] = bf16x2_max_abs(bf16x2_max_abs(w[0], w[1]), bf16x2_max_abs(w[2], w[3]));
+      mn[j] = bf16x2_min_abs(bf16x2_min_abs(w[0], w[1]), bf16x2_min_abs(w[2], w[3]));
     }
-    const LogFmtBlock b = logfmt_block(amax, amin);
-    const bool warp_ok = __all_sync(0xFFFFFFFFu, b.ok || !in_row);
+    uint32_t amax = reduce_scatter(mx, [](uint32_t a, uint32_t b) { return bf16x2_max_abs(a, b); });
+    uint32_t amin = reduce_scatter(mn, [](uint32_t a, uint32_t b) { return bf16x2_min_abs(a, b); });
+    amax = bf16x2_max_abs(amax, __byte_perm(amax, 0u, 0x1032u)) & 0x7FFFu;
+    amin = bf16x2_min_abs(amin, __byte_perm(amin, 0u, 0x1032u)) & 0x7FFFu;
+    // Over the non-NaN elements: amax 0 and amin +inf for a block with none (NaN here).
+    const LogFmtBlock own = logfmt_block(amax > 0x7F80u ? 0.0f : bf16_to_f32(uint16_t(amax)),
+                                         bf16_to_f32(uint16_t(amin > 0x7F80u ? 0x7F80u : amin)));
+    // Lanes j' and 16 + j' (j' = rev3(j)) hold slot j's two blocks of the warp.
+    const uint32_t ok = __ballot_sync(kAll, own.ok || !in_row);
+    uint32_t warp_mask = 0;
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) warp_mask |= ((ok >> rev3(j)) & (ok >> (16 + rev3(j))) & 1u) << j;
     const int warp = int(threadIdx.x) >> 5;
-    if ((threadIdx.x & 31) == 0) sh.ok[parity][warp] = warp_ok;
+    if (lane == 0) sh.ok[parity][warp] = warp_mask;
     __syncthreads();
     const int first = warp / group_warps * group_warps;
-    bool cast = true;
-    for (int i = first; i < first + group_warps; ++i) cast = cast && sh.ok[parity][i];
+    uint32_t cast = 0xFFu;
+    for (int i = first; i < first + group_warps; ++i) cast &= sh.ok[parity][i];
     parity ^= 1;
-    if (!cast) return;
+
+    const int base = lane & 16;
 #pragma unroll
-    for (int i = 0; i < kCombineElems; ++i) v[i] = logfmt_qdq(v[i], b);
-    round_to_bf16(v);
+    for (int j = 0; j < kBatch; ++j) {
+      if (!(active & (1u << j))) continue;
+      const CombineWords w = {uint32_t(raw[j].x), uint32_t(raw[j].y), uint32_t(raw[j].z), uint32_t(raw[j].w)};
+      float v[kCombineElems];
+      unpack(w, v);
+      if constexpr (kCheck) {
+#pragma unroll
+        for (int i = 0; i < kCombineElems; ++i) plain[i] = add_rn(plain[i], v[i]);
+      }
+      if (cast & (1u << j)) {
+        const int src = base | rev3(j);
+        LogFmtBlock b;
+        b.log_amin = __shfl_sync(kAll, own.log_amin, src);
+        b.step = __shfl_sync(kAll, own.step, src);
+        b.step_inv = __shfl_sync(kAll, own.step_inv, src);
+        b.fused = __shfl_sync(kAll, own.fused, src);
+#pragma unroll
+        for (int i = 0; i < kCombineElems; ++i) v[i] = qdq(v[i], b);
+        round_to_bf16(v);
+      }
+#pragma unroll
+      for (int i = 0; i < kCombineElems; ++i) acc[i] = add_rn(acc[i], v[i]);
+    }
   }
 };
 

@@ -258,6 +258,17 @@ __global__ void sum_rules_kernel(const float* amaxes, int num_amax, unsigned lon
       const int e8 = mx_block_exponent_bf16<true>(bmax), e4 = mx_block_exponent_bf16<false>(bmax);
       if (p8.ok && (is_nan(x) || !same(p8, e8, mx_unscaled_bounds<true>(exp2i(e8)).floor))) atomicAdd(&bad[11], 1ull);
       if (p4.ok && (is_nan(x) || !same(p4, e4, mx_unscaled_bounds<false>(exp2i(e4)).floor))) atomicAdd(&bad[11], 1ull);
+      // fp8_block128_ue8m0's blocks in the packed rule: where accepted, the exponent of its scale is
+      // in the packed range, the floor is that exponent's, and the maximum is within the saturation
+      // (so is every element of the block); every finite maximum is accepted (e >= -22, <= 99).
+      if (!is_nan(x)) {
+        const MxPacked pu = fp8_block128_ue8m0_packed(bmax);
+        const MxScale su = fp8_block128_ue8m0_scale(bmax);
+        const int eu = is_finite(su.from_elem) ? ceil_log2(su.from_elem) : 1000;
+        const MxBounds bu = mx_unscaled_bounds<true>(su.from_elem);
+        if (pu.ok && (!same(pu, eu, bu.floor) || !(bmax <= bu.sat))) atomicAdd(&bad[13], 1ull);
+        if (!pu.ok && is_finite(bmax)) atomicAdd(&bad[13], 1ull);
+      }
       // Every maximum of a finite, non-zero block in the packed range is accepted.
       if (!is_nan(x) && is_finite(x) && bmax > 0.0f) {
         if (!p8.ok && e8 >= kMxPackedMinExp && e8 <= kMxPackedMaxExp) atomicAdd(&bad[11], 1ull);
@@ -267,23 +278,28 @@ __global__ void sum_rules_kernel(const float* amaxes, int num_amax, unsigned lon
   }
 }
 
-// bf16x2_max_abs on every pair of bf16 (a, b) (2^32 pairs, in slices), both halves and both
-// orders: the magnitude is max(|a|, |b|) over the non-NaN of the two, NaN only when both are NaN.
+// bf16x2_max_abs and bf16x2_min_abs on every pair of bf16 (a, b) (2^32 pairs, in slices), both
+// halves and both orders: the magnitude is max or min(|a|, |b|) over the non-NaN of the two, NaN
+// only when both are NaN.
 __global__ void max_abs_kernel(uint32_t base, unsigned long long* bad) {
   const uint32_t i = base + blockIdx.x * blockDim.x + threadIdx.x;
   const uint32_t a = i & 0xFFFFu, b = i >> 16;
   const uint32_t r = bf16x2_max_abs(a | (b << 16), b | (a << 16));
   const float fa = abs_f32(bf16_to_f32(uint16_t(a))), fb = abs_f32(bf16_to_f32(uint16_t(b)));
   const float want = is_nan(fa) ? fb : (is_nan(fb) ? fa : (fa > fb ? fa : fb));
+  const uint32_t rmin = bf16x2_min_abs(a | (b << 16), b | (a << 16));
+  const float want_min = is_nan(fa) ? fb : (is_nan(fb) ? fa : (fa < fb ? fa : fb));
   for (int h = 0; h < 32; h += 16) {
     const float got = bf16_to_f32(uint16_t((r >> h) & 0x7FFFu));
     if (is_nan(want) ? !is_nan(got) : f32_bits(got) != f32_bits(want)) atomicAdd(&bad[12], 1ull);
+    const float got_min = bf16_to_f32(uint16_t((rmin >> h) & 0x7FFFu));
+    if (is_nan(want_min) ? !is_nan(got_min) : f32_bits(got_min) != f32_bits(want_min)) atomicAdd(&bad[12], 1ull);
   }
 }
 
 TEST(CombineCuda, SumExactRulesEqualTheQdqRulesOnEveryInput) {
   SKIP_WITHOUT_GPU();
-  DeviceBuffer<unsigned long long> bad(std::vector<unsigned long long>(13, 0));
+  DeviceBuffer<unsigned long long> bad(std::vector<unsigned long long>(14, 0));
   for (uint64_t base = 0; base < (1ull << 31); base += (1ull << 28)) {
     sum_cores_kernel<<<(1u << 28) / 256, 256>>>(uint32_t(base), bad.get());
     MOEFQ_CUDA_CHECK_LAUNCH();
@@ -305,8 +321,8 @@ TEST(CombineCuda, SumExactRulesEqualTheQdqRulesOnEveryInput) {
   const char* names[] = {"e4m3 rounding core", "e2m1 rounding core", "fp8",          "int8",
                          "nvfp4",              "mxfp8",              "mxfp4",        "mx block exponent",
                          "mx unscaled",        "nvfp4 tame",         "mx packed",    "mx packed block",
-                         "bf16x2 max abs"};
-  for (int i = 0; i < 13; ++i) EXPECT_EQ(b[size_t(i)], 0u) << names[i] << ": inputs where the sum-exact rule differs";
+                         "bf16x2 max/min abs", "fp8_block128_ue8m0 packed block"};
+  for (int i = 0; i < 14; ++i) EXPECT_EQ(b[size_t(i)], 0u) << names[i] << ": inputs where the sum-exact rule differs";
 }
 
 TEST(CombineCuda, PlainCombineEqualsCpu) {
@@ -413,8 +429,10 @@ TEST(CombineCuda, QdqCombineEqualsCpuOnExtremeBlocks) {
 
 // logfmt10's cast groups in the combine: rows scaled below 1 so groups are cast, with a block >= 1
 // in some rows (its whole group stays bf16); H a multiple of 1024 (a group is the CTA's 4 warps),
-// of 512 only (2 warps), and 640 and 384 (a short last group, lanes past the row's end). Byte for
-// byte against the CPU quantizer's re-sum, which must differ from the plain combine (cast rows).
+// of 512 only (2 warps), and 640 and 384 (a short last group, lanes past the row's end). Some rows
+// are scaled to 2^-110 and below (grids reaching under 2^-126: the decode's general exp2 path,
+// subnormal elements: log2 without the table) and some have zeros and NaN. Byte for byte against
+// the CPU quantizer's re-sum, which must differ from the plain combine (cast rows).
 TEST(CombineCuda, LogFmtCastGroupsEqualCpu) {
   SKIP_WITHOUT_GPU();
   const Shape shapes[] = {{32, 8, 1024, true, 32}, {16, 8, 7168, false, 16}, {24, 6, 1536, true, 24},
@@ -427,8 +445,11 @@ TEST(CombineCuda, LogFmtCastGroupsEqualCpu) {
       for (int64_t k = 0; k < s.K + (s.fused ? 1 : 0); ++k) {  // the shared row only when it is fused
         if (k < s.K && !h.active(t, k)) continue;
         bf16* row = h.row(k, t);
-        for (int64_t e = 0; e < s.H; ++e) row[e] = bf16{bf16_round(std::ldexp(to_f32(row[e]), -6))};
+        const int shift = rng() % 5 == 0 ? -110 - int(rng() % 20) : -6;
+        for (int64_t e = 0; e < s.H; ++e) row[e] = bf16{bf16_round(std::ldexp(to_f32(row[e]), shift))};
         if (rng() % 4 == 0) row[rng() % uint64_t(s.H)] = bf16{bf16_round(1.5f)};  // its group stays bf16
+        if (rng() % 4 == 0) row[rng() % uint64_t(s.H)] = bf16{0};
+        if (rng() % 8 == 0) row[rng() % uint64_t(s.H)] = bf16{kCanonicalNanBf16};
       }
     SCOPED_TRACE(describe(s));
     DeviceRows d(h);

@@ -128,12 +128,30 @@ TEST(Log2Exp2, SpecialValues) {
 // log2 of a normal bf16 value is add_rn(float(E), table[j]) with table[j] = log2_1p_unit(j / 128):
 // the same bits as log2_f32 (what a kernel could read from a 128-entry table).
 TEST(Log2Exp2, Bf16LogarithmIsExponentPlusTable) {
+  float table[128];
+  for (int j = 0; j < 128; ++j) table[j] = log2_1p_unit(float(j) * 0.0078125f);
   for (uint32_t b = 0x0080; b < 0x7F80; ++b) {
     const float x = bf16_to_f32(uint16_t(b));
     const float e = float(int(b >> 7) - 127);
-    const float table = log2_1p_unit(float(b & 0x7Fu) / 128.0f);
-    ASSERT_EQ(f32_bits(log2_f32(x)), f32_bits(add_rn(e, table))) << std::hex << b;
+    ASSERT_EQ(f32_bits(log2_f32(x)), f32_bits(add_rn(e, table[b & 0x7Fu]))) << std::hex << b;
+    ASSERT_EQ(f32_bits(log2_f32(x)), f32_bits(log2_bf16_normal(b, table))) << std::hex << b;
   }
+}
+
+// exp2_f32_normal is exp2_f32 wherever round(y) is in [-126, 127]: every y of [-126.5, 127.5) whose
+// bits are a multiple of 61 apart (35 million, both signs), and the range's ends and half-integers.
+TEST(Log2Exp2, NormalPathIsExp2) {
+  const auto check = [](float y) { ASSERT_EQ(f32_bits(exp2_f32_normal(y)), f32_bits(exp2_f32(y))) << std::hexfloat << y; };
+  for (uint32_t u = 0; u < 0x42FF0000u; u += 61) {
+    check(f32_from_bits(u));
+    if (f32_from_bits(u) <= 126.5f) check(-f32_from_bits(u));
+  }
+  for (int k = -252; k <= 254; ++k) {
+    check(float(k) * 0.5f);
+    check(std::nextafter(float(k) * 0.5f, 0.0f));
+  }
+  check(-126.5f);
+  check(std::nextafter(127.5f, 0.0f));
 }
 
 }  // namespace

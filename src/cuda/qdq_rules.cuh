@@ -411,12 +411,21 @@ struct Rule<Format::kLogfmt10> {
   }
   __device__ static int rev3(int j) { return ((j & 1) << 2) | (j & 2) | ((j >> 2) & 1); }
 
-  // One element of a cast block: log2|x| from the table where x is a normal bf16 (subnormals, zeros
-  // and NaN take log2_f32, whose result logfmt_qdq_log2 needs only for subnormals).
+  // One element of a cast block, general: log2|x| from the table where x is a normal bf16 (else
+  // log2_f32, which logfmt_qdq_log2 needs only for subnormals).
   __device__ float qdq(float x, const LogFmtBlock& b) const {
     const uint32_t mag = (f32_bits(x) >> 16) & 0x7FFFu;
     const float l = mag - 0x80u < 0x7F00u ? log2_bf16_normal(mag, sh.log2_mant) : log2_f32(abs_f32(x));
     return logfmt_qdq_log2(x, l, b);
+  }
+  // The same without branches, for blocks with log_amin >= -126 and elements that are normal, zero
+  // or NaN: the table's log2 for every element, exp2_f32_normal for the decode, and zeros (code 0
+  // or x = +-0, whose table value is not log2 0) and NaN chosen at the end.
+  __device__ float qdq_fast(float x, const LogFmtBlock& b) const {
+    const uint32_t mag = (f32_bits(x) >> 16) & 0x7FFFu;
+    const float k = logfmt_code(fma_rn(log2_bf16_normal(mag, sh.log2_mant), b.step_inv, b.fused));
+    const float r = exp2_f32_normal(fma_rn(add_rn(k, -1.0f), b.step, b.log_amin));
+    return mag > 0x7F80u ? canonical_nan_f32() : copysign_f32(k == 0.0f || mag == 0 ? 0.0f : r, x);
   }
 
   // Adds the batch's active routed slots (bit j of `active`: raw[j] holds slot j's chunk; the
@@ -454,11 +463,17 @@ struct Rule<Format::kLogfmt10> {
     for (int i = first; i < first + group_warps; ++i) cast &= sh.ok[parity][i];
     parity ^= 1;
 
+    // The slots one after the other in a loop that is not unrolled, so the element code is there
+    // once (unrolled over the slots, the kernel's code outgrew the instruction cache); the chunk
+    // is picked from the registers by a select chain.
     const int base = lane & 16;
-#pragma unroll
+#pragma unroll 1
     for (int j = 0; j < kBatch; ++j) {
       if (!(active & (1u << j))) continue;
-      const CombineWords w = {uint32_t(raw[j].x), uint32_t(raw[j].y), uint32_t(raw[j].z), uint32_t(raw[j].w)};
+      int4 r = raw[0];
+#pragma unroll
+      for (int i = 1; i < kBatch; ++i) r = i == j ? raw[i] : r;
+      const CombineWords w = {uint32_t(r.x), uint32_t(r.y), uint32_t(r.z), uint32_t(r.w)};
       float v[kCombineElems];
       unpack(w, v);
       if constexpr (kCheck) {
@@ -472,8 +487,19 @@ struct Rule<Format::kLogfmt10> {
         b.step = __shfl_sync(kAll, own.step, src);
         b.step_inv = __shfl_sync(kAll, own.step_inv, src);
         b.fused = __shfl_sync(kAll, own.fused, src);
+        // A subnormal element (bf16 bits 1..0x7F in a half) or a grid reaching below 2^-126
+        // anywhere in the warp takes the general path (uniform branch).
+        bool tame = b.log_amin >= -126.0f;
 #pragma unroll
-        for (int i = 0; i < kCombineElems; ++i) v[i] = qdq(v[i], b);
+        for (int i = 0; i < 4; ++i)
+          tame = tame && ((w[i] & 0x7F80u) || !(w[i] & 0x7Fu)) && ((w[i] & 0x7F800000u) || !(w[i] & 0x7F0000u));
+        if (__all_sync(kAll, tame)) {
+#pragma unroll
+          for (int i = 0; i < kCombineElems; ++i) v[i] = qdq_fast(v[i], b);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kCombineElems; ++i) v[i] = qdq(v[i], b);
+        }
         round_to_bf16(v);
       }
 #pragma unroll

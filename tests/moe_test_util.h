@@ -132,9 +132,11 @@ std::vector<std::vector<bf16>> host_forward(Layer& layer, const Problem& p,
 // The combine re-sum of fake_quant.md for rank r's tokens over the rows of a buffer (`buf`, rows
 // at combine_offset, [K + fused][T][H] bf16): fp32 from +0, the active routed slots ascending,
 // each row QDQ'd with format f (qdq_ref, blocks along H; no QDQ when f is nullopt), the fused
-// shared slot last and unquantized, one bf16 rounding.
+// shared slot last and unquantized, one bf16 rounding. weighted (combine_weighting after): each
+// QDQ'd routed value is first multiplied by its router weight p.wt, rounded to fp32 on its own
+// (the product of two floats is exact in double), then added.
 inline std::vector<bf16> qdq_resum(const uint8_t* buf, size_t combine_offset, int64_t T, bool fused, const Problem& p,
-                                   int64_t r, std::optional<Format> f, float amax) {
+                                   int64_t r, std::optional<Format> f, float amax, bool weighted = false) {
   const int64_t H = p.H, K = p.K, n = p.n[size_t(r)];
   auto row = [&](int64_t k, int64_t t) { return reinterpret_cast<const bf16*>(buf + combine_offset + size_t((k * T + t) * H) * 2); };
   std::vector<bf16> y(size_t(n * H)), q(static_cast<size_t>(H));
@@ -146,7 +148,11 @@ inline std::vector<bf16> qdq_resum(const uint8_t* buf, size_t combine_offset, in
         qdq_ref(*f, row(k, t), q.data(), 1, H, amax);
       else
         std::copy(row(k, t), row(k, t) + H, q.begin());
-      for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = acc[size_t(h)] + to_f32(q[size_t(h)]);
+      const double w = p.wt[size_t(r)][size_t(t * K + k)];
+      for (int64_t h = 0; h < H; ++h) {
+        const float v = weighted ? float(w * double(to_f32(q[size_t(h)]))) : to_f32(q[size_t(h)]);
+        acc[size_t(h)] = acc[size_t(h)] + v;
+      }
     }
     if (fused)
       for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = acc[size_t(h)] + to_f32(row(K, t)[h]);

@@ -1,7 +1,8 @@
 // The combine quantizer of fake_quant.md as one operation on host tensors, for callers that hold
 // the combine rows themselves (the Python binding): each active routed row QDQ'd along H, then
-// engine.md's re-sum (fp32 from +0, active slots ascending, the shared row last and unquantized,
-// one bf16 rounding). FakeQuantMoe's host combine quantizer is this function on its buffer's rows.
+// engine.md's re-sum (fp32 from +0, active slots ascending, each routed row times its router
+// weight when the rows are unweighted, the shared row last and unquantized, one bf16 rounding).
+// FakeQuantMoe's host combine quantizer is this function on its buffer's rows.
 #pragma once
 
 #include <cstdint>
@@ -20,9 +21,14 @@ struct HostCombineRows {
   const int32_t* topk_idx = nullptr; // [num_tokens, K]; a negative id marks an inactive slot (its row
                                      // is never read); null: every slot is active
   const bf16* shared = nullptr;      // [num_tokens, H] bf16 added last, unquantized; null: none
+  // combine_weighting after: [num_tokens, K] fp32 router weights, each routed row's QDQ'd value
+  // multiplied by its weight before it is added (fp32(w * q), then the add: two roundings, no
+  // fma). null: combine_weighting before (the rows are already weighted).
+  const float* topk_weights = nullptr;
 };
 
-// y[t] = bf16(sum from +0 of QDQ_f(row (k, t)) over the active slots k ascending, then shared[t]).
+// y[t] = bf16(sum from +0 of [w[t, k] *] QDQ_f(row (k, t)) over the active slots k ascending, then
+// shared[t]).
 // format nullopt: no QDQ (engine.md's plain combine). amax: the global amax of fp8, nvfp4 and int8
 // (ignored by mxfp8 and mxfp4). y: [num_tokens, H] bf16, must not overlap the rows. Bad shapes are
 // errors (bad input).

@@ -11,6 +11,7 @@
 
 #include "moefq/buffer_layout.h"
 #include "moefq/moe_config.h"
+#include "moefq/quant_spec.h"
 #include "moefq/weights.h"
 
 namespace moefq {
@@ -20,6 +21,10 @@ struct PreparedExpert;  // src/engine/expert_cpu.h
 struct EngineOptions {
   bool fuse_shared = true;  // the shared expert as combine slot K (else the caller runs it)
   int num_threads = 0;      // 0: all hardware threads
+  // Where the router weight is applied (quant_spec.h): in the SwiGLU step (before, the combine
+  // rows are weighted) or in the combine (after, the rows are unweighted). Sizing and layout do
+  // not depend on it.
+  CombineWeighting combine_weighting = CombineWeighting::kBefore;
 };
 
 // One rank's inputs and output of a call.
@@ -56,6 +61,7 @@ class CpuEngine {
   void shared_expert(int64_t rank, const bf16* x, int64_t num_tokens, bf16* y) const;
 
   const MoeConfig& config() const { return cfg_; }
+  const EngineOptions& options() const { return opt_; }
   const BufferLayout& layout() const { return layout_; }
   int64_t num_ranks() const { return layout_.shape().num_ranks; }
   // Rank r's symmetric buffer, as the engine left it after the last call.

@@ -24,6 +24,8 @@ class ExpertBackend {
   virtual int64_t num_ranks() const = 0;
   virtual int64_t max_tokens() const = 0;
   virtual bool fused_shared() const = 0;
+  // Where the layer applies the router weight (EngineOptions::combine_weighting).
+  virtual CombineWeighting combine_weighting() const { return CombineWeighting::kBefore; }
   // One call of every rank; batches[r] is rank r's (x already dispatch-quantized by the caller).
   virtual void forward(std::span<const RankBatch> batches) = 0;
   // Where rank r's combine rows p[t, k] are after forward(): combine_bytes(r) from

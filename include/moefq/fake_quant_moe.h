@@ -61,6 +61,10 @@ class FakeQuantMoe {
   std::vector<const Quantizer*> calibration_state() const;
   void load_calibration_file(const std::string& path);
   void set_calibrated_amax(float dispatch_amax, float combine_amax);
+  // Where the combine quantizer's re-sum applies the router weight (quant_spec.h); by default the
+  // back-end's own. Set apart from the back-end's, the layout check fails on the first call.
+  CombineWeighting combine_weighting() const;
+  void set_combine_weighting(CombineWeighting w);
   bool layout_checked(int64_t rank) const;
   // Counting of elements beyond the global amax in the forwards that quantize ([2][R]: dispatch,
   // combine), read and reset.

@@ -2,6 +2,7 @@
 // Shared by recipes (which produce specs) and quantizers (which apply them).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -15,6 +16,16 @@ enum class AmaxSource {
   kDynamic,     // per call, max |x| over the whole tensor
 };
 const char* amax_source_name(AmaxSource s);
+
+// Where a layer applies the router weight w[t, k] (engine.md, fake_quant.md). kBefore: in the
+// SwiGLU step, so the combine rows are weighted and the combine sums them as they are. kAfter: the
+// rows are left unweighted and the combine (and the combine quantizer's re-sum, after its QDQ)
+// multiplies each routed row by w[t, k] in fp32 before adding it. A layer property: the engine
+// and the quantizer wrapping it must agree (the layout check catches them when they do not).
+enum class CombineWeighting { kBefore, kAfter };
+const char* combine_weighting_name(CombineWeighting w);  // "before", "after"
+// "before" or "after"; nullopt for anything else.
+std::optional<CombineWeighting> parse_combine_weighting(std::string_view text);
 
 struct QuantSpec {
   Format format = Format::kFp8;

@@ -84,6 +84,7 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
   const int64_t R = sh.num_ranks, T = sh.max_tokens, K = sh.top_k, H = sh.hidden, E = sh.num_experts;
   const int64_t el = sh.local_experts(), hb = H / kB;
   const bool fused = sh.fused_shared_slots() > 0;
+  const bool after = opt_.combine_weighting == CombineWeighting::kAfter;
   validate_batches(batches, R, T, E, K);
 
   // Token side: stage x, publish topk_idx / topk_weights in the rank's own buffer.
@@ -129,7 +130,9 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
         float* xs = at<float>(buf, layout_.pool_x_scales) + row * hb;
         std::memcpy(x8, at<uint8_t>(sbuf, layout_.staged_x) + t * H, size_t(H));
         std::memcpy(xs, at<float>(sbuf, layout_.staged_scales) + t * hb, size_t(hb) * 4);
-        add_expert_row(groups, &experts_[size_t(d)][size_t(le)], i == 0, x8, xs, at<float>(sbuf, layout_.topk_weights)[t * K + k],
+        // combine_weighting after: the row stays unweighted (weight 1.0 is exact), the combine weights it.
+        const float w = after ? 1.0f : at<float>(sbuf, layout_.topk_weights)[t * K + k];
+        add_expert_row(groups, &experts_[size_t(d)][size_t(le)], i == 0, x8, xs, w,
                 at<uint8_t>(buf, layout_.pool_h) + row * imax, at<float>(buf, layout_.pool_h_scales) + row * ib,
                 reinterpret_cast<bf16*>(sbuf.data() + layout_.combine_row_offset(k, t)));
       }
@@ -147,18 +150,16 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
   }
   run_expert_groups(groups, cfg_.swiglu_clamp, num_threads_);
 
-  // Combine on each token rank: active slots ascending, fp32 from +0, the shared slot last, one
-  // bf16 rounding.
+  // Combine on each token rank: active slots ascending, fp32 from +0 (each routed row times its
+  // router weight first when combine_weighting is after), the shared slot last, one bf16 rounding.
   for (int64_t r = 0; r < R; ++r) {
     const RankBatch& b = batches[size_t(r)];
     const auto& buf = buffers_[size_t(r)];
     const int32_t* idx = at<int32_t>(buf, layout_.topk_idx);
+    const float* wts = at<float>(buf, layout_.topk_weights);
     parallel_for(b.num_tokens, num_threads_, [&](int64_t t) {
-      const bf16* rows[kMaxCombineRows];
-      int n = 0;
-      for (int64_t k = 0; k < K + (fused ? 1 : 0); ++k)
-        if (k == K || idx[t * K + k] >= 0) rows[n++] = reinterpret_cast<const bf16*>(buf.data() + layout_.combine_row_offset(k, t));
-      combine_rows(rows, n, H, b.y + t * H);
+      const auto row = [&](int64_t k) { return reinterpret_cast<const bf16*>(buf.data() + layout_.combine_row_offset(k, t)); };
+      combine_token(idx + t * K, after ? wts + t * K : nullptr, K, fused, H, row, b.y + t * H);
     });
   }
 

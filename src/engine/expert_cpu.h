@@ -56,8 +56,29 @@ inline constexpr int kMaxCombineRows = 33;
 
 // engine.md's combine of one token: y[h] = bf16 of the fp32 sum from +0 of rows[0][h],
 // rows[1][h], ... in the given order (the active routed slots ascending, then the fused shared
-// slot). rows: n pointers to [H] bf16 rows; y: [H] bf16.
-void combine_rows(const bf16* const* rows, int n, int64_t H, bf16* y);
+// slot). rows: n pointers to [H] bf16 rows; y: [H] bf16. weights (combine_weighting after): null,
+// or the fp32 router weight of each of the first num_weighted rows (the routed ones), which then
+// add fp32(weights[i] * row[h]): one rounding for the product, one for the sum, never an fma.
+void combine_rows(const bf16* const* rows, int n, int64_t H, bf16* y, const float* weights = nullptr,
+                  int num_weighted = 0);
+
+// combine_rows for one token whose slot k's row is row(k) ([H] bf16): the active routed slots
+// (idx[k] >= 0, idx: [K]) ascending, each weighted by weights[k] when weights ([K] fp32) is not
+// null, then slot K when fused. y: [H] bf16.
+template <typename RowOfSlot>
+void combine_token(const int32_t* idx, const float* weights, int64_t K, bool fused, int64_t H, RowOfSlot row, bf16* y) {
+  const bf16* rows[kMaxCombineRows];
+  float w[kMaxCombineRows];
+  int n = 0;
+  for (int64_t k = 0; k < K; ++k)
+    if (idx[k] >= 0) {
+      w[n] = weights ? weights[k] : 1.0f;
+      rows[n++] = row(k);
+    }
+  const int routed = n;
+  if (fused) rows[n++] = row(K);
+  combine_rows(rows, n, H, y, weights ? w : nullptr, routed);
+}
 
 // Checks one call's batches (one per rank) against the layer: the batch count, at most max_tokens
 // tokens per rank, no null tensors, expert ids in [-1, E) and no expert picked twice by a token.

@@ -19,9 +19,11 @@ void combine_qdq_ref(const HostCombineRows& r, std::optional<Format> format, flo
   std::vector<bf16> qrows(format ? size_t(K * H) : 0);
   for (int64_t t = 0; t < T; ++t) {
     const bf16* rows[kMaxCombineRows];
+    float w[kMaxCombineRows];
     int n = 0;
     for (int64_t k = 0; k < K; ++k) {
       if (r.topk_idx && r.topk_idx[t * K + k] < 0) continue;
+      w[n] = r.topk_weights ? r.topk_weights[t * K + k] : 1.0f;
       const bf16* row = r.rows + k * r.slot_stride + t * H;
       if (format) {
         bf16* q = qrows.data() + n * H;
@@ -30,8 +32,9 @@ void combine_qdq_ref(const HostCombineRows& r, std::optional<Format> format, flo
       }
       rows[n++] = row;
     }
+    const int routed = n;
     if (r.shared) rows[n++] = r.shared + t * H;
-    combine_rows(rows, n, H, y + t * H);
+    combine_rows(rows, n, H, y + t * H, r.topk_weights ? w : nullptr, routed);
   }
 }
 

@@ -25,6 +25,7 @@ class MegaMoeBackend final : public ExpertBackend {
   int64_t num_ranks() const override { return engine_.num_ranks(); }
   int64_t max_tokens() const override { return engine_.layout().shape().max_tokens; }
   bool fused_shared() const override { return engine_.layout().shape().fused_shared_slots() > 0; }
+  CombineWeighting combine_weighting() const override { return engine_.options().combine_weighting; }
   void forward(std::span<const RankBatch> b) override { engine_.forward(b); }
   std::optional<size_t> combine_offset() const override { return engine_.layout().combine_offset(); }
   std::span<const uint8_t> combine_bytes(int64_t rank) const override { return engine_.buffer(rank); }
@@ -47,6 +48,7 @@ class RoutedExpertsBackend final : public ExpertBackend {
         T_(T),
         fused_(o.fuse_shared && cfg.num_shared > 0),
         threads_(resolve_threads(o.num_threads)),
+        weighting_(o.combine_weighting),
         weights_(std::move(weights)) {
     const std::vector<LayerWeights>& w = weights_;  // the views below point into these
     cfg.validate();
@@ -69,6 +71,7 @@ class RoutedExpertsBackend final : public ExpertBackend {
   int64_t num_ranks() const override { return R_; }
   int64_t max_tokens() const override { return T_; }
   bool fused_shared() const override { return fused_; }
+  CombineWeighting combine_weighting() const override { return weighting_; }
   std::optional<size_t> combine_offset() const override { return 0; }
   std::span<const uint8_t> combine_bytes(int64_t rank) const override { return rows_[size_t(rank)]; }
 
@@ -76,6 +79,7 @@ class RoutedExpertsBackend final : public ExpertBackend {
     const int64_t H = cfg_.hidden, K = cfg_.top_k, hb = H / kStageBlock, E = cfg_.num_experts;
     const int64_t Is = cfg_.intermediate * cfg_.num_shared, imax = std::max(cfg_.intermediate, Is);
     validate_batches(batches, R_, T_, E, K);
+    const bool after = weighting_ == CombineWeighting::kAfter;  // then finalize weights the rows
     // prepare: stage each rank's tokens to e4m3 with 1 x 128 scales
     std::vector<std::vector<uint8_t>> x8(static_cast<size_t>(R_));
     std::vector<std::vector<float>> xs(static_cast<size_t>(R_));
@@ -106,7 +110,7 @@ class RoutedExpertsBackend final : public ExpertBackend {
       for (size_t i = 0; i < lists[size_t(e)].size(); ++i, ++row) {
         const auto [r, t, k] = lists[size_t(e)][i];
         add_expert_row(groups, &experts_[size_t(e)], i == 0, x8[size_t(r)].data() + t * H, xs[size_t(r)].data() + t * hb,
-                       batches[size_t(r)].topk_weights[t * K + k], h8_.data() + row * size_t(imax),
+                       after ? 1.0f : batches[size_t(r)].topk_weights[t * K + k], h8_.data() + row * size_t(imax),
                        hs_.data() + row * size_t(imax / kStageBlock), out_row(r, k, t));
       }
     for (int64_t r = 0; fused_ && r < R_; ++r)
@@ -115,15 +119,13 @@ class RoutedExpertsBackend final : public ExpertBackend {
                        1.0f, h8_.data() + row * size_t(imax), hs_.data() + row * size_t(imax / kStageBlock),
                        out_row(r, K, t));
     run_expert_groups(groups, cfg_.swiglu_clamp, threads_);
-    // finalize: active slots ascending, fp32 from +0, the shared slot last, one bf16 rounding
+    // finalize: active slots ascending (weighted here when after), fp32 from +0, the shared slot
+    // last, one bf16 rounding
     for (int64_t r = 0; r < R_; ++r) {
       const RankBatch& b = batches[size_t(r)];
       parallel_for(b.num_tokens, threads_, [&](int64_t t) {
-        const bf16* rows[kMaxCombineRows];
-        int n = 0;
-        for (int64_t k = 0; k < K + (fused_ ? 1 : 0); ++k)
-          if (k == K || b.topk_idx[t * K + k] >= 0) rows[n++] = out_row(r, k, t);
-        combine_rows(rows, n, H, b.y + t * H);
+        combine_token(b.topk_idx + t * K, after ? b.topk_weights + t * K : nullptr, K, fused_, H,
+                      [&](int64_t k) { return out_row(r, k, t); }, b.y + t * H);
       });
     }
   }
@@ -138,6 +140,7 @@ class RoutedExpertsBackend final : public ExpertBackend {
   int64_t R_, T_;
   bool fused_;
   int threads_;
+  CombineWeighting weighting_;
   std::vector<LayerWeights> weights_;    // [R], what experts_ and shared_ read
   std::vector<PreparedExpert> experts_;  // [E], global ids
   std::vector<PreparedExpert> shared_;   // [R] or empty

@@ -5,7 +5,7 @@
 namespace moefq {
 
 FakeQuantDriver::FakeQuantDriver(std::unique_ptr<FakeQuantOps> ops, int64_t layer)
-    : ops_(std::move(ops)), q_(layer, ops_->num_local_ranks()) {
+    : ops_(std::move(ops)), q_(layer, ops_->num_local_ranks()), weighting_(ops_->combine_weighting()) {
   const size_t R = size_t(ops_->num_local_ranks());
   checked_.assign(R, false);
   pending_.assign(R, false);
@@ -127,10 +127,10 @@ void FakeQuantDriver::forward(std::span<const RankBatch> batches, bool with_engi
     }
     if (q.calibrating()) {
       ops_->row_stats(r, b);
-      if (check) ops_->combine(r, b, std::nullopt, true);
+      if (check) ops_->combine(r, b, std::nullopt, weighting_, true);
     } else {
       if (count_clipping_ && q.has_amax()) ops_->count_clipped(r, b, 1);
-      ops_->combine(r, b, q.spec().format, check);
+      ops_->combine(r, b, q.spec().format, weighting_, check);
     }
     if (eager) {
       raise_recorded(r);

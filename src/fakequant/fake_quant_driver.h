@@ -50,6 +50,8 @@ class FakeQuantOps {
   virtual int64_t num_local_ranks() const = 0;
   virtual int64_t max_tokens() const = 0;
   virtual bool fused_shared() const = 0;
+  // Where the engine applies the router weight (the quantizer's default, FakeQuantDriver).
+  virtual CombineWeighting combine_weighting() const = 0;
   // The combine rows p[t, k] of a rank: bf16 [K + fused][T][H] from this byte offset of its
   // buffer of buffer_bytes(); nullopt when the back-end cannot expose them.
   virtual std::optional<size_t> combine_offset() const = 0;
@@ -85,10 +87,12 @@ class FakeQuantOps {
   // Whether b has an active routed slot (may synchronise).
   virtual bool has_routed_rows(int64_t r, const RankBatch& b) = 0;
   // b.y = the re-sum of rank r's rows in the engine's order: each active routed row QDQ'd in
-  // `format` with the combine amax (plain when nullopt), the fused shared slot last and
-  // unquantized. check: first compares the unquantized re-sum with b.y (the engine's output) and
-  // records the first mismatch.
-  virtual void combine(int64_t r, const RankBatch& b, std::optional<Format> format, bool check) = 0;
+  // `format` with the combine amax (plain when nullopt) and, when weighting is after, multiplied
+  // by its router weight b.topk_weights[t, k], the fused shared slot last and unquantized. check:
+  // first compares the unquantized re-sum (weighted the same way) with b.y (the engine's output)
+  // and records the first mismatch.
+  virtual void combine(int64_t r, const RankBatch& b, std::optional<Format> format, CombineWeighting weighting,
+                       bool check) = 0;
   // The mismatch recorded for rank r since the last read, if any (synchronises; real ranks raise
   // a barrier timeout first, before rows a peer never wrote read as a mismatch).
   virtual std::optional<LayoutMismatch> read_check(int64_t r) = 0;
@@ -116,6 +120,10 @@ class FakeQuantDriver {
   const std::vector<float>& rank_amax(int which) const { return rank_amax_[size_t(which)]; }
   void load_calibration_file(const std::string& path);
   void set_calibrated_amax(float dispatch_amax, float combine_amax);
+  // Where the combine quantizer's re-sum applies the router weight; by default where the engine
+  // does. Set apart from the engine, a mismatch is what the layout check reports.
+  CombineWeighting combine_weighting() const { return weighting_; }
+  void set_combine_weighting(CombineWeighting w) { weighting_ = w; }
 
   // One call of every local rank; batches[r].y receives rank r's output. No synchronisation
   // except the eager layout check (once per buffer, on its first call with routed rows). Once a
@@ -139,6 +147,7 @@ class FakeQuantDriver {
   MoeQuantizers q_;
   std::vector<bool> checked_, pending_;
   std::vector<float> rank_amax_[2];
+  CombineWeighting weighting_;
   bool count_clipping_ = false;
 };
 

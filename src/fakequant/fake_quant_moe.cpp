@@ -53,6 +53,7 @@ class CpuFakeQuantOps final : public FakeQuantOps {
   int64_t num_local_ranks() const override { return backend_->num_ranks(); }
   int64_t max_tokens() const override { return backend_->max_tokens(); }
   bool fused_shared() const override { return backend_->fused_shared(); }
+  CombineWeighting combine_weighting() const override { return backend_->combine_weighting(); }
   std::optional<size_t> combine_offset() const override { return backend_->combine_offset(); }
   size_t buffer_bytes() const override { return backend_->buffer_bytes(); }
 
@@ -112,19 +113,18 @@ class CpuFakeQuantOps final : public FakeQuantOps {
       if (has_active_slot(b, t, config().top_k)) return true;
     return false;
   }
-  void combine(int64_t r, const RankBatch& b, std::optional<Format> format, bool check) override {
+  void combine(int64_t r, const RankBatch& b, std::optional<Format> format, CombineWeighting weighting,
+               bool check) override {
     const int64_t K = config().top_k, H = config().hidden;
     const bool fused = fused_shared();
     const float amax = amax_[size_t(num_local_ranks() + r)];
+    const float* weights = weighting == CombineWeighting::kAfter ? b.topk_weights : nullptr;
     // The layout check: the engine's output (still in y) against the plain re-sum of the rows read
     // where this layer expects them.
     std::vector<bf16> resum(static_cast<size_t>(H));
     for (int64_t t = 0; check && t < b.num_tokens; ++t) {
-      const bf16* rows[kMaxCombineRows];
-      int n = 0;
-      for (int64_t k = 0; k < K + (fused ? 1 : 0); ++k)
-        if (k == K || b.topk_idx[t * K + k] >= 0) rows[n++] = row(r, k, t);
-      combine_rows(rows, n, H, resum.data());
+      combine_token(b.topk_idx + t * K, weights ? weights + t * K : nullptr, K, fused, H,
+                    [&](int64_t k) { return row(r, k, t); }, resum.data());
       for (int64_t h = 0; h < H && !mismatch_[size_t(r)]; ++h)
         if (resum[size_t(h)].bits != b.y[t * H + h].bits)
           mismatch_[size_t(r)] = LayoutMismatch{t, h, b.y[t * H + h].bits, resum[size_t(h)].bits};
@@ -139,6 +139,7 @@ class CpuFakeQuantOps final : public FakeQuantOps {
     rows.hidden = H;
     rows.topk_idx = b.topk_idx;
     rows.shared = fused ? row(r, K, 0) : nullptr;
+    rows.topk_weights = weights;
     combine_qdq_ref(rows, format, amax, b.y);
   }
   std::optional<LayoutMismatch> read_check(int64_t r) override { return std::exchange(mismatch_[size_t(r)], {}); }
@@ -186,6 +187,8 @@ void FakeQuantMoe::load_calibration_file(const std::string& path) { driver_->loa
 void FakeQuantMoe::set_calibrated_amax(float dispatch_amax, float combine_amax) {
   driver_->set_calibrated_amax(dispatch_amax, combine_amax);
 }
+CombineWeighting FakeQuantMoe::combine_weighting() const { return driver_->combine_weighting(); }
+void FakeQuantMoe::set_combine_weighting(CombineWeighting w) { driver_->set_combine_weighting(w); }
 bool FakeQuantMoe::layout_checked(int64_t rank) const { return driver_->layout_checked(rank); }
 void FakeQuantMoe::set_count_clipping(bool on) { driver_->set_count_clipping(on); }
 std::vector<ClipCounts> FakeQuantMoe::read_clip_counts() { return driver_->read_clip_counts(); }

@@ -15,6 +15,14 @@ const char* amax_source_name(AmaxSource s) {
   return "?";
 }
 
+const char* combine_weighting_name(CombineWeighting w) { return w == CombineWeighting::kAfter ? "after" : "before"; }
+
+std::optional<CombineWeighting> parse_combine_weighting(std::string_view text) {
+  if (text == "before") return CombineWeighting::kBefore;
+  if (text == "after") return CombineWeighting::kAfter;
+  return std::nullopt;
+}
+
 void QuantSpec::validate(std::string_view quantizer) const {
   const int own = format_block_size(format);
   MOEFQ_CHECK(block_size == 0 || block_size == own, quantizer, ": format ", format_name(format),

@@ -192,6 +192,73 @@ TEST(CpuEngine, CombineEqualsResumOfBufferRows) {
   }
 }
 
+// combine_weighting after, the slow way: rows of a `before` engine given weights 1.0 (the
+// unweighted rows), summed in double with each step rounded to float by hand: RN(w * x), then
+// RN(acc + p), two roundings and no fma (the product is exact in double; a sum rounded to double
+// first and then to float is still RN, as 53 >= 2 * 24 + 2), the shared row last and unweighted.
+std::vector<bf16> weighted_combine_slow(const CpuEngine& unweighted, const std::vector<int32_t>& idx,
+                                        const std::vector<float>& wt, int64_t n) {
+  const int64_t R = unweighted.num_ranks(), K = unweighted.config().top_k, H = unweighted.config().hidden;
+  const bool fused = unweighted.layout().shape().fused_shared_slots() > 0;
+  const BufferLayout& l = unweighted.layout();
+  std::vector<bf16> y(size_t(n * H));
+  for (int64_t r = 0; r < R; ++r) {
+    const auto buf = unweighted.buffer(r);
+    const int64_t t0 = n * r / R, t1 = n * (r + 1) / R;
+    const auto row = [&](int64_t k, int64_t t) { return reinterpret_cast<const bf16*>(buf.data() + l.combine_row_offset(k, t)); };
+    for (int64_t t = 0; t < t1 - t0; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; ++k) {
+          if (idx[size_t((t0 + t) * K + k)] < 0) continue;
+          const float p = float(double(wt[size_t((t0 + t) * K + k)]) * double(to_f32(row(k, t)[h])));
+          acc = float(double(acc) + double(p));
+        }
+        if (fused) acc = float(double(acc) + double(to_f32(row(K, t)[h])));
+        y[size_t((t0 + t) * H + h)].bits = bf16_round(acc);
+      }
+  }
+  return y;
+}
+
+TEST(CpuEngine, CombineWeightingAfterMatchesSlowReference) {
+  for (bool fused : {true, false}) {
+    const MoeConfig c = small_config();
+    const int64_t n = 24, R = 2;
+    const auto x = test::to_bf16(test::activations(n, c.hidden, 8, false));
+    std::vector<int32_t> idx;
+    std::vector<float> wt;
+    random_routing(c, n, 12, idx, wt, 5);
+    EngineOptions after{fused, 2, CombineWeighting::kAfter}, before{fused, 2, CombineWeighting::kBefore};
+    CpuEngine eng(c, R, n / R, weights_for(c, R), after), unweighted(c, R, n / R, weights_for(c, R), before);
+    const auto y = run(eng, x, idx, wt, n);
+    run(unweighted, x, idx, std::vector<float>(wt.size(), 1.0f), n);
+    // The rows the after engine leaves are the unweighted ones, bit for bit.
+    for (int64_t r = 0; r < R; ++r) {
+      const auto a = eng.buffer(r), b = unweighted.buffer(r);
+      const size_t off = eng.layout().combine.offset;
+      EXPECT_TRUE(test::bytes_equal(std::vector<uint8_t>(b.begin() + off, b.end()),
+                                    std::vector<uint8_t>(a.begin() + off, a.end())))
+          << "rank " << r << " fused=" << fused;
+    }
+    EXPECT_TRUE(test::bytes_equal(weighted_combine_slow(unweighted, idx, wt, n), y)) << "fused=" << fused;
+  }
+}
+
+TEST(CpuEngine, CombineWeightingAfterDiffersFromBeforeAndEqualsItWithUnitWeights) {
+  const MoeConfig c = small_config();
+  const int64_t n = 32, R = 4;
+  const auto x = test::to_bf16(test::activations(n, c.hidden, 2, false));
+  std::vector<int32_t> idx;
+  std::vector<float> wt;
+  random_routing(c, n, 3, idx, wt, 7);
+  CpuEngine before(c, R, n / R, weights_for(c, R), {true, 2, CombineWeighting::kBefore});
+  CpuEngine after(c, R, n / R, weights_for(c, R), {true, 2, CombineWeighting::kAfter});
+  EXPECT_FALSE(test::bytes_equal(run(before, x, idx, wt, n), run(after, x, idx, wt, n)));
+  const std::vector<float> ones(wt.size(), 1.0f);
+  EXPECT_TRUE(test::bytes_equal(run(before, x, idx, ones, n), run(after, x, idx, ones, n)));
+}
+
 TEST(CpuEngine, PaddingEmptyExpertsAndEdgeSizes) {
   const MoeConfig c = small_config();
   const int64_t T = 16, R = 2, H = c.hidden, K = c.top_k;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "moefq/calibration_file.h"
+#include "moefq/combine_qdq.h"
 #include "moefq/errors.h"
 #include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
@@ -41,12 +42,14 @@ bool token_active(const std::vector<int32_t>& idx, int64_t t, int64_t K) {
   return false;
 }
 
-std::unique_ptr<ExpertBackend> backend(const std::string& kind, const MoeConfig& c, int64_t R, int64_t T, bool fused) {
-  return make_expert_backend(kind, c, R, T, weights_for(c, R), EngineOptions{fused, 2});
+std::unique_ptr<ExpertBackend> backend(const std::string& kind, const MoeConfig& c, int64_t R, int64_t T, bool fused,
+                                       CombineWeighting w = CombineWeighting::kBefore) {
+  return make_expert_backend(kind, c, R, T, weights_for(c, R), EngineOptions{fused, 2, w});
 }
 
-std::unique_ptr<FakeQuantMoe> make_fq(const std::string& kind, const MoeConfig& c, int64_t R, int64_t T, bool fused) {
-  return std::make_unique<FakeQuantMoe>(backend(kind, c, R, T, fused), 0);
+std::unique_ptr<FakeQuantMoe> make_fq(const std::string& kind, const MoeConfig& c, int64_t R, int64_t T, bool fused,
+                                      CombineWeighting w = CombineWeighting::kBefore) {
+  return std::make_unique<FakeQuantMoe>(backend(kind, c, R, T, fused, w), 0);
 }
 
 void configure(FakeQuantMoe& fq, const std::string& yaml) {
@@ -101,7 +104,7 @@ const bf16* row_at(const ExpertBackend& be, int64_t rank, int64_t slot, int64_t 
 // The combine re-sum of fake_quant.md over the back-end's rows (test::qdq_resum).
 std::vector<bf16> expected_resum(const ExpertBackend& be, const Problem& p, int64_t r, Format f, float amax) {
   return test::qdq_resum(be.combine_bytes(r).data(), *be.combine_offset(), be.max_tokens(), be.fused_shared(), p, r, f,
-                         amax);
+                         amax, be.combine_weighting() == CombineWeighting::kAfter);
 }
 
 bool all_finite(const std::vector<std::vector<bf16>>& ys) {
@@ -746,6 +749,136 @@ TEST(FakeQuantMoe, OutputEqualsResumOfQdqRowsForEveryCombineFormat) {
       EXPECT_TRUE(any_differs(y, unquantized)) << what;
       EXPECT_TRUE(all_finite(y)) << what;
     }
+  }
+}
+
+// =============================================================================================
+// combine_weighting after: the rows are unweighted, the re-sum weights each QDQ'd routed row
+
+// A product whose rounding decides the sum: w0 * x0 = -(1 + 2^-7 + 2^-20 + 2^-27) rounds to
+// -(1 + 2^-7 + 2^-20) in fp32, and w2 * x2 is its exact negation, so RN(w * x) then RN(acc + p)
+// gives +0; an fma of the second product would keep 2^-27. The inactive slot holds NaN (never read).
+TEST(CombineQdqRef, WeightedResumRoundsTheProductThenTheSum) {
+  const int64_t K = 3, T = 2, H = 32;
+  const float x = 1.0f + std::ldexp(1.0f, -7), w = 1.0f + std::ldexp(1.0f, -20);
+  std::vector<bf16> rows(size_t(K * T * H));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      rows[size_t((0 * T + t) * H + h)].bits = bf16_round(x);
+      rows[size_t((1 * T + t) * H + h)].bits = 0x7FC0;  // NaN
+      rows[size_t((2 * T + t) * H + h)].bits = bf16_round(t == 0 ? x : 2.0f);
+    }
+  const std::vector<int32_t> idx = {0, -1, 2, 0, -1, 2};
+  const std::vector<float> weights = {-w, 9.0f, w, 0.5f, 9.0f, 0.25f};
+  std::vector<bf16> shared(size_t(T * H), bf16{bf16_round(3.0f)}), y(size_t(T * H));
+  HostCombineRows r;
+  r.rows = rows.data();
+  r.slot_stride = T * H;
+  r.top_k = K;
+  r.num_tokens = T;
+  r.hidden = H;
+  r.topk_idx = idx.data();
+  r.topk_weights = weights.data();
+  combine_qdq_ref(r, std::nullopt, 0.0f, y.data());
+  for (int64_t h = 0; h < H; ++h) {
+    EXPECT_EQ(y[size_t(h)].bits, 0x0000) << "token 0 element " << h;                    // +0, not 2^-27
+    EXPECT_EQ(y[size_t(H + h)].bits, bf16_round(1.0f)) << "token 1 element " << h;       // 0.5 * x + 0.25 * 2
+  }
+  r.shared = shared.data();  // the shared row is added last, never weighted
+  combine_qdq_ref(r, std::nullopt, 0.0f, y.data());
+  for (int64_t h = 0; h < H; ++h) {
+    EXPECT_EQ(y[size_t(h)].bits, bf16_round(3.0f)) << "token 0 element " << h;
+    EXPECT_EQ(y[size_t(H + h)].bits, bf16_round(0.5f * x + 0.5f + 3.0f)) << "token 1 element " << h;
+  }
+}
+
+// The combine quantizer's after re-sum on random rows against a loop written here: QDQ each
+// active row, multiply by the weight in double (exact) and round to fp32, add in fp32.
+TEST(CombineQdqRef, WeightedResumEqualsHandWrittenLoopForEveryFormat) {
+  const int64_t K = 4, T = 5, H = 256;
+  const auto v = test::activations(K * T, H, 77, true);
+  std::vector<bf16> rows = test::to_bf16(v), shared = test::to_bf16(test::activations(T, H, 78, false));
+  std::vector<int32_t> idx(size_t(T * K));
+  std::vector<float> weights(size_t(T * K));
+  std::mt19937_64 rng(5);
+  for (size_t i = 0; i < idx.size(); ++i) {
+    idx[i] = rng() % 5 == 0 ? -1 : int32_t(i % 16);
+    weights[i] = float(rng() % 1000 + 1) / 700.0f;
+  }
+  for (Format f : kAllFormats) {
+    const float amax = 40.0f;
+    std::vector<bf16> y(size_t(T * H)), q(static_cast<size_t>(H));
+    HostCombineRows r;
+    r.rows = rows.data();
+    r.slot_stride = T * H;
+    r.top_k = K;
+    r.num_tokens = T;
+    r.hidden = H;
+    r.topk_idx = idx.data();
+    r.shared = shared.data();
+    r.topk_weights = weights.data();
+    combine_qdq_ref(r, f, amax, y.data());
+    std::vector<bf16> want(size_t(T * H));
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<float> acc(static_cast<size_t>(H), 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        if (idx[size_t(t * K + k)] < 0) continue;
+        qdq_ref(f, rows.data() + (k * T + t) * H, q.data(), 1, H, amax);
+        for (int64_t h = 0; h < H; ++h)
+          acc[size_t(h)] = acc[size_t(h)] + float(double(weights[size_t(t * K + k)]) * double(to_f32(q[size_t(h)])));
+      }
+      for (int64_t h = 0; h < H; ++h) want[size_t(t * H + h)].bits = bf16_round(acc[size_t(h)] + to_f32(shared[size_t(t * H + h)]));
+    }
+    EXPECT_TRUE(test::bytes_equal(want, y)) << format_name(f);
+  }
+}
+
+TEST(FakeQuantMoe, CombineWeightingAfterEqualsResumOfWeightedQdqRowsOnBothBackends) {
+  const MoeConfig c = small_config();
+  const int64_t R = 2, n = 10;
+  for (const bool fused : {true, false}) {
+    const Problem p = make_problem(c, R, n, 210, 3);
+    std::vector<std::vector<std::vector<bf16>>> outputs;
+    for (const std::string kind : {"mega_moe", "routed_experts"}) {
+      auto fq = make_fq(kind, c, R, n, fused, CombineWeighting::kAfter);
+      EXPECT_EQ(fq->combine_weighting(), CombineWeighting::kAfter);
+      configure(*fq, kCombineNvfp4);
+      const auto y = host_forward(*fq, p);
+      for (int64_t r = 0; r < R; ++r)
+        EXPECT_TRUE(test::bytes_equal(expected_resum(fq->backend(), p, r, Format::kNvfp4, kCombineAmax), y[size_t(r)]))
+            << kind << " fused=" << fused << " rank " << r;
+      EXPECT_TRUE(fq->layout_checked(0) && fq->layout_checked(1)) << kind;
+      // Not the before mode's output under the same recipe.
+      auto before = make_fq(kind, c, R, n, fused);
+      configure(*before, kCombineNvfp4);
+      EXPECT_TRUE(any_differs(y, host_forward(*before, p))) << kind << " fused=" << fused;
+      outputs.push_back(y);
+    }
+    for (int64_t r = 0; r < R; ++r)
+      EXPECT_TRUE(test::bytes_equal(outputs[0][size_t(r)], outputs[1][size_t(r)])) << "fused=" << fused << " rank " << r;
+  }
+}
+
+// The quantizer told the other weighting than the engine's: the unweighted re-sum is not the
+// engine's output, and the layout check says so on the first call.
+TEST(FakeQuantMoe, MixedCombineWeightingFailsTheLayoutCheck) {
+  const MoeConfig c = small_config();
+  const int64_t R = 2, n = 8;
+  const Problem p = make_problem(c, R, n, 220, 3);
+  for (const auto [engine, quantizer] : {std::pair{CombineWeighting::kBefore, CombineWeighting::kAfter},
+                                         std::pair{CombineWeighting::kAfter, CombineWeighting::kBefore}}) {
+    auto fq = make_fq("mega_moe", c, R, n, true, engine);
+    fq->set_combine_weighting(quantizer);
+    configure(*fq, kCombineNvfp4);
+    try {
+      host_forward(*fq, p);
+      ADD_FAILURE() << "no layout check error with the engine " << combine_weighting_name(engine)
+                    << " and the quantizer " << combine_weighting_name(quantizer);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kFailedCheck) << e.what();
+      EXPECT_NE(lower(e.what()).find("rank 0"), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fq->layout_checked(0));
   }
 }
 

@@ -47,6 +47,10 @@ struct EvalOptions {
   // imports are looked up in (recipe.h); empty: none besides the files' own and the shipped one.
   std::vector<std::string> recipes;
   std::string recipe_root;
+  // Where the layer applies the router weight (quant_spec.h): one mode per run, since the combine
+  // rows and their calibrated amax depend on it. nullopt: the recipes' own combine_weighting (they
+  // must agree), else before. A recipe that names another mode than this is an error.
+  std::optional<CombineWeighting> combine_weighting;
   int64_t ranks = 4;    // simulated expert-parallel ranks (must divide E)
   int64_t tokens = 256;  // tokens per rank per batch
   int calib_batches = 2, eval_batches = 2;
@@ -103,6 +107,7 @@ struct EvalSetup {
   std::string synthetic;           // "model" or "gaussian"
   std::vector<int64_t> layers;
   std::vector<std::string> recipe_names;
+  CombineWeighting combine_weighting = CombineWeighting::kBefore;  // the run's, resolved
   int64_t ranks = 0, tokens = 0;
   int calib_batches = 0, eval_batches = 0;
   uint64_t seed = 0;

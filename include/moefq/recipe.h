@@ -38,6 +38,9 @@ struct Recipe {
   std::vector<RecipeEntry> entries;  // imports expanded, in application order
   std::vector<IgnoredEntry> ignored;  // entries for other quantizers, in file order
   std::string algorithm = "max";     // "max", or "none" (algorithm: null, no calibration)
+  // moefq's `combine_weighting: before | after` (beside algorithm): where the layer the recipe is
+  // meant for applies the router weight; nullopt when the recipe does not say.
+  std::optional<CombineWeighting> combine_weighting;
 };
 
 // Recipe roots: where `imports:` paths (configs/numerics/nvfp4, ...) are looked for, in order:

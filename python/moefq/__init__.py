@@ -65,17 +65,22 @@ def qdq(x, format, amax=None, *, out=None, stream=None):
     return out
 
 
-def combine_qdq_resum(rows, format, amax=None, *, shared=None, topk_idx=None, out=None, stream=None):
+def combine_qdq_resum(rows, format, amax=None, *, shared=None, topk_idx=None, topk_weights=None, out=None,
+                      stream=None):
     """The combine quantizer as one operation, bit-identical to the C++ engine's: rows [K, T, H]
-    bf16 (slot k of token t: the expert output already weighted by the router), each active row
-    QDQ'd along H in `format` (None: no QDQ, the plain combine), summed per token in fp32 from +0
-    in ascending slot order, `shared` [T, H] bf16 added last without QDQ, one rounding to bf16.
+    bf16 (slot k of token t: the expert output, weighted by the router unless topk_weights is
+    given), each active row QDQ'd along H in `format` (None: no QDQ, the plain combine), summed per
+    token in fp32 from +0 in ascending slot order, `shared` [T, H] bf16 added last without QDQ,
+    one rounding to bf16.
 
     amax: the global amax of fp8, nvfp4 and int8 (required: calibrate it; a number or a 1-element
     float32 tensor on the rows' device). topk_idx: [T, K] integer ids, negative for a slot that is
     not routed (its row is not read); None: every slot is active (an all-zero row then adds nothing,
     so zero rows for unrouted slots give the same bits). On CUDA pass int32 indices to avoid a
     conversion (and without topk_idx an all-active index tensor is made each call).
+    topk_weights: [T, K] float32 router weights for rows left unweighted (combine_weighting after):
+    each active row, after its QDQ, is multiplied by its weight in fp32 (one rounding) before it is
+    added; None: the rows are already weighted (combine_weighting before).
     Returns out, [T, H] bf16 (numpy: uint16 bf16 bits).
     """
     check_tensor(rows, "combine_qdq_resum: rows")
@@ -100,7 +105,8 @@ def combine_qdq_resum(rows, format, amax=None, *, shared=None, topk_idx=None, ou
     number, tensor, _ = amax_args(rows, amax, global_amax, "combine_qdq_resum")
     _C.combine(capsule(rows, "combine_qdq_resum: rows", s), capsule(out, "combine_qdq_resum: out", s), format,
                number, tensor, optional_capsule(shared, "combine_qdq_resum: shared", s),
-               optional_capsule(topk_idx, "combine_qdq_resum: topk_idx", s), s)
+               optional_capsule(topk_idx, "combine_qdq_resum: topk_idx", s),
+               optional_capsule(topk_weights, "combine_qdq_resum: topk_weights", s), s)
     return out
 
 

@@ -85,18 +85,20 @@ pb::object qdq(const pb::capsule& xc, const pb::capsule& yc, const std::string& 
   return pb::none();
 }
 
-// combine(rows, y, format, amax, amax_tensor, shared, topk_idx, stream): the combine quantizer.
-// rows [K, T, H] bf16, y [T, H] bf16, shared [T, H] bf16 or None, topk_idx [T, K] int32 or None
-// (CPU: every slot active; CUDA: required). format None: the plain re-sum.
+// combine(rows, y, format, amax, amax_tensor, shared, topk_idx, topk_weights, stream): the combine
+// quantizer. rows [K, T, H] bf16, y [T, H] bf16, shared [T, H] bf16 or None, topk_idx [T, K] int32
+// or None (CPU: every slot active; CUDA: required), topk_weights [T, K] float32 or None (None: the
+// rows are already weighted; given: combine_weighting after). format None: the plain re-sum.
 void combine(const pb::capsule& rows_c, const pb::capsule& y_c, std::optional<std::string> format,
              std::optional<float> amax, const pb::object& amax_c, const pb::object& shared_c,
-             const pb::object& topk_c, uintptr_t stream) {
+             const pb::object& topk_c, const pb::object& weights_c, uintptr_t stream) {
   constexpr const char* kWho = "combine_qdq_resum";
   const std::optional<Format> f = format ? std::optional<Format>(parse_format_arg(*format, "combine_qdq_resum: format"))
                                          : std::nullopt;
   Tensor rows(rows_c, "combine_qdq_resum: rows"), y(y_c, "combine_qdq_resum: out");
   const std::optional<Tensor> shared = optional_tensor(shared_c, "combine_qdq_resum: shared");
   const std::optional<Tensor> topk = optional_tensor(topk_c, "combine_qdq_resum: topk_idx");
+  const std::optional<Tensor> weights = optional_tensor(weights_c, "combine_qdq_resum: topk_weights");
   std::optional<Tensor> amax_t = optional_tensor(amax_c, "combine_qdq_resum: amax");
   rows.expect_elem({Elem::kBF16}, "bfloat16 (or uint16 holding bf16 bits)");
   rows.expect_ndim(3);
@@ -118,6 +120,11 @@ void combine(const pb::capsule& rows_c, const pb::capsule& y_c, std::optional<st
     topk->expect_shape({T, K});
     topk->expect_same_device(rows);
   }
+  if (weights) {
+    weights->expect_elem({Elem::kF32}, "float32");
+    weights->expect_shape({T, K});
+    weights->expect_same_device(rows);
+  }
   const bool global = f && format_has_global_amax(*f);
   MOEFQ_CHECK(!global || amax || amax_t, kWho, ": ", format_name(*f), " needs an amax (its global scale); ",
               "give the calibrated value");
@@ -133,6 +140,7 @@ void combine(const pb::capsule& rows_c, const pb::capsule& y_c, std::optional<st
     r.hidden = H;
     r.topk_idx = topk ? topk->ptr<int32_t>() : nullptr;
     r.shared = shared ? shared->ptr<bf16>() : nullptr;
+    r.topk_weights = weights ? weights->ptr<float>() : nullptr;
     pb::gil_scoped_release release;
     combine_qdq_ref(r, f, global ? *amax : 0.0f, y.ptr<bf16>());
     return;
@@ -150,6 +158,7 @@ void combine(const pb::capsule& rows_c, const pb::capsule& y_c, std::optional<st
   r.fused_shared = shared.has_value();
   r.shared = shared ? shared->ptr<bf16>() : nullptr;
   r.topk_idx = topk->ptr<int32_t>();
+  r.topk_weights = weights ? weights->ptr<float>() : nullptr;
   r.num_tokens = T;
   pb::gil_scoped_release release;
   DeviceGuard device(rows.device_id());
@@ -167,7 +176,7 @@ void init_ops(pybind11::module_& m) {
   m.def("qdq", &qdq, py::arg("x"), py::arg("out"), py::arg("format"), py::arg("amax"), py::arg("amax_tensor"),
         py::arg("dynamic"), py::arg("stream"));
   m.def("combine", &combine, py::arg("rows"), py::arg("out"), py::arg("format"), py::arg("amax"),
-        py::arg("amax_tensor"), py::arg("shared"), py::arg("topk_idx"), py::arg("stream"));
+        py::arg("amax_tensor"), py::arg("shared"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("stream"));
 }
 
 }  // namespace moefq::py

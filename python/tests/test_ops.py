@@ -78,10 +78,11 @@ def test_qdq_errors():
         moefq.qdq(ro, "fp8", 1.0)
 
 
-def combine_oracle(rows, fmt, amax, shared=None, topk_idx=None):
+def combine_oracle(rows, fmt, amax, shared=None, topk_idx=None, topk_weights=None):
     """The combine rule written out: per token, the active rows QDQ'd (moefq.qdq, checked against
-    the CLI above), summed in fp32 from +0 in ascending slot order, the shared row added last, one
-    bf16 rounding (numpy's float32 adds round to nearest even, as the engine's do)."""
+    the CLI above), each times its router weight when topk_weights is given (a float32 product,
+    rounded on its own), summed in fp32 from +0 in ascending slot order, the shared row added last,
+    one bf16 rounding (numpy's float32 operations round to nearest even, as the engine's do)."""
     K, T, H = rows.shape
     y = np.empty((T, H), dtype=np.uint16)
     for t in range(T):
@@ -92,7 +93,10 @@ def combine_oracle(rows, fmt, amax, shared=None, topk_idx=None):
             row = rows[k, t].copy()
             if fmt is not None:
                 row = moefq.qdq(row, fmt, amax)
-            acc = acc + from_bf16_bits(row)
+            v = from_bf16_bits(row)
+            if topk_weights is not None:
+                v = np.float32(topk_weights[t, k]) * v
+            acc = acc + v
         if shared is not None:
             acc = acc + from_bf16_bits(shared[t])
         y[t] = to_bf16_bits(acc)
@@ -123,6 +127,25 @@ def test_combine_matches_the_rule(fmt):
         assert first_mismatch(got, want) is None, (fmt, first_mismatch(got, want))
     if fmt is not None:  # the QDQ is applied: the plain sum differs
         assert first_mismatch(moefq.combine_qdq_resum(rows, None), moefq.combine_qdq_resum(rows, fmt, amax)) is not None
+
+
+@pytest.mark.parametrize("fmt", [None, "nvfp4", "mxfp8"])
+def test_combine_weighted_after_matches_the_rule(fmt):
+    rng = np.random.default_rng(9)
+    rows, idx = routed_rows(rng, 8, 6, 256)
+    shared = to_bf16_bits(special_data(rng, 6, 256, finite=True))
+    weights = rng.uniform(0.01, 1.5, size=(6, 8)).astype(np.float32)
+    amax = float(np.max(np.abs(from_bf16_bits(rows))))
+    want = combine_oracle(rows, fmt, amax, shared, idx, weights)
+    got = moefq.combine_qdq_resum(rows, fmt, amax, shared=shared, topk_idx=idx, topk_weights=weights)
+    assert first_mismatch(got, want) is None, (fmt, first_mismatch(got, want))
+    unweighted = moefq.combine_qdq_resum(rows, fmt, amax, shared=shared, topk_idx=idx)
+    assert first_mismatch(got, unweighted) is not None  # the weights were applied
+    ones = np.ones((6, 8), dtype=np.float32)
+    got_ones = moefq.combine_qdq_resum(rows, fmt, amax, shared=shared, topk_idx=idx, topk_weights=ones)
+    assert first_mismatch(got_ones, unweighted) is None
+    with pytest.raises(ValueError, match="topk_weights"):
+        moefq.combine_qdq_resum(rows, fmt, amax, topk_weights=weights[:, :4].copy())
 
 
 def test_combine_skips_inactive_slots():

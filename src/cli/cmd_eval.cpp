@@ -29,7 +29,7 @@ namespace fs = std::filesystem;
 
 struct EvalCliOptions {
   EvalOptions eval;
-  std::string layers, device = "auto", out, save, synthetic = "model", pipeline = "device";
+  std::string layers, device = "auto", out, save, synthetic = "model", pipeline = "device", combine_weighting;
   int64_t seed = 1;  // parsed signed so that a negative seed is an error, not a wrapped value
   double max_rel_l2 = 0;
 };
@@ -60,6 +60,9 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
       ->check(seed_range());
   sub->add_option("--device", o.device, "auto | cpu | cuda (default auto: cuda when a GPU is visible)");
   sub->add_option("--threads", o.eval.num_threads, "CPU engine threads (default 0: all)")->check(CLI::Range(0, 1024));
+  sub->add_option("--combine-weighting", o.combine_weighting,
+                  "where the layer applies the router weight: before (default: the combine rows are weighted) or "
+                  "after (the combine weights the unweighted rows, after their QDQ); default: the recipes' own");
   sub->add_option("--pipeline", o.pipeline,
                   "with a GPU: device (default: the layer stays on the GPU) or host (the CUDA engine behind host "
                   "tensors, the earlier path, kept to compare with)");
@@ -75,6 +78,11 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
   if (sub->get_option_no_throw("--max-rel-l2") && sub->get_option("--max-rel-l2")->count() > 0)
     o.eval.max_rel_l2 = o.max_rel_l2;
   if (!o.layers.empty() || sub->get_option("--layers")->count() > 0) o.eval.layers = parse_layers(o.layers);
+  if (sub->get_option("--combine-weighting")->count() > 0) {
+    o.eval.combine_weighting = parse_combine_weighting(o.combine_weighting);
+    MOEFQ_CHECK(o.eval.combine_weighting.has_value(), "--combine-weighting: unknown mode '", o.combine_weighting,
+                "' (expected before or after)");
+  }
   const bool cuda = use_cuda(o.device);
   if (cuda) {
 #ifdef MOEFQ_HAS_CUDA
@@ -122,8 +130,9 @@ void print_header(const char* tool, const EvalSetup& s) {
   std::printf("%s: %s, %s %s, %lld ranks x %lld tokens, %d calibration%s batches, seed %llu\n", tool,
               s.model_source.c_str(), s.layers.size() == 1 ? "layer" : "layers", layer_list(s.layers).c_str(),
               (long long)s.ranks, (long long)s.tokens, s.calib_batches, evals.c_str(), (unsigned long long)s.seed);
-  std::printf("weights: %s; activations: %s; device: %s\n", s.weights_source.c_str(), s.activations_source.c_str(),
-              s.device.c_str());
+  std::printf("weights: %s; activations: %s; device: %s; router weight applied %s the combine\n",
+              s.weights_source.c_str(), s.activations_source.c_str(), s.device.c_str(),
+              combine_weighting_name(s.combine_weighting));
 }
 
 int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {

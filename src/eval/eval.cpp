@@ -201,6 +201,24 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
       s.recipe_names.push_back(r.name);
     }
   }
+
+  // Where the router weight is applied: one mode for the run (the rows every recipe quantizes, and
+  // the calibrated combine amax, depend on it): the option, else the recipes' (which must agree).
+  std::optional<CombineWeighting> weighting = o.combine_weighting;
+  std::string said_by = "--combine-weighting";
+  for (const NamedRecipe& r : p.recipes) {
+    const std::optional<CombineWeighting>& w = r.recipe.combine_weighting;
+    if (!w) continue;
+    if (!weighting) {
+      weighting = w;
+      said_by = "recipe " + r.name;
+    }
+    MOEFQ_CHECK(*w == *weighting, "recipe ", r.name, " has combine_weighting: ", combine_weighting_name(*w), ", but ",
+                said_by, " says ", combine_weighting_name(*weighting),
+                "; one run evaluates one weighting (run the recipes separately, or change the recipe)");
+  }
+  s.combine_weighting = weighting.value_or(CombineWeighting::kBefore);
+  p.runner.combine_weighting = s.combine_weighting;
 }
 
 // The memory plan, refused with the figures when the run does not fit.

@@ -32,7 +32,8 @@ std::vector<std::pair<std::string, std::string>> setup_fields(const EvalSetup& s
           {"ranks", std::to_string(s.ranks)},
           {"tokens_per_rank", std::to_string(s.tokens)},
           {"calib_batches", std::to_string(s.calib_batches)},
-          {"seed", std::to_string(s.seed)}};
+          {"seed", std::to_string(s.seed)},
+          {"combine_weighting", combine_weighting_name(s.combine_weighting)}};
 }
 
 }  // namespace

@@ -36,6 +36,7 @@ struct RunnerSetup {
   std::map<int64_t, std::string> act_tensor;   // layer -> tensor name in acts
   int num_threads = 0;
   std::string backend_kind;  // the host runner's expert back-end
+  CombineWeighting combine_weighting = CombineWeighting::kBefore;  // the engine's (EngineOptions)
   bool prefetch = false;     // the memory plan allows preparing the next layer meanwhile
 
   int64_t batch_tokens() const { return ranks * tokens; }

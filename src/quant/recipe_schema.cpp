@@ -36,7 +36,7 @@ constexpr const char* kListSchema = "modelopt.torch.quantization.config.Quantize
 constexpr const char* kQuantizeSchema = "modelopt.torch.quantization.config.QuantizeConfig";
 constexpr const char* kPtqRecipeSchema = "modelopt.recipe.config.ModelOptPTQRecipe";
 
-constexpr const char* kQuantizeKeys = "quant_cfg, algorithm, effective_bits (and imports)";
+constexpr const char* kQuantizeKeys = "quant_cfg, algorithm, effective_bits, combine_weighting (and imports)";
 constexpr const char* kEntryKeys = "quantizer_name, enable, cfg, parent_class, $import";
 // Every key of Model Optimizer's QuantizerAttributeConfig, and moefq's amax.
 constexpr const char* kCfgKeys[] = {
@@ -209,6 +209,12 @@ class Schema {
         quant_cfg(*it.value);
       } else if (it.key == "algorithm") {
         algorithm(*it.value);
+      } else if (it.key == "combine_weighting") {
+        // moefq's own key: where the layer applies the router weight (quant_spec.h).
+        const Node& v = *it.value;
+        const auto w = v.is_scalar() ? parse_combine_weighting(v.scalar) : std::nullopt;
+        if (!w) fail_at(v, "combine_weighting must be before or after, got " + show(v));
+        r_.combine_weighting = *w;
       } else if (it.key == "effective_bits") {
         // Model Optimizer's autoquant cost override; it changes nothing moefq computes.
         const auto v = to_double(*it.value);

@@ -401,6 +401,7 @@ std::string eval_report_json(const EvalResult& r) {
                  {"seed", s.seed},
                  {"recipes", s.recipe_names},
                  {"backend", s.backend_kind},
+                 {"combine_weighting", combine_weighting_name(s.combine_weighting)},
                  {"shared_expert", "unfused (added to the routed output, computed on the unquantized x)"},
                  {"calibration", r.calibration.source},
                  {"max_rel_l2", s.max_rel_l2 ? json(*s.max_rel_l2) : json()}};
@@ -437,7 +438,8 @@ std::string eval_report_json(const EvalResult& r) {
                        {"combine_wire_bytes_per_token", number(row.combine_wire_bytes_per_token)},
                        {"wire_saving_vs_bf16", number(row.wire_saving)},
                        {"over_budget", s.max_rel_l2 ? json(row.over_budget) : json()},
-                       {"layout_check", row.layout_check}});
+                       {"layout_check", row.layout_check},
+                       {"combine_weighting", combine_weighting_name(s.combine_weighting)}});
   }
   json summary = json::array();
   for (const RecipeSummary& x : r.summary)
@@ -479,7 +481,7 @@ std::string eval_report_csv(const EvalResult& r) {
       "layer,recipe,dispatch_format,combine_format,dispatch_amax,combine_amax,rel_l2,cosine,calc_diff,max_abs,"
       "snr_db,count,rel_l2_token_p50,rel_l2_token_p99,rel_l2_token_max,rel_l2_non_outlier,dispatch_clipped_fraction,"
       "combine_clipped_fraction,dispatch_wire_bytes_per_token,combine_wire_bytes_per_token,wire_saving_vs_bf16,"
-      "over_budget,layout_check\n";
+      "over_budget,layout_check,combine_weighting\n";
   const auto opt_full = [&](const std::optional<double>& v) { return v ? fmt(*v, "%.17g") : std::string(); };
   for (const EvalRow& row : r.rows) {
     const ErrorMetrics& m = row.metrics;
@@ -491,7 +493,8 @@ std::string eval_report_csv(const EvalResult& r) {
            full(row.rel_l2_non_outlier) + "," + opt_full(row.dispatch_clipped_fraction) + "," +
            opt_full(row.combine_clipped_fraction) + "," + full(row.dispatch_wire_bytes_per_token) + "," +
            full(row.combine_wire_bytes_per_token) + "," + full(row.wire_saving) + "," +
-           (r.setup.max_rel_l2 ? (row.over_budget ? "true" : "false") : "") + "," + row.layout_check + "\n";
+           (r.setup.max_rel_l2 ? (row.over_budget ? "true" : "false") : "") + "," + row.layout_check + "," +
+           combine_weighting_name(r.setup.combine_weighting) + "\n";
   }
   return out;
 }
@@ -517,6 +520,7 @@ std::string eval_report_html(const EvalResult& r) {
   meta("ranks x tokens", std::to_string(s.ranks) + " x " + std::to_string(s.tokens) + " per batch");
   meta("batches", std::to_string(s.calib_batches) + " calibration, " + std::to_string(s.eval_batches) + " evaluation (held out)");
   meta("calibration", r.calibration.source);
+  meta("router weight", std::string("applied ") + combine_weighting_name(s.combine_weighting) + " the combine");
   meta("device", s.device + " (back-end " + s.backend_kind + ")");
   meta("version", "moefq " + s.version);
   meta("generated", utc_now() + ", " + fmt(r.wall_seconds, "%.1f") + " s");

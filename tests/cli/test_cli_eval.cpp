@@ -327,6 +327,40 @@ TEST_F(EvalCli, CalibrateThenEvalMatchesOneEval) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// --combine-weighting (or a recipe's combine_weighting): the mode is reported everywhere, and
+// after (the rows unweighted, weighted after their QDQ) is another computation than before.
+
+TEST_F(EvalCli, CombineWeightingAfterIsReportedAndChangesTheResult) {
+  std::ofstream(path("after.yaml")) << "$import: [moe_combine_nvfp4]\nalgorithm: max\ncombine_weighting: after\n";
+  const std::string opts = kSmall + " --recipe moe_combine_nvfp4";
+  RunResult r = moefq("eval " + opts + " --combine-weighting after --out a");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_NE(r.out.find("router weight applied after the combine"), std::string::npos) << r.out;
+  r = moefq("eval " + opts + " --out b");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_NE(r.out.find("router weight applied before the combine"), std::string::npos) << r.out;
+  r = moefq("eval " + kSmall + " --recipe after.yaml --out c");  // the recipe says after
+  ASSERT_EQ(r.status, 0) << describe(r);
+  const json a = report("a"), b = report("b"), c = report("c");
+  EXPECT_EQ(a.at("config").at("combine_weighting"), "after");
+  EXPECT_EQ(b.at("config").at("combine_weighting"), "before");
+  EXPECT_EQ(c.at("config").at("combine_weighting"), "after");
+  ASSERT_EQ(a.at("results").size(), 1u);
+  EXPECT_EQ(a.at("results")[0].at("combine_weighting"), "after");
+  EXPECT_EQ(b.at("results")[0].at("combine_weighting"), "before");
+  EXPECT_EQ(a.at("results")[0].at("layout_check"), "pass");
+  // Unweighted rows: another combine amax and another error than before; the recipe's mode is
+  // the flag's.
+  EXPECT_NE(a.at("calibration")[0].at("combine_amax"), b.at("calibration")[0].at("combine_amax"));
+  EXPECT_NE(a.at("results")[0].at("rel_l2"), b.at("results")[0].at("rel_l2"));
+  EXPECT_EQ(a.at("results")[0].at("rel_l2"), c.at("results")[0].at("rel_l2"));
+  const auto csv = split_lines(read_text(path("a") / "report.csv"));
+  ASSERT_EQ(csv.size(), 2u);
+  EXPECT_TRUE(csv[0].ends_with(",combine_weighting")) << csv[0];
+  EXPECT_TRUE(csv[1].ends_with(",after")) << csv[1];
+}
+
+// ------------------------------------------------------------------------------------------------
 // A failed check: exit 1.
 
 TEST_F(EvalCli, LayoutMismatchExitsOne) {
@@ -444,6 +478,19 @@ TEST_F(EvalBadInput, Recipes) {
   expect_rejected("eval " + kSmall + " --recipe dyn.yaml --out rep", {"combine_quantizer", "dynamic"});
   expect_rejected("eval " + kSmall + " --recipe moe_combine_fp8 --recipe moe_combine_fp8 --out rep",
                   {"--recipe", "moe_combine_fp8"});
+}
+
+TEST_F(EvalBadInput, CombineWeighting) {
+  std::ofstream(path("after.yaml")) << "$import: [moe_combine_nvfp4]\ncombine_weighting: after\n";
+  std::ofstream(path("odd.yaml")) << "$import: [moe_combine_nvfp4]\ncombine_weighting: sideways\n";
+  expect_rejected("eval " + kSmall + " --combine-weighting sideways --out rep", {"--combine-weighting", "sideways"});
+  expect_rejected("calibrate " + kSmallCal + " --combine-weighting During --save c.json",
+                  {"--combine-weighting", "During"});
+  expect_rejected("eval " + kSmall + " --recipe odd.yaml --out rep", {"odd.yaml", "combine_weighting", "sideways"});
+  expect_rejected("eval " + kSmall + " --recipe after.yaml --combine-weighting before --out rep",
+                  {"recipe after", "combine_weighting: after", "--combine-weighting says before"});
+  expect_rejected("eval " + kSmall + " --recipe moe_combine_fp8 --recipe after.yaml --recipe moe_combine_nvfp4 "
+                  "--combine-weighting before --out rep", {"recipe after"});
 }
 
 TEST_F(EvalBadInput, Activations) {

@@ -510,6 +510,26 @@ TEST(RecipeCfg, Algorithms) {
   EXPECT_HAS(error_of([&] { apply_recipe(r, four_layers()); }), "handmade: algorithm 'smoothquant'");
 }
 
+// moefq's combine_weighting beside algorithm, in a preset and in a complete recipe's quantize.
+TEST(RecipeCfg, CombineWeighting) {
+  EXPECT_FALSE(parse_recipe_text("quant_cfg: []\nalgorithm: max\n", "p.yaml").combine_weighting.has_value());
+  EXPECT_EQ(parse_recipe_text("quant_cfg: []\ncombine_weighting: after\n", "p.yaml").combine_weighting,
+            CombineWeighting::kAfter);
+  EXPECT_EQ(parse_recipe_text("quant_cfg: []\ncombine_weighting: before\n", "p.yaml").combine_weighting,
+            CombineWeighting::kBefore);
+  EXPECT_EQ(parse_recipe_text("metadata: {recipe_type: ptq}\nquantize:\n  algorithm: max\n  combine_weighting: after\n"
+                              "  quant_cfg: []\n",
+                              "r.yaml")
+                .combine_weighting,
+            CombineWeighting::kAfter);
+  for (const char* bad : {"sideways", "After", "[after]", "1"}) {
+    const std::string m = parse_error(std::string("quant_cfg: []\ncombine_weighting: ") + bad + "\n");
+    EXPECT_HAS(m, "my.yaml: combine_weighting");
+    EXPECT_HAS(m, "must be before or after");
+  }
+  EXPECT_HAS(parse_error("quant_cfg: []\ncombine_weighting: sideways\n"), "'sideways'");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Wildcards
 

@@ -268,6 +268,7 @@ class DeviceRunner final : public LayerRunner {
     MOEFQ_CUDA_CHECK(cudaEventCreateWithFlags(&le->ready, cudaEventDisableTiming));
     EngineOptions eo;
     eo.fuse_shared = false;  // the model's shared expert runs on the unquantized x
+    eo.combine_weighting = s_.combine_weighting;
     if (s_.checkpoint_dir.empty()) {
       const SyntheticLayer L = s_.synthetic_layer(layer);
       le->model = std::make_unique<DeviceSyntheticLayer>(L, c);

@@ -245,10 +245,10 @@ class MoeLayer:
     """
 
     def __init__(self, preset=None, *, config=None, checkpoint=None, layer=0, ranks=1, max_tokens=256,
-                 device="cpu", seed=1, synthetic="model", threads=0, recipe=None):
+                 device="cpu", seed=1, synthetic="model", threads=0, recipe=None, combine_weighting="before"):
         self._layer = _C.MoeLayer(preset or "", os.fspath(config) if config else "",
                                   os.fspath(checkpoint) if checkpoint else "", layer, ranks, max_tokens, device, seed,
-                                  synthetic, threads)
+                                  synthetic, threads, combine_weighting)
         if recipe is not None:
             self.configure(recipe)
 
@@ -259,10 +259,20 @@ class MoeLayer:
     layer = property(lambda self: self._layer.layer)
     device = property(lambda self: self._layer.device)
     quantizer_names = property(lambda self: self._layer.quantizer_names)
+    combine_weighting = property(lambda self: self._layer.combine_weighting,
+                                 doc="Where the router weight is applied: 'before' or 'after' the combine.")
 
     def configure(self, recipe):
-        """Configures both quantizers from a recipe (a Recipe, a file or a unit name; None: both off)."""
-        configs = {} if recipe is None else apply_recipe(recipe, self.quantizer_names)
+        """Configures both quantizers from a recipe (a Recipe, a file or a unit name; None: both off).
+        A recipe whose combine_weighting is not the layer's is an error."""
+        configs = {}
+        if recipe is not None:
+            recipe = _as_recipe(recipe)
+            if recipe.combine_weighting not in (None, self.combine_weighting):
+                raise ValueError(f"MoeLayer.configure: recipe {recipe.name} has combine_weighting: "
+                                 f"{recipe.combine_weighting}, but the layer applies the router weight "
+                                 f"{self.combine_weighting} the combine (MoeLayer(combine_weighting=...))")
+            configs = apply_recipe(recipe, self.quantizer_names)
         self._layer.configure(configs)
 
     def dispatch_quantizer(self, rank=0):

@@ -37,6 +37,7 @@ struct LayerOptions {
   uint64_t seed = 1;
   std::string synthetic = "model";
   int num_threads = 0;
+  std::string combine_weighting = "before";
 };
 
 MoeConfig resolve_config(const LayerOptions& o, std::string* source) {
@@ -73,6 +74,9 @@ class MoeLayer {
     const auto kind = parse_synthetic_kind(o.synthetic);
     MOEFQ_CHECK(kind.has_value(), "MoeLayer: synthetic must be 'model' or 'gaussian', got '", o.synthetic, "'");
     MOEFQ_CHECK(o.num_threads >= 0, "MoeLayer: threads must be >= 0");
+    const auto weighting = parse_combine_weighting(o.combine_weighting);
+    MOEFQ_CHECK(weighting.has_value(), "MoeLayer: combine_weighting must be 'before' or 'after', got '",
+                o.combine_weighting, "'");
     s.ranks = o.ranks;
     s.tokens = o.max_tokens;
     s.seed = o.seed;
@@ -90,6 +94,8 @@ class MoeLayer {
     EngineOptions eo;
     eo.fuse_shared = false;  // the dispatch quantizer needs the shared expert run on its own
     eo.num_threads = o.num_threads;
+    eo.combine_weighting = *weighting;
+    weighting_ = *weighting;
     if (!cuda_) {
       host_ = std::make_unique<FakeQuantMoe>(make_expert_backend("mega_moe", cfg_, ranks_, max_tokens_, std::move(w), eo),
                                              o.layer);
@@ -115,6 +121,7 @@ class MoeLayer {
   std::string device() const { return cuda_ ? "cuda:" + std::to_string(device_id_) : "cpu"; }
   int device_id() const { return device_id_; }
   bool has_shared() const { return cfg_.num_shared > 0; }
+  std::string combine_weighting() const { return combine_weighting_name(weighting_); }
 
   std::vector<std::string> quantizer_names() const {
     return {MoeQuantizers::dispatch_name(layer_), MoeQuantizers::combine_name(layer_)};
@@ -295,6 +302,7 @@ class MoeLayer {
   int device_id_ = 0;
   int64_t layer_ = 0, ranks_ = 1, max_tokens_ = 0;
   int threads_ = 0;
+  CombineWeighting weighting_ = CombineWeighting::kBefore;
   MoeConfig cfg_;
   std::string source_;
   std::vector<float> gate_, bias_;
@@ -327,15 +335,17 @@ void init_layer(pybind11::module_& m) {
   py::class_<MoeLayer>(m, "MoeLayer")
       .def(py::init([](const std::string& preset, const std::string& config, const std::string& checkpoint,
                        int64_t layer, int64_t ranks, int64_t max_tokens, const std::string& device, int64_t seed,
-                       const std::string& synthetic, int threads) {
+                       const std::string& synthetic, int threads, const std::string& combine_weighting) {
              MOEFQ_CHECK(seed >= 0, "MoeLayer: seed must be >= 0, got ", seed);
              LayerOptions o{preset, config, checkpoint, layer, ranks, max_tokens, device, uint64_t(seed), synthetic,
-                            threads};
+                            threads, combine_weighting};
              py::gil_scoped_release release;  // weights are generated or loaded meanwhile
              return std::make_unique<MoeLayer>(o);
            }),
            py::arg("preset"), py::arg("config"), py::arg("checkpoint"), py::arg("layer"), py::arg("ranks"),
-           py::arg("max_tokens"), py::arg("device"), py::arg("seed"), py::arg("synthetic"), py::arg("threads"))
+           py::arg("max_tokens"), py::arg("device"), py::arg("seed"), py::arg("synthetic"), py::arg("threads"),
+           py::arg("combine_weighting"))
+      .def_property_readonly("combine_weighting", &MoeLayer::combine_weighting)
       .def_property_readonly("config", [](const MoeLayer& l) { return config_dict(l.config()); })
       .def_property_readonly("source", &MoeLayer::source)
       .def_property_readonly("ranks", &MoeLayer::ranks)

@@ -130,6 +130,11 @@ void init_quantizer(pybind11::module_& m) {
       .def_readonly("name", &Recipe::name)
       .def_readonly("entries", &Recipe::entries)
       .def_readonly("algorithm", &Recipe::algorithm)
+      .def_property_readonly("combine_weighting",
+                             [](const Recipe& r) -> std::optional<std::string> {
+                               if (!r.combine_weighting) return std::nullopt;
+                               return std::string(combine_weighting_name(*r.combine_weighting));
+                             })
       .def("__repr__", [](const Recipe& r) {
         return "Recipe(" + r.name + ", " + std::to_string(r.entries.size()) + " entries)";
       });

@@ -40,6 +40,37 @@ def test_layer_matches_eval(tmp_path):
         assert m["max_abs"] == row["max_abs"]
 
 
+def test_layer_combine_weighting_after_matches_eval(tmp_path):
+    calib, held_out = tokens(24, RANKS * TOKENS), tokens(25, RANKS * TOKENS)
+    acts = tmp_path / "acts.safetensors"
+    moefq.save_safetensors(acts, {"layers.0": np.concatenate([calib, held_out])})
+    report = moefq.eval(preset="tiny", activations=acts, ranks=RANKS, tokens=TOKENS, calib_batches=1, eval_batches=1,
+                        recipes=["moe_combine_nvfp4"], device="cpu", threads=1, combine_weighting="after")
+    assert report["config"]["combine_weighting"] == "after"
+    layer = moefq.MoeLayer("tiny", ranks=RANKS, max_tokens=TOKENS, threads=1, combine_weighting="after")
+    assert layer.combine_weighting == "after"
+    reference = layer.forward(held_out)
+    before = moefq.MoeLayer("tiny", ranks=RANKS, max_tokens=TOKENS, threads=1)
+    assert first_mismatch(before.forward(held_out), reference) is not None  # another rounding path
+    layer.configure("moe_combine_nvfp4")
+    _, combine_amax = layer.calibrate([calib])
+    assert combine_amax == report["calibration"][0]["combine_amax"]
+    m = moefq.metrics(layer.forward(held_out), reference)
+    assert m["rel_l2"] == pytest.approx(report["results"][0]["rel_l2"], rel=1e-9)
+    # A recipe for the other mode is refused; one for this mode is taken.
+    (tmp_path / "before.yaml").write_text("$import: [moe_combine_nvfp4]\ncombine_weighting: before\n")
+    (tmp_path / "after.yaml").write_text("$import: [moe_combine_nvfp4]\ncombine_weighting: after\n")
+    assert moefq.load_recipe(tmp_path / "after.yaml").combine_weighting == "after"
+    assert moefq.load_recipe("moe_combine_nvfp4").combine_weighting is None
+    with pytest.raises(ValueError, match="recipe before has combine_weighting: before, but the layer applies"):
+        layer.configure(tmp_path / "before.yaml")
+    layer.configure(tmp_path / "after.yaml")
+    with pytest.raises(ValueError, match="MoeLayer: combine_weighting must be 'before' or 'after', got 'later'"):
+        moefq.MoeLayer("tiny", combine_weighting="later")
+    with pytest.raises(ValueError, match="combine_weighting: unknown mode 'later'"):
+        moefq.eval(preset="tiny", device="cpu", combine_weighting="later")
+
+
 def test_layer_calibration_file_round_trip(tmp_path):
     layer = moefq.MoeLayer("tiny", ranks=RANKS, max_tokens=TOKENS, threads=1, recipe="moe_combine_nvfp4")
     layer.calibrate([tokens(22, RANKS * TOKENS)])

@@ -18,6 +18,7 @@
 #include "engine/expert_cpu.h"
 #include "moefq/fileio.h"
 #include "moefq/qdq.h"
+#include "moefq/quant_spec.h"
 #include "moefq/synthetic.h"
 
 namespace moefq::bench {
@@ -63,12 +64,14 @@ void fill(Rows& r, int scale_exp) {
 // rows are scaled by 2^-6 (every group cast); the other formats keep the activations as they are.
 int data_scale_exp(std::optional<Format> f) { return f == Format::kLogfmt10 ? -6 : 0; }
 
-// The CPU fake quantizer's combine (fake_quant_moe.cpp) of the first `sample` tokens.
+// The CPU fake quantizer's combine (fake_quant_moe.cpp) of the first `sample` tokens; weights
+// ([T, K]): null, or each routed row's router weight (combine_weighting after).
 std::vector<bf16> reference(const Rows& r, const std::vector<int32_t>& idx, bool fused, std::optional<Format> f,
-                            float amax) {
+                            float amax, const float* weights) {
   std::vector<bf16> y(size_t(r.sample * r.H)), q(size_t(r.K * r.H));
   for (int64_t t = 0; t < r.sample; ++t) {
     const bf16* rows[kMaxCombineRows];
+    float w[kMaxCombineRows];
     int n = 0;
     for (int64_t k = 0; k < r.K; ++k) {
       if (idx[size_t(t * r.K + k)] < 0) continue;
@@ -77,10 +80,12 @@ std::vector<bf16> reference(const Rows& r, const std::vector<int32_t>& idx, bool
         qdq_ref(*f, src, q.data() + n * r.H, 1, r.H, amax);
         src = q.data() + n * r.H;
       }
+      w[n] = weights ? weights[t * r.K + k] : 1.0f;
       rows[n++] = src;
     }
+    const int routed = n;
     if (fused) rows[n++] = r.host[size_t(r.K)].data() + t * r.H;
-    combine_rows(rows, n, r.H, y.data() + t * r.H);
+    combine_rows(rows, n, r.H, y.data() + t * r.H, weights ? w : nullptr, routed);
   }
   return y;
 }
@@ -92,6 +97,10 @@ int run_bench_combine(const CombineBenchOptions& o) {
   MOEFQ_CHECK(o.tokens > 0, "--tokens must be positive");
   MOEFQ_CHECK(o.top_k >= 1 && o.top_k <= 32, "--top-k must be in 1..32");
   MOEFQ_CHECK(o.hidden > 0 && o.hidden % kStageBlock == 0, "--hidden must be a positive multiple of 128");
+  const auto weighting = parse_combine_weighting(o.combine_weighting);
+  MOEFQ_CHECK(weighting.has_value(), "--combine-weighting: unknown mode '", o.combine_weighting,
+              "' (expected before or after)");
+  const bool after = *weighting == CombineWeighting::kAfter;
   std::vector<std::optional<Format>> cases;  // nullopt: the plain combine
   if (o.formats.empty()) {
     cases.push_back(std::nullopt);
@@ -123,6 +132,10 @@ int run_bench_combine(const CombineBenchOptions& o) {
     idx_off[size_t(i)] = rng() % 10 == 0 ? -1 : int32_t(i % K);
   }
   const DeviceBuffer<int32_t> d_all(idx_all), d_off(idx_off);
+  // Router weights (after only): top-k-like values in (0, 1], distinct per slot and token.
+  std::vector<float> weights(size_t(T * K));
+  for (float& w : weights) w = float(rng() % 1024 + 1) / 1024.0f * 0.3f;
+  const DeviceBuffer<float> d_weights(weights);
   // The calibrated amax: max |x| over the routed rows (the sample holds every distinct row). Only
   // the formats with a global amax use it, and their rows are never rescaled.
   float calibrated = 0.0f;
@@ -146,7 +159,9 @@ int run_bench_combine(const CombineBenchOptions& o) {
   report["top_k"] = K;
   report["hidden"] = H;
   report["copy_gbs"] = copy;
-  std::printf("T=%lld K=%lld H=%lld, copy %.1f GB/s\n", (long long)T, (long long)K, (long long)H, copy);
+  report["combine_weighting"] = combine_weighting_name(*weighting);
+  std::printf("T=%lld K=%lld H=%lld, router weight applied %s the combine, copy %.1f GB/s\n", (long long)T,
+              (long long)K, (long long)H, combine_weighting_name(*weighting), copy);
   std::printf("%-18s  %-8s  %10s  %9s  %6s  %s\n", "format", "variant", "time_us", "GB/s", "ratio", "check");
   bool all_ok = true;
   for (const auto& f : cases) {
@@ -161,6 +176,7 @@ int run_bench_combine(const CombineBenchOptions& o) {
       rows.hidden = H;
       rows.fused_shared = v.fused;
       rows.topk_idx = v.inactive > 0 ? d_off.get() : d_all.get();
+      rows.topk_weights = after ? d_weights.get() : nullptr;
       rows.num_tokens = T;
       cuda::CombineCheck check;
       if (v.check) {
@@ -176,12 +192,12 @@ int run_bench_combine(const CombineBenchOptions& o) {
       const double us = median_us([&](int, cudaStream_t s) { launch(s); }, o.launches_per_graph, o.reps);
       int64_t rows_read = T * (v.fused ? 1 : 0);
       for (int32_t e : idx) rows_read += e >= 0 ? 1 : 0;
-      const double bytes = double(rows_read * H) * 2 + double(T * H) * 2 * (v.check ? 2 : 1);
+      const double bytes = double(rows_read * H) * 2 + double(T * H) * 2 * (v.check ? 2 : 1) + (after ? double(T * K) * 4 : 0);
       // One correctness check of the benchmarked output, and of the check's record.
       launch(nullptr);
       std::vector<bf16> got(size_t(r.sample * H));
       MOEFQ_CUDA_CHECK(cudaMemcpy(got.data(), y_out.get(), got.size() * 2, cudaMemcpyDeviceToHost));
-      const std::vector<bf16> want = reference(r, idx, v.fused, f, calibrated);
+      const std::vector<bf16> want = reference(r, idx, v.fused, f, calibrated, after ? weights.data() : nullptr);
       bool ok = std::memcmp(want.data(), got.data(), got.size() * 2) == 0;
       if (v.check) ok = ok && !cuda::read_check(record.get(), H, nullptr).has_value();
       all_ok = all_ok && ok;
@@ -190,7 +206,8 @@ int run_bench_combine(const CombineBenchOptions& o) {
       std::fflush(stdout);
       report["results"].push_back({{"format", fname}, {"variant", v.name}, {"time_us", us}, {"bytes", bytes},
                                    {"gbs", gbs}, {"ratio_to_copy", gbs / copy}, {"check", ok ? "ok" : "mismatch"},
-                                   {"data_scale_exp", scale_exp}});
+                                   {"data_scale_exp", scale_exp},
+                                   {"combine_weighting", combine_weighting_name(*weighting)}});
     }
   }
   if (!o.json.empty()) write_file_atomic(o.json, report.dump(2) + "\n");

@@ -14,6 +14,9 @@ struct CombineBenchOptions {
   int64_t top_k = 8;      // K
   int64_t hidden = 7168;  // H
   std::vector<std::string> formats;  // subset of combine fp8 nvfp4 mxfp8 mxfp4 int8; empty: all
+  // before: the rows are summed as they are; after: each routed row is multiplied by its router
+  // weight in the sum (CombineRows::topk_weights).
+  std::string combine_weighting = "before";
   int launches_per_graph = 10;
   int reps = 15;
   std::string json;  // write the results here too

@@ -106,6 +106,8 @@ std::function<int()> add_bench_command(CLI::App& app) {
   comb->add_option("--top-k", co->top_k, "K (default 8)")->check(CLI::Range(1, 32));
   comb->add_option("--hidden", co->hidden, "H, a multiple of 128 (default 7168)");
   comb->add_option("--formats", co->formats, "subset of combine fp8 nvfp4 mxfp8 mxfp4 int8 (default all)");
+  comb->add_option("--combine-weighting", co->combine_weighting,
+                   "before (default: the rows are already weighted) or after (the kernels weight each routed row)");
   comb->add_option("--reps", co->reps, "timed graph replays; the median is reported")->check(CLI::Range(1, 10000));
   comb->add_option("--launches", co->launches_per_graph, "launches captured per graph")->check(CLI::Range(1, 1000));
   comb->add_option("--json", co->json, "also write the results as JSON to this file");

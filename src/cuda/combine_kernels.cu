@@ -39,6 +39,7 @@ struct Params {
   int top_k;                // K
   bool fused;
   const int32_t* topk_idx;  // [num_tokens, K]
+  const float* topk_weights;  // [num_tokens, K] fp32 (combine_weighting after) or null
   const float* amax;        // device global amax (formats that have one)
   const bf16* y_engine;     // [num_tokens, H] or null
   CheckRecord* record;
@@ -60,12 +61,21 @@ __device__ __forceinline__ uint16_t half_word(int4 raw, int i) {
   return uint16_t(w[i / 2] >> (16 * (i % 2)));
 }
 
+// A routed value as the sum takes it: combine_weighting after multiplies it by the slot's router
+// weight first (its own rounding, then the add's: mul_rn and add_rn are never contracted to an fma).
+template <bool kWeighted>
+__device__ __forceinline__ float weighted(float weight, float v) {
+  if constexpr (kWeighted) return mul_rn(weight, v);
+  return v;
+}
+
 // Adds one routed row's chunk to the sum: the rule's combine_chunk gives the values of the QDQ the
 // CPU quantizer applies (a bf16 row), blocks spanning kLanes consecutive lanes (whole, because H
 // is a multiple of the block and each warp starts on a multiple of 32 chunks of the row). With a
-// check, the unquantized values go into `plain` as well.
-template <typename R, bool kCheck>
-__device__ __forceinline__ void add_routed(R& rule, int4 raw, float (&acc)[kChunkElems],
+// check, the unquantized values go into `plain` as well. weight: the slot's router weight (read
+// only when kWeighted).
+template <typename R, bool kCheck, bool kWeighted>
+__device__ __forceinline__ void add_routed(R& rule, int4 raw, float weight, float (&acc)[kChunkElems],
                                            float (&plain)[kChunkElems]) {
   constexpr int kLanes = R::kBlock ? R::kBlock / kChunkElems : 1;
   const CombineWords w = {uint32_t(raw.x), uint32_t(raw.y), uint32_t(raw.z), uint32_t(raw.w)};
@@ -73,11 +83,11 @@ __device__ __forceinline__ void add_routed(R& rule, int4 raw, float (&acc)[kChun
   if constexpr (kCheck && !std::is_same_v<R, NoQdq>) {
     unpack(w, v);
 #pragma unroll
-    for (int i = 0; i < kChunkElems; ++i) plain[i] = add_rn(plain[i], v[i]);
+    for (int i = 0; i < kChunkElems; ++i) plain[i] = add_rn(plain[i], weighted<kWeighted>(weight, v[i]));
   }
   rule.template combine_chunk<kLanes>(w, v);
 #pragma unroll
-  for (int i = 0; i < kChunkElems; ++i) acc[i] = add_rn(acc[i], v[i]);
+  for (int i = 0; i < kChunkElems; ++i) acc[i] = add_rn(acc[i], weighted<kWeighted>(weight, v[i]));
 }
 
 // Rules that QDQ two routed rows' chunks at once (Rule<kNvfp4>::combine_chunk_pair).
@@ -87,9 +97,9 @@ concept PairRule = requires(const R& r, const CombineWords& w, float (&v)[kChunk
 };
 
 // add_routed for two rows a, b (consecutive active slots, a first), their QDQ done together.
-template <typename R, bool kCheck>
-__device__ __forceinline__ void add_routed_pair(const R& rule, int4 raw_a, int4 raw_b, float (&acc)[kChunkElems],
-                                                float (&plain)[kChunkElems]) {
+template <typename R, bool kCheck, bool kWeighted>
+__device__ __forceinline__ void add_routed_pair(const R& rule, int4 raw_a, int4 raw_b, float weight_a, float weight_b,
+                                                float (&acc)[kChunkElems], float (&plain)[kChunkElems]) {
   const CombineWords wa = {uint32_t(raw_a.x), uint32_t(raw_a.y), uint32_t(raw_a.z), uint32_t(raw_a.w)};
   const CombineWords wb = {uint32_t(raw_b.x), uint32_t(raw_b.y), uint32_t(raw_b.z), uint32_t(raw_b.w)};
   float va[kChunkElems], vb[kChunkElems];
@@ -97,11 +107,13 @@ __device__ __forceinline__ void add_routed_pair(const R& rule, int4 raw_a, int4 
     unpack(wa, va);
     unpack(wb, vb);
 #pragma unroll
-    for (int i = 0; i < kChunkElems; ++i) plain[i] = add_rn(add_rn(plain[i], va[i]), vb[i]);
+    for (int i = 0; i < kChunkElems; ++i)
+      plain[i] = add_rn(add_rn(plain[i], weighted<kWeighted>(weight_a, va[i])), weighted<kWeighted>(weight_b, vb[i]));
   }
   rule.combine_chunk_pair(wa, wb, va, vb);
 #pragma unroll
-  for (int i = 0; i < kChunkElems; ++i) acc[i] = add_rn(add_rn(acc[i], va[i]), vb[i]);
+  for (int i = 0; i < kChunkElems; ++i)
+    acc[i] = add_rn(add_rn(acc[i], weighted<kWeighted>(weight_a, va[i])), weighted<kWeighted>(weight_b, vb[i]));
 }
 
 // Rules that take a whole batch of slots at once (Rule<kLogfmt10>::combine_batch).
@@ -122,7 +134,9 @@ constexpr int kSlotBatch = std::is_same_v<R, Rule<Format::kNvfp4>> ? 4 : 8;
 // the active-slot mask is warp-uniform: every branch on it is taken by the whole warp. Lanes past
 // the row's end read the row's first chunk instead (real data, so their blocks and the warp's
 // votes stay well defined) and take part in the shuffles, but neither compare nor store.
-template <typename R, bool kCheck>
+// kWeighted (combine_weighting after): lane k also reads slot k's router weight, and each active
+// slot's weight reaches the warp by a shuffle from its lane.
+template <typename R, bool kCheck, bool kWeighted>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
   constexpr int kBatch = kSlotBatch<R>;
   static_assert(kBatch % 2 == 0, "slots are paired within a batch");
@@ -144,11 +158,16 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
 
   int64_t t = blockIdx.x;
   int32_t expert = slot_lane && t < p.num_tokens ? __ldg(p.topk_idx + t * p.top_k + lane) : -1;
+  float weight = 1.0f;
+  if constexpr (kWeighted) weight = slot_lane && t < p.num_tokens ? __ldg(p.topk_weights + t * p.top_k + lane) : 1.0f;
   for (; t < p.num_tokens; t += gridDim.x) {
     // Bit k: routed slot k is active. The next token's indices are read now, under this token's rows.
     const uint32_t active = __ballot_sync(kFullMask, expert >= 0);
+    const float slot_weight = weight;  // lane k: this token's slot k
     const int64_t next = t + gridDim.x;
     expert = slot_lane && next < p.num_tokens ? __ldg(p.topk_idx + next * p.top_k + lane) : -1;
+    if constexpr (kWeighted)
+      weight = slot_lane && next < p.num_tokens ? __ldg(p.topk_weights + next * p.top_k + lane) : 1.0f;
 
     const int64_t chunk = t * p.chunks_per_row + c;  // this thread's chunk of y
     int4 engine = make_int4(0, 0, 0, 0);
@@ -165,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
     // Slots are visited by index in batches (no compaction): a slot costs a pointer add and one
     // uniform branch, an active one its load as well.
     float acc[kChunkElems] = {}, plain[kChunkElems] = {};
-    for (uint32_t pending = active; pending != 0; pending >>= kBatch) {
+    for (uint32_t pending = active, slot0 = 0; pending != 0; pending >>= kBatch, slot0 += kBatch) {
       int4 raw[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j, row += stride) {
@@ -174,25 +193,29 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
         else if constexpr (BatchRule<R>)
           raw[j] = make_int4(0, 0, 0, 0);  // the batch rule reduces every slot's chunk
       }
+      // Slot slot0 + j's router weight, from its lane (uniform: called under warp-uniform branches).
+      const auto slot_w = [&](int j) {
+        return kWeighted ? __shfl_sync(kFullMask, slot_weight, int(slot0) + j) : 1.0f;
+      };
       if constexpr (BatchRule<R>) {
         static_assert(kBatch == R::kBatch);
-        rule.template combine_batch<kCheck>(raw, pending & ((1u << kBatch) - 1u), acc, plain);
+        rule.template combine_batch<kCheck, kWeighted>(raw, pending & ((1u << kBatch) - 1u), acc, plain, slot_w);
       } else if constexpr (PairRule<R>) {
         // Slots j and j + 1 together when both are active (the usual case), else one by one.
 #pragma unroll
         for (int j = 0; j < kBatch; j += 2) {
           const bool a = pending & (1u << j), b = pending & (2u << j);
           if (a && b) {
-            add_routed_pair<R, kCheck>(rule, raw[j], raw[j + 1], acc, plain);
+            add_routed_pair<R, kCheck, kWeighted>(rule, raw[j], raw[j + 1], slot_w(j), slot_w(j + 1), acc, plain);
           } else {
-            if (a) add_routed<R, kCheck>(rule, raw[j], acc, plain);
-            if (b) add_routed<R, kCheck>(rule, raw[j + 1], acc, plain);
+            if (a) add_routed<R, kCheck, kWeighted>(rule, raw[j], slot_w(j), acc, plain);
+            if (b) add_routed<R, kCheck, kWeighted>(rule, raw[j + 1], slot_w(j + 1), acc, plain);
           }
         }
       } else {
 #pragma unroll
         for (int j = 0; j < kBatch; ++j)
-          if (pending & (1u << j)) add_routed<R, kCheck>(rule, raw[j], acc, plain);
+          if (pending & (1u << j)) add_routed<R, kCheck, kWeighted>(rule, raw[j], slot_w(j), acc, plain);
       }
     }
     if (p.fused) {  // the shared row is not quantized
@@ -271,6 +294,7 @@ Params make_params(const CombineRows& r, bf16* y) {
   p.fused = r.fused_shared;
   p.shared = r.shared ? reinterpret_cast<const uint8_t*>(r.shared) : p.rows + uint64_t(r.top_k) * p.slot_stride;
   p.topk_idx = r.topk_idx;
+  p.topk_weights = r.topk_weights;
   p.y_out = y;
   return p;
 }
@@ -289,10 +313,15 @@ void launch_rule(const Params& p, int64_t num_tokens, bool check, cudaStream_t s
   const int64_t groups = (p.chunks_per_row + kThreads - 1) / kThreads;
   const int64_t per_cta = std::clamp<int64_t>(num_tokens * groups / (kCtasPerSm * sms), 1, kMaxTokensPerCta);
   const dim3 grid{unsigned((num_tokens + per_cta - 1) / per_cta), unsigned(groups)};
-  if (check)
-    combine_kernel<R, true><<<grid, kThreads, 0, stream>>>(p);
+  const bool with_weights = p.topk_weights != nullptr;
+  if (check && with_weights)
+    combine_kernel<R, true, true><<<grid, kThreads, 0, stream>>>(p);
+  else if (check)
+    combine_kernel<R, true, false><<<grid, kThreads, 0, stream>>>(p);
+  else if (with_weights)
+    combine_kernel<R, false, true><<<grid, kThreads, 0, stream>>>(p);
   else
-    combine_kernel<R, false><<<grid, kThreads, 0, stream>>>(p);
+    combine_kernel<R, false, false><<<grid, kThreads, 0, stream>>>(p);
   MOEFQ_CUDA_CHECK_LAUNCH();
 }
 

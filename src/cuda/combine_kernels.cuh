@@ -28,11 +28,15 @@ struct CombineRows {
   // (row t at shared + t * H); null: slot K of the buffer (the engine's layout). Callers holding
   // the rows and the shared expert's output in separate tensors (the Python binding) set it.
   const bf16* shared = nullptr;
+  // combine_weighting after: device [num_tokens, K] fp32 router weights (the rank's topk_weights
+  // region); each routed row is multiplied by its weight, fp32(w * x), before it is added (two
+  // roundings, never an fma). null: combine_weighting before (the rows are already weighted).
+  const float* topk_weights = nullptr;
 };
 
-// engine.md's combine: y[t] = bf16(fp32 sum from +0 of the active routed rows in ascending slot
-// order, then the fused shared row). y: [num_tokens, H] bf16, 16-byte aligned. Rows of inactive
-// slots are never read.
+// engine.md's combine: y[t] = bf16(fp32 sum from +0 of the active routed rows (each times its
+// router weight when topk_weights is set) in ascending slot order, then the fused shared row,
+// never weighted). y: [num_tokens, H] bf16, 16-byte aligned. Rows of inactive slots are never read.
 void launch_combine(const CombineRows& rows, bf16* y, cudaStream_t stream);
 
 // Device-side record of the layout check (one per buffer/rank); reset_check_record sets it to
@@ -54,8 +58,9 @@ struct CombineCheck {
 // fake_quant.md's combine quantizer. For each token: QDQ each active ROUTED row (blocks along H;
 // format f with the global amax *d_amax for fp8/nvfp4/int8, none for mxfp8/mxfp4; quantize =
 // false: no QDQ) to bf16, exactly as qdq_ref on a [1, H] row; re-sum exactly like launch_combine
-// with the fused shared row last and NOT quantized; write y_out ([num_tokens, H] bf16).
-// With a check, the same pass also forms the UNQUANTIZED re-sum and compares its bits with
+// (each dequantized row times its router weight when rows.topk_weights is set) with the fused
+// shared row last and NOT quantized; write y_out ([num_tokens, H] bf16).
+// With a check, the same pass also forms the UNQUANTIZED (equally weighted) re-sum and compares its bits with
 // y_engine for every token < num_tokens (padding tokens included, as the CPU check does), before
 // y_out is written: y_out may alias y_engine. Rows are read once, in place; nothing is written to
 // the buffer. d_amax may be null when !quantize or for mxfp8/mxfp4.

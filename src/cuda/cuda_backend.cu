@@ -36,6 +36,7 @@ class CudaMegaMoeBackend final : public ExpertBackend {
   int64_t num_ranks() const override { return engine_.num_ranks(); }
   int64_t max_tokens() const override { return engine_.max_tokens(); }
   bool fused_shared() const override { return engine_.fused_shared(); }
+  CombineWeighting combine_weighting() const override { return engine_.combine_weighting(); }
   std::optional<size_t> combine_offset() const override { return engine_.layout().combine_offset(); }
   size_t buffer_bytes() const override { return engine_.layout().total_bytes(); }
 

@@ -111,11 +111,12 @@ __global__ void plan_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc, 
 }
 
 // Pulls each listed row (e4m3 bytes and scales) from its token rank's staged copy into the expert
-// rank's pool, with the row's router weight and destination combine row (in the token rank's
-// buffer: for a real peer, a pointer into its memory, so the down GEMM's stores go over NVLink).
-// Grid: (E/R, n, splits), one warp per row.
+// rank's pool, with the row's router weight (1.0 when weight_rows is false: combine_weighting
+// after, the combine weights the row instead; times 1.0 is exact) and destination combine row (in
+// the token rank's buffer: for a real peer, a pointer into its memory, so the down GEMM's stores
+// go over NVLink). Grid: (E/R, n, splits), one warp per row.
 __global__ void __launch_bounds__(kThreads) pull_kernel(const RankPtrs* ranks, Offsets off, int R, int T, int K,
-                                                        int el, int H, int first_rank) {
+                                                        int el, int H, int first_rank, bool weight_rows) {
   const int le = blockIdx.x, d = first_rank + int(blockIdx.y);
   const RankPtrs me = ranks[d];
   const int n = me.counts[le], first = me.offsets[le];
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) pull_kernel(const RankPtrs* ranks, O
     float* ds = reinterpret_cast<float*>(me.buf + off.pool_x_scales) + row * hb;
     for (int c = lane; c < hb; c += 32) ds[c] = ss[c];
     if (lane == 0) {
-      me.row_weight[row] = reinterpret_cast<const float*>(sbuf + off.topk_weights)[int64_t(t) * K + k];
+      me.row_weight[row] = weight_rows ? reinterpret_cast<const float*>(sbuf + off.topk_weights)[int64_t(t) * K + k] : 1.0f;
       me.row_out[row] = reinterpret_cast<bf16*>(const_cast<uint8_t*>(sbuf) + off.combine + (int64_t(k) * T + t) * H * 2);
     }
   }
@@ -291,7 +292,10 @@ void run_pass(const ExpertPass& p, int64_t H, std::optional<float> clamp, Weight
 
 CudaEngine::CudaEngine(const MoeConfig& cfg, int64_t R, int64_t T, const std::vector<LayerWeights>& w,
                        EngineOptions options)
-    : cfg_(cfg), layout_(engine_buffer_shape(cfg, R, T, w, options)), debug_zeroing_(debug_zeroing_env()) {
+    : cfg_(cfg),
+      layout_(engine_buffer_shape(cfg, R, T, w, options)),
+      debug_zeroing_(debug_zeroing_env()),
+      weighting_(options.combine_weighting) {
   MOEFQ_CHECK(int64_t(w.size()) == R, "cuda engine: ", w.size(), " ranks of weights given for ", R, " ranks");
   init(w, nullptr);
 }
@@ -306,7 +310,10 @@ BufferShape shape_with_format(const MoeConfig& cfg, int64_t R, int64_t T, Weight
 
 CudaEngine::CudaEngine(const MoeConfig& cfg, int64_t R, int64_t T, WeightFormat format, const WeightFill& fill,
                        EngineOptions options)
-    : cfg_(cfg), layout_(shape_with_format(cfg, R, T, format, options)), debug_zeroing_(debug_zeroing_env()) {
+    : cfg_(cfg),
+      layout_(shape_with_format(cfg, R, T, format, options)),
+      debug_zeroing_(debug_zeroing_env()),
+      weighting_(options.combine_weighting) {
   init({}, &fill);
 }
 
@@ -314,6 +321,7 @@ CudaEngine::CudaEngine(const MoeConfig& cfg, RankLink& link, int64_t T, const La
     : cfg_(cfg),
       layout_(engine_buffer_shape(cfg, link.num_ranks(), T, {&w, 1}, options)),
       debug_zeroing_(debug_zeroing_env()),
+      weighting_(options.combine_weighting),
       link_(&link),
       first_rank_(link.rank()) {
   init({&w, 1}, nullptr);
@@ -447,8 +455,8 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
   MOEFQ_CUDA_CHECK_LAUNCH();
   static const int sms = sm_count();
   const unsigned splits = unsigned(std::clamp<int64_t>((2 * sms + nl * el - 1) / (nl * el), 1, 64));
-  pull_kernel<<<dim3(unsigned(el), unsigned(nl), splits), kThreads, 0, stream>>>(rp, off, int(R), int(T), int(K),
-                                                                                 int(el), int(H), int(r0));
+  pull_kernel<<<dim3(unsigned(el), unsigned(nl), splits), kThreads, 0, stream>>>(
+      rp, off, int(R), int(T), int(K), int(el), int(H), int(r0), weighting_ == CombineWeighting::kBefore);
   MOEFQ_CUDA_CHECK_LAUNCH();
 
   // Expert side of each rank: the routed experts over its pool, the fused shared expert over its
@@ -494,6 +502,8 @@ void CudaEngine::combine(std::span<const DeviceBatch> batches, cudaStream_t stre
     rows.hidden = cfg_.hidden;
     rows.fused_shared = fused_shared();
     rows.topk_idx = reinterpret_cast<const int32_t*>(rows.buffer + layout_.topk_idx.offset);
+    if (weighting_ == CombineWeighting::kAfter)
+      rows.topk_weights = reinterpret_cast<const float*>(rows.buffer + layout_.topk_weights.offset);
     rows.num_tokens = b.num_tokens;
     launch_combine(rows, b.y, stream);
   }

@@ -100,6 +100,8 @@ class CudaEngine {
   RankLink* link() const { return link_; }  // null when the ranks are simulated
   int64_t max_tokens() const { return layout_.shape().max_tokens; }
   bool fused_shared() const { return layout_.shape().fused_shared_slots() > 0; }
+  // Where the router weight is applied: the routed rows' SwiGLU (before) or the combine (after).
+  CombineWeighting combine_weighting() const { return weighting_; }
   // Rank r's symmetric buffer (device memory of this GPU, layout().total_bytes()); r must be a
   // rank this process computes.
   const uint8_t* buffer(int64_t rank) const;
@@ -111,6 +113,7 @@ class CudaEngine {
   MoeConfig cfg_;
   BufferLayout layout_;
   bool debug_zeroing_ = false;
+  CombineWeighting weighting_ = CombineWeighting::kBefore;
   RankLink* link_ = nullptr;
   int64_t first_rank_ = 0;
   std::vector<std::unique_ptr<RankState>> ranks_;  // [num_local_ranks]

@@ -430,10 +430,12 @@ struct Rule<Format::kLogfmt10> {
 
   // Adds the batch's active routed slots (bit j of `active`: raw[j] holds slot j's chunk; the
   // others are zero) to acc in slot order, QDQ'd where their group is cast; with kCheck the
-  // unquantized values go into plain as well.
-  template <bool kCheck>
+  // unquantized values go into plain as well. kWeighted (combine_weighting after): each slot's
+  // values are multiplied by slot_weight(j) first (mul_rn, then the add; called once per active
+  // slot, by the whole warp).
+  template <bool kCheck, bool kWeighted = false, typename SlotWeight = float (*)(int)>
   __device__ void combine_batch(const int4 (&raw)[kBatch], uint32_t active, float (&acc)[kCombineElems],
-                                float (&plain)[kCombineElems]) {
+                                float (&plain)[kCombineElems], const SlotWeight& slot_weight = nullptr) {
     constexpr unsigned kAll = 0xFFFFFFFFu;
     const int lane = int(threadIdx.x) & 31;
     uint32_t mx[kBatch], mn[kBatch];
@@ -476,9 +478,11 @@ struct Rule<Format::kLogfmt10> {
       const CombineWords w = {uint32_t(r.x), uint32_t(r.y), uint32_t(r.z), uint32_t(r.w)};
       float v[kCombineElems];
       unpack(w, v);
+      float weight = 1.0f;
+      if constexpr (kWeighted) weight = slot_weight(j);
       if constexpr (kCheck) {
 #pragma unroll
-        for (int i = 0; i < kCombineElems; ++i) plain[i] = add_rn(plain[i], v[i]);
+        for (int i = 0; i < kCombineElems; ++i) plain[i] = add_rn(plain[i], kWeighted ? mul_rn(weight, v[i]) : v[i]);
       }
       if (cast & (1u << j)) {
         const int src = base | rev3(j);
@@ -503,7 +507,7 @@ struct Rule<Format::kLogfmt10> {
         round_to_bf16(v);
       }
 #pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) acc[i] = add_rn(acc[i], v[i]);
+      for (int i = 0; i < kCombineElems; ++i) acc[i] = add_rn(acc[i], kWeighted ? mul_rn(weight, v[i]) : v[i]);
     }
   }
 };

@@ -19,6 +19,7 @@
 #include "cuda/qdq_rules.cuh"
 #include "engine/expert_cpu.h"
 #include "gpu_test.h"
+#include "moefq/combine_qdq.h"
 #include "moefq/qdq.h"
 #include "test_util.h"
 
@@ -768,6 +769,125 @@ TEST(CombineCuda, RejectsWhatTheLayoutCannotHold) {
   r = d.rows;
   r.num_tokens = 0;
   EXPECT_NO_THROW(cuda::launch_combine(r, nullptr, nullptr));
+}
+
+// ---------------------------------------------------------------------------------------------
+// combine_weighting after: CombineRows::topk_weights set, each (QDQ'd) routed row multiplied by its
+// router weight before it is added; the CPU side is combine_qdq_ref with topk_weights.
+
+// [num_tokens, K] router weights: top-k-like values, one negative now and then, and 1.0.
+std::vector<float> router_weights(const Shape& s, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> w(size_t(s.num_tokens * s.K));
+  for (float& v : w) {
+    const uint64_t u = rng() % 1000;
+    v = u == 0 ? 1.0f : u == 1 ? -0.375f : float(u) / 1000.0f * 0.7f;
+  }
+  return w;
+}
+
+std::vector<bf16> weighted_reference(const HostRows& h, std::optional<Format> f, float amax,
+                                     const std::vector<float>& weights) {
+  const Shape& s = h.s;
+  std::vector<bf16> y(size_t(s.num_tokens * s.H));
+  HostCombineRows r;
+  r.rows = h.row(0, 0);
+  r.slot_stride = s.T * s.H;
+  r.top_k = s.K;
+  r.num_tokens = s.num_tokens;
+  r.hidden = s.H;
+  r.topk_idx = h.topk.data();
+  r.shared = s.fused ? h.row(s.K, 0) : nullptr;
+  r.topk_weights = weights.data();
+  combine_qdq_ref(r, f, amax, y.data());
+  return y;
+}
+
+TEST(CombineCuda, WeightedCombineEqualsCpuEveryFormat) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 300;
+  for (const Shape& s : kShapes)
+    for (bool specials : {false, true}) {
+      const HostRows h = make_rows(s, seed++, specials);
+      const std::vector<float> weights = router_weights(s, seed);
+      DeviceRows d(h);
+      const DeviceBuffer<float> d_weights(weights);
+      cuda::CombineRows rows = d.rows;
+      rows.topk_weights = d_weights.get();
+      DeviceBuffer<bf16> y(size_t(s.num_tokens * s.H));
+      SCOPED_TRACE(describe(s) + (specials ? " specials" : ""));
+      cuda::launch_combine(rows, y.get(), nullptr);
+      MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(test::bytes_equal(weighted_reference(h, std::nullopt, 0.0f, weights), y.download())) << "plain combine";
+      const float amax = routed_amax(h);
+      DeviceBuffer<float> d_amax(std::vector<float>{amax});
+      for (Format f : kAllFormats) {
+        if (format_block_size(f) > kMxBlock && s.H % format_block_size(f) != 0) continue;
+        cuda::launch_combine_qdq(rows, true, f, d_amax.get(), {}, y.get(), nullptr);
+        MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
+        EXPECT_TRUE(test::bytes_equal(weighted_reference(h, f, amax, weights), y.download())) << format_name(f);
+      }
+    }
+}
+
+// The product is rounded before the add: w0 * x0 = -(1 + 2^-7 + 2^-20 + 2^-27) rounds to
+// -(1 + 2^-7 + 2^-20), and w2 * x2 is its exact negation, so token 0 sums to +0 (an fma would keep
+// 2^-27); token 1 is 0.5 * (1 + 2^-7) + 0.25 * 2. The inactive slot 1 holds poison.
+TEST(CombineCuda, WeightedSumRoundsTheProductThenTheSum) {
+  SKIP_WITHOUT_GPU();
+  const Shape s{2, 3, 128, false, 2};
+  HostRows h = make_rows(s, 31, false, 0.0, 0);
+  const float x = 1.0f + std::ldexp(1.0f, -7), w = 1.0f + std::ldexp(1.0f, -20);
+  h.topk = {0, -1, 2, 0, -1, 2};
+  for (int64_t t = 0; t < 2; ++t)
+    for (int64_t e = 0; e < s.H; ++e) {
+      h.row(0, t)[e].bits = bf16_round(x);
+      h.row(1, t)[e].bits = kPoison;
+      h.row(2, t)[e].bits = bf16_round(t == 0 ? x : 2.0f);
+    }
+  const std::vector<float> weights = {-w, 9.0f, w, 0.5f, 9.0f, 0.25f};
+  DeviceRows d(h);
+  DeviceBuffer<float> d_weights(weights);
+  cuda::CombineRows rows = d.rows;
+  rows.topk_weights = d_weights.get();
+  DeviceBuffer<bf16> y(size_t(2 * s.H));
+  cuda::launch_combine(rows, y.get(), nullptr);
+  const std::vector<bf16> got = y.download();
+  for (int64_t e = 0; e < s.H; ++e) {
+    EXPECT_EQ(got[size_t(e)].bits, 0x0000) << "token 0 element " << e;
+    EXPECT_EQ(got[size_t(s.H + e)].bits, bf16_round(0.5f * x + 0.5f)) << "token 1 element " << e;
+  }
+  EXPECT_TRUE(test::bytes_equal(weighted_reference(h, std::nullopt, 0.0f, weights), got));
+}
+
+// The layout check weights its unquantized re-sum the same way: it passes against a weighted
+// engine output, and fails when the engine output is the other mode's.
+TEST(CombineCuda, WeightedCheckPassesAndCatchesTheOtherMode) {
+  SKIP_WITHOUT_GPU();
+  const Shape s{48, 8, 1024, true, 45};
+  const HostRows h = make_rows(s, 41, true);
+  const std::vector<float> weights = router_weights(s, 42);
+  DeviceRows d(h);
+  DeviceBuffer<float> d_weights(weights);
+  cuda::CombineRows weighted = d.rows;
+  weighted.topk_weights = d_weights.get();
+  const float amax = routed_amax(h);
+  DeviceBuffer<float> d_amax(std::vector<float>{amax});
+  auto record = new_record();
+  for (Format f : {Format::kNvfp4, Format::kMxfp8, Format::kFp8Block128}) {
+    SCOPED_TRACE(format_name(f));
+    DeviceBuffer<bf16> y_engine(size_t(s.num_tokens * s.H)), y_out(y_engine.size());
+    cuda::launch_combine(weighted, y_engine.get(), nullptr);
+    cuda::launch_combine_qdq(weighted, true, f, d_amax.get(), {y_engine.get(), record.get(), false}, y_out.get(), nullptr);
+    EXPECT_FALSE(cuda::read_check(record.get(), s.H, nullptr).has_value());
+    EXPECT_TRUE(test::bytes_equal(weighted_reference(h, f, amax, weights), y_out.download()));
+    // Mixed: the unweighted check against the weighted engine output, and the other way round.
+    cuda::launch_combine_qdq(d.rows, true, f, d_amax.get(), {y_engine.get(), record.get(), false}, y_out.get(), nullptr);
+    EXPECT_TRUE(cuda::read_check(record.get(), s.H, nullptr).has_value());
+    cuda::launch_combine(d.rows, y_engine.get(), nullptr);
+    cuda::launch_combine_qdq(weighted, true, f, d_amax.get(), {y_engine.get(), record.get(), false}, y_out.get(), nullptr);
+    EXPECT_TRUE(cuda::read_check(record.get(), s.H, nullptr).has_value());
+  }
 }
 
 }  // namespace

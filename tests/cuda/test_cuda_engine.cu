@@ -108,6 +108,42 @@ TEST(CudaEngine, OutputMatchesCpuWithinTolerance) {
   expect_close_to_cpu(clamped, WeightFormat::kE4m3, true);
 }
 
+// combine_weighting after: the GPU engine's rows are those of a before engine given weights 1.0
+// (bit for bit), its output is the CPU rule's weighted re-sum of them (bit for bit), and it is
+// within the GEMMs' tolerance of the CPU engine in the same mode.
+TEST(CudaEngine, CombineWeightingAfterMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const MoeConfig c = small_config();
+  const int64_t R = 2, T = 64;
+  for (bool fused : {true, false}) {
+    SCOPED_TRACE(fused ? "fused" : "unfused");
+    const Problem p = make_problem(c, R, 61, 78, 6);
+    Problem ones = p;
+    for (auto& w : ones.wt) std::fill(w.begin(), w.end(), 1.0f);
+    const auto w = weights_for(c, R);
+    const EngineOptions after{fused, 2, CombineWeighting::kAfter}, before{fused, 2, CombineWeighting::kBefore};
+    CpuEngine cpu(c, R, T, w, after);
+    cuda::CudaEngine gpu(c, R, T, w, after), unweighted(c, R, T, w, before), weighted(c, R, T, w, before);
+    const auto want = test::host_forward(cpu, p);
+    DeviceProblem dp(p, T), d1(ones, T), dw(p, T);
+    gpu.forward(dp.batches(), nullptr);
+    unweighted.forward(d1.batches(), nullptr);
+    weighted.forward(dw.batches(), nullptr);
+    const auto got = dp.outputs(), got_before = dw.outputs();
+    const Region& comb = gpu.layout().combine;
+    for (int64_t r = 0; r < R; ++r) {
+      const auto a = download_buffer(gpu, r), b = download_buffer(unweighted, r);
+      EXPECT_TRUE(test::bytes_equal(b.data() + comb.offset, a.data() + comb.offset, comb.bytes, 1)) << "rows of rank " << r;
+      const auto resum = test::qdq_resum(a.data(), gpu.layout().combine_offset(), T, fused, p, r, std::nullopt, 0.0f,
+                                         /*weighted=*/true);
+      EXPECT_TRUE(test::bytes_equal(resum.data(), got[size_t(r)].data(), resum.size(), 2)) << "combine of rank " << r;
+      const ErrorMetrics m = compute_metrics(got[size_t(r)].data(), want[size_t(r)].data(), int64_t(want[size_t(r)].size()));
+      EXPECT_LT(m.rel_l2, kLayerTolerance) << "rank " << r;
+      EXPECT_FALSE(test::bytes_equal(got[size_t(r)], got_before[size_t(r)])) << "after equals before, rank " << r;
+    }
+  }
+}
+
 TEST(CudaEngine, Bf16WeightsMatchCpuWithinTolerance) {
   SKIP_WITHOUT_GPU();
   expect_close_to_cpu(small_config(), WeightFormat::kBf16, true);

@@ -42,13 +42,14 @@ struct Layer {
   std::unique_ptr<cuda::CudaEngine> plain;  // the same engine without quantizers
 };
 
-Layer make_layer(const MoeConfig& c, int64_t R, int64_t T, bool fused, const std::string& yaml) {
+Layer make_layer(const MoeConfig& c, int64_t R, int64_t T, bool fused, const std::string& yaml,
+                 CombineWeighting w = CombineWeighting::kBefore) {
   Layer l;
   l.fq = std::make_unique<cuda::CudaFakeQuantMoe>(std::make_unique<cuda::CudaEngine>(c, R, T, weights_for(c, R),
-                                                                                      EngineOptions{fused, 2}),
+                                                                                      EngineOptions{fused, 2, w}),
                                                   0);
   l.fq->configure(apply_recipe(parse_recipe_text(yaml, "test.yaml"), l.fq->quantizer_names()));
-  l.plain = std::make_unique<cuda::CudaEngine>(c, R, T, weights_for(c, R), EngineOptions{fused, 2});
+  l.plain = std::make_unique<cuda::CudaEngine>(c, R, T, weights_for(c, R), EngineOptions{fused, 2, w});
   return l;
 }
 
@@ -307,6 +308,65 @@ TEST(CudaFakeQuant, HostBackendMatchesTheDevicePath) {
   const auto got = test::host_forward(host, p);
   for (int64_t r = 0; r < R; ++r)
     EXPECT_TRUE(test::bytes_equal(want[size_t(r)].data(), got[size_t(r)].data(), got[size_t(r)].size(), 2));
+}
+
+// combine_weighting after: the GPU quantizer's output is the CPU rule's weighted re-sum of the
+// QDQ'd rows the GPU engine left (bit for bit), the layout check passes, the host-tensor back-end
+// gives the same bits, and the output differs from the before mode's.
+TEST(CudaFakeQuant, CombineWeightingAfterEqualsCpuRule) {
+  SKIP_WITHOUT_GPU();
+  cuda::register_cuda_backends();
+  const MoeConfig c = small_config();
+  const int64_t R = 2, T = 24;
+  struct Case {
+    const char* yaml;
+    Format f;
+    float amax;
+  };
+  for (const Case& cs : {Case{kCombineNvfp4, Format::kNvfp4, 2688.0f}, Case{kCombineMxfp4, Format::kMxfp4, 0.0f},
+                         Case{"$import: [moe_combine_logfmt10]\n", Format::kLogfmt10, 0.0f}})
+    for (bool fused : {false, true}) {
+      SCOPED_TRACE(std::string(format_name(cs.f)) + (fused ? " fused" : " unfused"));
+      Layer l = make_layer(c, R, T, fused, cs.yaml, CombineWeighting::kAfter);
+      EXPECT_EQ(l.fq->combine_weighting(), CombineWeighting::kAfter);
+      const Problem p = make_problem(c, R, T, 60, 5);
+      DeviceProblem dp(p, T);
+      const auto got = run(*l.fq, dp);
+      EXPECT_TRUE(l.fq->layout_checked(0) && l.fq->layout_checked(1));
+      for (int64_t r = 0; r < R; ++r) {
+        const auto buf = download_buffer(l.fq->engine(), r);
+        const auto want = test::qdq_resum(buf.data(), l.fq->engine().layout().combine_offset(), T, fused, p, r, cs.f,
+                                          cs.amax, /*weighted=*/true);
+        EXPECT_TRUE(test::bytes_equal(want.data(), got[size_t(r)].data(), want.size(), 2)) << "rank " << r;
+      }
+      Layer before = make_layer(c, R, T, fused, cs.yaml);
+      EXPECT_TRUE(any_differs(got, run(*before.fq, dp)));
+      expect_finite(got);
+      FakeQuantMoe host(make_expert_backend("mega_moe_cuda", c, R, T, weights_for(c, R),
+                                            EngineOptions{fused, 2, CombineWeighting::kAfter}),
+                        0);
+      host.configure(apply_recipe(parse_recipe_text(cs.yaml, "test.yaml"), host.quantizer_names()));
+      const auto host_y = test::host_forward(host, p);
+      for (int64_t r = 0; r < R; ++r)
+        EXPECT_TRUE(test::bytes_equal(got[size_t(r)].data(), host_y[size_t(r)].data(), host_y[size_t(r)].size(), 2))
+            << "host back-end, rank " << r;
+    }
+}
+
+TEST(CudaFakeQuant, MixedCombineWeightingFailsTheLayoutCheck) {
+  SKIP_WITHOUT_GPU();
+  const MoeConfig c = small_config();
+  const int64_t R = 2, T = 16;
+  for (const auto [engine, quantizer] : {std::pair{CombineWeighting::kBefore, CombineWeighting::kAfter},
+                                         std::pair{CombineWeighting::kAfter, CombineWeighting::kBefore}}) {
+    SCOPED_TRACE(std::string("engine ") + combine_weighting_name(engine));
+    Layer l = make_layer(c, R, T, true, kCombineNvfp4, engine);
+    l.fq->set_combine_weighting(quantizer);
+    const Problem p = make_problem(c, R, T, 65, 4);
+    DeviceProblem dp(p, T);
+    expect_error([&] { run(*l.fq, dp); }, ErrorKind::kFailedCheck, {"rank 0"});
+    EXPECT_FALSE(l.fq->layout_checked(0));
+  }
 }
 
 }  // namespace

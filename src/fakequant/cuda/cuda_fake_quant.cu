@@ -116,6 +116,7 @@ class CudaFakeQuantOps final : public FakeQuantOps {
   int64_t num_local_ranks() const override { return engine_->num_local_ranks(); }
   int64_t max_tokens() const override { return engine_->max_tokens(); }
   bool fused_shared() const override { return engine_->fused_shared(); }
+  CombineWeighting combine_weighting() const override { return engine_->combine_weighting(); }
   std::optional<size_t> combine_offset() const override { return combine_offset_; }
   size_t buffer_bytes() const override { return engine_->layout().total_bytes(); }
   bool capturing() const override {
@@ -180,7 +181,8 @@ class CudaFakeQuantOps final : public FakeQuantOps {
       if (e >= 0) return true;
     return false;
   }
-  void combine(int64_t r, const RankBatch& b, std::optional<Format> format, bool check) override {
+  void combine(int64_t r, const RankBatch& b, std::optional<Format> format, CombineWeighting weighting,
+               bool check) override {
     CombineRows rows;
     rows.buffer = engine_->buffer(first_rank() + r);
     rows.combine_offset = combine_offset_;
@@ -189,6 +191,7 @@ class CudaFakeQuantOps final : public FakeQuantOps {
     rows.hidden = config().hidden;
     rows.fused_shared = fused_shared();
     rows.topk_idx = b.topk_idx;
+    if (weighting == CombineWeighting::kAfter) rows.topk_weights = b.topk_weights;
     rows.num_tokens = b.num_tokens;
     CombineCheck c;
     if (check) {
@@ -264,6 +267,8 @@ DeviceBuffer<float>& CudaFakeQuantMoe::device_amax() { return ops_->device_amax(
 CudaEngine& CudaFakeQuantMoe::engine() { return ops_->engine(); }
 const MoeQuantizers& CudaFakeQuantMoe::quantizers() const { return driver_->quantizers(); }
 bool CudaFakeQuantMoe::layout_checked(int64_t rank) const { return driver_->layout_checked(rank); }
+CombineWeighting CudaFakeQuantMoe::combine_weighting() const { return driver_->combine_weighting(); }
+void CudaFakeQuantMoe::set_combine_weighting(CombineWeighting w) { driver_->set_combine_weighting(w); }
 size_t CudaFakeQuantMoe::combine_offset() const { return *ops_->combine_offset(); }
 void CudaFakeQuantMoe::set_combine_offset(size_t offset) { ops_->set_combine_offset(offset); }
 

@@ -46,6 +46,10 @@ class CudaFakeQuantMoe {
   const std::vector<float>& rank_amax(int which) const;
   void load_calibration_file(const std::string& path);
   void set_calibrated_amax(float dispatch_amax, float combine_amax);
+  // Where the combine quantizer's re-sum applies the router weight; by default the engine's own
+  // (EngineOptions::combine_weighting). Set apart from it, the layout check fails.
+  CombineWeighting combine_weighting() const;
+  void set_combine_weighting(CombineWeighting w);
 
   // One call of every rank, enqueued on `stream`; batches[r].y receives rank r's output. No host
   // synchronisation, except the eager layout check (once per buffer). Once a rank's buffer passed

@@ -123,15 +123,18 @@ TEST(CudaFakeQuant, DispatchQuantization) {
 
 // Combine: the output equals the re-sum of the QDQ'd rows of the GPU's buffer, with the fused
 // shared slot last and unquantized; it differs from the unquantized output and is finite.
+// A combine recipe, its format and the amax it runs with.
+struct CombineCase {
+  const char* yaml;
+  Format f;
+  float amax;
+};
+
 TEST(CudaFakeQuant, CombineQuantizationWithAndWithoutFusedShared) {
   SKIP_WITHOUT_GPU();
   const MoeConfig c = small_config();
   const int64_t R = 2, T = 24;
-  struct Case {
-    const char* yaml;
-    Format f;
-    float amax;
-  };
+  using Case = CombineCase;
   for (const Case& cs : {Case{kCombineNvfp4, Format::kNvfp4, 2688.0f}, Case{kCombineMxfp4, Format::kMxfp4, 0.0f},
                          Case{"$import: [moe_combine_fp8_block128]\n", Format::kFp8Block128, 0.0f},
                          Case{"$import: [moe_combine_fp8_block128_ue8m0]\n", Format::kFp8Block128Ue8m0, 0.0f},
@@ -318,11 +321,7 @@ TEST(CudaFakeQuant, CombineWeightingAfterEqualsCpuRule) {
   cuda::register_cuda_backends();
   const MoeConfig c = small_config();
   const int64_t R = 2, T = 24;
-  struct Case {
-    const char* yaml;
-    Format f;
-    float amax;
-  };
+  using Case = CombineCase;
   for (const Case& cs : {Case{kCombineNvfp4, Format::kNvfp4, 2688.0f}, Case{kCombineMxfp4, Format::kMxfp4, 0.0f},
                          Case{"$import: [moe_combine_logfmt10]\n", Format::kLogfmt10, 0.0f}})
     for (bool fused : {false, true}) {

@@ -221,14 +221,23 @@ std::vector<bf16> weighted_combine_slow(const CpuEngine& unweighted, const std::
   return y;
 }
 
+// One call's tokens and random routing (n tokens, every `padding_every`-th all padding).
+struct Call {
+  std::vector<bf16> x;
+  std::vector<int32_t> idx;
+  std::vector<float> wt;
+};
+Call random_call(const MoeConfig& c, int64_t n, uint64_t seed, int64_t padding_every) {
+  Call call{test::to_bf16(test::activations(n, c.hidden, seed, false)), {}, {}};
+  random_routing(c, n, seed + 1, call.idx, call.wt, padding_every);
+  return call;
+}
+
 TEST(CpuEngine, CombineWeightingAfterMatchesSlowReference) {
   for (bool fused : {true, false}) {
     const MoeConfig c = small_config();
     const int64_t n = 24, R = 2;
-    const auto x = test::to_bf16(test::activations(n, c.hidden, 8, false));
-    std::vector<int32_t> idx;
-    std::vector<float> wt;
-    random_routing(c, n, 12, idx, wt, 5);
+    const auto [x, idx, wt] = random_call(c, n, 8, 5);
     EngineOptions after{fused, 2, CombineWeighting::kAfter}, before{fused, 2, CombineWeighting::kBefore};
     CpuEngine eng(c, R, n / R, weights_for(c, R), after), unweighted(c, R, n / R, weights_for(c, R), before);
     const auto y = run(eng, x, idx, wt, n);
@@ -248,10 +257,7 @@ TEST(CpuEngine, CombineWeightingAfterMatchesSlowReference) {
 TEST(CpuEngine, CombineWeightingAfterDiffersFromBeforeAndEqualsItWithUnitWeights) {
   const MoeConfig c = small_config();
   const int64_t n = 32, R = 4;
-  const auto x = test::to_bf16(test::activations(n, c.hidden, 2, false));
-  std::vector<int32_t> idx;
-  std::vector<float> wt;
-  random_routing(c, n, 3, idx, wt, 7);
+  const auto [x, idx, wt] = random_call(c, n, 2, 7);
   CpuEngine before(c, R, n / R, weights_for(c, R), {true, 2, CombineWeighting::kBefore});
   CpuEngine after(c, R, n / R, weights_for(c, R), {true, 2, CombineWeighting::kAfter});
   EXPECT_FALSE(test::bytes_equal(run(before, x, idx, wt, n), run(after, x, idx, wt, n)));

@@ -755,6 +755,20 @@ TEST(FakeQuantMoe, OutputEqualsResumOfQdqRowsForEveryCombineFormat) {
 // =============================================================================================
 // combine_weighting after: the rows are unweighted, the re-sum weights each QDQ'd routed row
 
+// rows [K][T][H] bf16 with their routing, as combine_qdq_ref reads them (no shared row).
+HostCombineRows host_rows(const std::vector<bf16>& rows, int64_t K, int64_t T, int64_t H,
+                          const std::vector<int32_t>& idx, const std::vector<float>& weights) {
+  HostCombineRows r;
+  r.rows = rows.data();
+  r.slot_stride = T * H;
+  r.top_k = K;
+  r.num_tokens = T;
+  r.hidden = H;
+  r.topk_idx = idx.data();
+  r.topk_weights = weights.data();
+  return r;
+}
+
 // A product whose rounding decides the sum: w0 * x0 = -(1 + 2^-7 + 2^-20 + 2^-27) rounds to
 // -(1 + 2^-7 + 2^-20) in fp32, and w2 * x2 is its exact negation, so RN(w * x) then RN(acc + p)
 // gives +0; an fma of the second product would keep 2^-27. The inactive slot holds NaN (never read).
@@ -771,14 +785,7 @@ TEST(CombineQdqRef, WeightedResumRoundsTheProductThenTheSum) {
   const std::vector<int32_t> idx = {0, -1, 2, 0, -1, 2};
   const std::vector<float> weights = {-w, 9.0f, w, 0.5f, 9.0f, 0.25f};
   std::vector<bf16> shared(size_t(T * H), bf16{bf16_round(3.0f)}), y(size_t(T * H));
-  HostCombineRows r;
-  r.rows = rows.data();
-  r.slot_stride = T * H;
-  r.top_k = K;
-  r.num_tokens = T;
-  r.hidden = H;
-  r.topk_idx = idx.data();
-  r.topk_weights = weights.data();
+  HostCombineRows r = host_rows(rows, K, T, H, idx, weights);
   combine_qdq_ref(r, std::nullopt, 0.0f, y.data());
   for (int64_t h = 0; h < H; ++h) {
     EXPECT_EQ(y[size_t(h)].bits, 0x0000) << "token 0 element " << h;                    // +0, not 2^-27
@@ -808,15 +815,8 @@ TEST(CombineQdqRef, WeightedResumEqualsHandWrittenLoopForEveryFormat) {
   for (Format f : kAllFormats) {
     const float amax = 40.0f;
     std::vector<bf16> y(size_t(T * H)), q(static_cast<size_t>(H));
-    HostCombineRows r;
-    r.rows = rows.data();
-    r.slot_stride = T * H;
-    r.top_k = K;
-    r.num_tokens = T;
-    r.hidden = H;
-    r.topk_idx = idx.data();
+    HostCombineRows r = host_rows(rows, K, T, H, idx, weights);
     r.shared = shared.data();
-    r.topk_weights = weights.data();
     combine_qdq_ref(r, f, amax, y.data());
     std::vector<bf16> want(size_t(T * H));
     for (int64_t t = 0; t < T; ++t) {

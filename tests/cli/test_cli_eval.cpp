@@ -203,7 +203,8 @@ TEST_F(EvalCli, DefaultRunTableJsonAndCsvAgree) {
     std::vector<std::string> f;
     std::stringstream ss(csv[i + 1]);
     for (std::string x; std::getline(ss, x, ',');) f.push_back(x);
-    ASSERT_EQ(f.size(), 23u) << csv[i + 1];
+    ASSERT_EQ(f.size(), 24u) << csv[i + 1];
+    EXPECT_EQ(f[23], "before");
     EXPECT_EQ(f[1], res[i].at("recipe").get<std::string>());
     EXPECT_EQ(std::strtod(f[6].c_str(), nullptr), res[i].at("rel_l2").get<double>()) << csv[i + 1];
   }

@@ -575,7 +575,8 @@ TEST(RecipeWildcard, FnmatchCases) {
 TEST(RecipeErrors, UnknownKeys) {
   std::string m = parse_error("quant_cfg: []\nquant_config: []\n");
   EXPECT_HAS(m, "my.yaml: unknown top-level key 'quant_config'");
-  EXPECT_HAS(m, "expected quant_cfg, algorithm, effective_bits (and imports); or metadata and quantize");
+  EXPECT_HAS(m, "expected quant_cfg, algorithm, effective_bits, combine_weighting (and imports); or metadata and "
+                "quantize");
   EXPECT_HAS(m, "line 2");
   m = parse_error("quant_cfg:\n  - quantizer_name: '*'\n    enable: false\n  - quantizer_name: x\n    "
                   "parent_clas: Linear\n    enable: false\n");

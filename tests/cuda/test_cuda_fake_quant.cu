@@ -356,7 +356,7 @@ TEST(CudaFakeQuant, MixedCombineWeightingFailsTheLayoutCheck) {
   SKIP_WITHOUT_GPU();
   const MoeConfig c = small_config();
   const int64_t R = 2, T = 16;
-  for (const auto [engine, quantizer] : {std::pair{CombineWeighting::kBefore, CombineWeighting::kAfter},
+  for (const auto& [engine, quantizer] : {std::pair{CombineWeighting::kBefore, CombineWeighting::kAfter},
                                          std::pair{CombineWeighting::kAfter, CombineWeighting::kBefore}}) {
     SCOPED_TRACE(std::string("engine ") + combine_weighting_name(engine));
     Layer l = make_layer(c, R, T, true, kCombineNvfp4, engine);

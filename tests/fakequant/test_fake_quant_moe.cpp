@@ -865,7 +865,7 @@ TEST(FakeQuantMoe, MixedCombineWeightingFailsTheLayoutCheck) {
   const MoeConfig c = small_config();
   const int64_t R = 2, n = 8;
   const Problem p = make_problem(c, R, n, 220, 3);
-  for (const auto [engine, quantizer] : {std::pair{CombineWeighting::kBefore, CombineWeighting::kAfter},
+  for (const auto& [engine, quantizer] : {std::pair{CombineWeighting::kBefore, CombineWeighting::kAfter},
                                          std::pair{CombineWeighting::kAfter, CombineWeighting::kBefore}}) {
     auto fq = make_fq("mega_moe", c, R, n, true, engine);
     fq->set_combine_weighting(quantizer);

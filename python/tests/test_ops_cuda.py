@@ -91,6 +91,18 @@ def test_combine_cuda_matches_cpu(fmt):
     assert same_bits(no_shared, moefq.combine_qdq_resum(rows, fmt, amax, topk_idx=idx)) is None
 
 
+@pytest.mark.parametrize("fmt", [None] + FORMATS)
+def test_combine_weighted_cuda_matches_cpu(fmt):
+    rows, idx, shared = combine_inputs(36)
+    weights = torch.from_numpy(np.random.default_rng(37).uniform(0.01, 1.5, size=tuple(idx.shape)).astype(np.float32))
+    amax = float(rows.float().abs().max())
+    want = moefq.combine_qdq_resum(rows, fmt, amax, shared=shared, topk_idx=idx, topk_weights=weights)
+    got = moefq.combine_qdq_resum(rows.cuda(), fmt, amax, shared=shared.cuda(), topk_idx=idx.cuda(),
+                                  topk_weights=weights.cuda())
+    assert got.is_cuda and same_bits(got, want) is None
+    assert same_bits(got, moefq.combine_qdq_resum(rows, fmt, amax, shared=shared, topk_idx=idx)) is not None
+
+
 def test_combine_graph_capture_and_replay():
     rows, idx, shared = combine_inputs(36)
     d_rows, d_idx, d_shared = rows.cuda(), idx.cuda(), shared.cuda()

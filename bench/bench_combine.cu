@@ -93,14 +93,14 @@ std::vector<bf16> reference(const Rows& r, const std::vector<int32_t>& idx, bool
 }  // namespace
 
 int run_bench_combine(const CombineBenchOptions& o) {
-  MOEFQ_CHECK(cuda::device_count() > 0, "moefq bench combine: no CUDA device is visible");
-  MOEFQ_CHECK(o.tokens > 0, "--tokens must be positive");
-  MOEFQ_CHECK(o.top_k >= 1 && o.top_k <= 32, "--top-k must be in 1..32");
-  MOEFQ_CHECK(o.hidden > 0 && o.hidden % kStageBlock == 0, "--hidden must be a positive multiple of 128");
   const auto weighting = parse_combine_weighting(o.combine_weighting);
   MOEFQ_CHECK(weighting.has_value(), "--combine-weighting: unknown mode '", o.combine_weighting,
               "' (expected before or after)");
   const bool after = *weighting == CombineWeighting::kAfter;
+  MOEFQ_CHECK(cuda::device_count() > 0, "moefq bench combine: no CUDA device is visible");
+  MOEFQ_CHECK(o.tokens > 0, "--tokens must be positive");
+  MOEFQ_CHECK(o.top_k >= 1 && o.top_k <= 32, "--top-k must be in 1..32");
+  MOEFQ_CHECK(o.hidden > 0 && o.hidden % kStageBlock == 0, "--hidden must be a positive multiple of 128");
   std::vector<std::optional<Format>> cases;  // nullopt: the plain combine
   if (o.formats.empty()) {
     cases.push_back(std::nullopt);

@@ -32,7 +32,8 @@
 //   ascending, as the CPU reference (engine/gemm_cpu.h) promotes. One FMA instead of a multiply
 //   and an add halves the promotion's instructions, which sit between a column block's wgmmas and
 //   the next while the tensor cores wait. Only the order inside a block differs from the CPU; the
-//   epilogues are bit-exact given the same sums.
+//   epilogues are bit-exact given the same sums. On the TMA e4m3 path the two consumer warpgroups
+//   issue their wgmma groups in turn, so that one's promotion overlaps the other's group.
 // - Epilogue through a shared-memory hand-off: the consumers write the tile's sums as bf16 pairs
 //   (SwiGLU: (gate, up) of a column; store: two output columns), the epilogue reads them back a
 //   row per warp (32 lanes x 16 bytes: SwiGLU's row amax is a warp reduction, the stores are
@@ -450,9 +451,24 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
     int s = 0;
     uint32_t phase = 0, ephase = 0;
     // The block's wgmmas on column block c of stage s into a fresh `acc`, waited for.
+    // Two consumer warpgroups issue their wgmma groups in turn (named barriers 1 and 2): warpgroup
+    // 0's group of a block is queued before warpgroup 1's, so it completes first and is promoted
+    // while the tensor cores run warpgroup 1's, and the other way round for the next block.
+    // Issued together, the two groups would finish together and both promotions leave the tensor
+    // cores idle. (The TMA e4m3 kernel only: elsewhere the barriers cost registers the consumers
+    // do not have.)
+    constexpr bool kTurns = kMathWG == 2 && L::kProducerEpilogue;
+    const auto turn_wait = [&] {
+      if constexpr (kTurns) asm volatile("bar.sync %0, 256;" ::"r"(1 + wgc));
+    };
+    const auto turn_pass = [&] {
+      if constexpr (kTurns) asm volatile("bar.arrive %0, 256;" ::"r"(1 + (wgc ^ 1)));
+    };
+    if (wgc == 1) turn_pass();  // warpgroup 0 goes first (kTurns)
     auto mma = [&](uint32_t sa, uint32_t sb) {
 #pragma unroll
       for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+      turn_wait();
       wgmma_fence();
       if constexpr (!kBf16) {
 #pragma unroll
@@ -465,6 +481,7 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
                                 sw128_desc(sb + (kk >> 2) * (kBN * 128) + (kk & 3) * 32), kk > 0 ? 1u : 0u);
       }
       wgmma_commit();
+      turn_pass();
       wgmma_wait_all();
 #pragma unroll
       for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
@@ -539,6 +556,7 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
         }
       }
     }
+    if (wgc == 0) turn_wait();  // warpgroup 1's last pass: no arrival is left pending at exit
   }
 }
 

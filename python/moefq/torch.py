@@ -99,7 +99,10 @@ class CombineQuantizer(_QuantizerModule):
     where the slot is not routed) -> [T, H] bf16: each row QDQ'd in `format`, summed in ascending
     slot order in fp32 from 0, `shared` [T, H] added last unquantized, one rounding to bf16
     (moefq.combine_qdq_resum). While calibrating: collects max |rows| and returns the plain sum;
-    disabled: the plain sum. topk_idx [T, K]: negative marks a slot whose row is not read."""
+    disabled: the plain sum. topk_idx [T, K]: negative marks a slot whose row is not read.
+    topk_weights [T, K] float32 (combine_weighting after): the rows are the unweighted expert
+    outputs, and each (QDQ'd) row is multiplied by its router weight in fp32 before it is added;
+    calibration then sees the unweighted rows, as the quantizer does."""
 
     def __init__(self, format, *, amax=None, amax_source=None, constant_amax=None,
                  name="layers.0.mlp.experts.combine_quantizer"):
@@ -108,7 +111,7 @@ class CombineQuantizer(_QuantizerModule):
                              "ranks); calibrate it or set constant_amax")
         super().__init__(name, format, amax, amax_source, constant_amax)
 
-    def forward(self, rows, shared=None, topk_idx=None):
+    def forward(self, rows, shared=None, topk_idx=None, topk_weights=None):
         fmt, amax = None, None
         if self.calibrating:
             self.quantizer.collect(rows)
@@ -120,7 +123,7 @@ class CombineQuantizer(_QuantizerModule):
                                  "a calibration file or set amax")
 
         def resum(r):
-            return combine_qdq_resum(r, fmt, amax, shared=shared, topk_idx=topk_idx)
+            return combine_qdq_resum(r, fmt, amax, shared=shared, topk_idx=topk_idx, topk_weights=topk_weights)
 
         return _StraightThrough.apply(rows.contiguous(), resum) if rows.requires_grad else resum(rows.contiguous())
 

@@ -97,6 +97,23 @@ def test_combine_quantizer_module():
         mt.CombineQuantizer("fp8", amax_source="dynamic")
 
 
+def test_combine_quantizer_module_weighting_after():
+    # Unweighted rows and the router weights: the module passes the weights to the re-sum, and the
+    # result differs from treating the rows as already weighted.
+    rng = np.random.default_rng(12)
+    rows = torch.stack([bf16_tensor(rng, 5, 64) for _ in range(4)])
+    weights = torch.from_numpy(rng.uniform(0.05, 0.5, size=(5, 4)).astype(np.float32))
+    m = mt.CombineQuantizer("nvfp4")
+    with m.calibrate():
+        plain = m(rows, topk_weights=weights)
+    assert torch.equal(plain.view(torch.int16), moefq.combine_qdq_resum(rows, None, topk_weights=weights).view(torch.int16))
+    assert m.amax == float(rows.float().abs().max())  # the unweighted rows, as the quantizer sees them
+    got = m(rows, topk_weights=weights)
+    want = moefq.combine_qdq_resum(rows, "nvfp4", m.amax, topk_weights=weights)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(got.view(torch.int16), moefq.combine_qdq_resum(rows, "nvfp4", m.amax).view(torch.int16))
+
+
 class TinyMoeBlock(torch.nn.Module):
     """A top-k MoE in plain PyTorch with moefq's quantizers where the tokens leave and the expert
     outputs come back."""

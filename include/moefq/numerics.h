@@ -683,10 +683,12 @@ MOEFQ_HD Fp8Params fp8_block128_params(float bmax) {
 // RN(1/448))) (ue8m0 code e + 127, e in [-22, 120]), s = 2^-e; the element rule is mxfp8_qdq's. A
 // block holding +-inf has the ue8m0 NaN code (0xFF): every element NaN.
 inline constexpr int kFp8BlockUe8m0MinExp = -22;  // ceil(log2(1e-4 * RN(1/448)))
+// The exponent e for a finite floored maximum a.
+MOEFQ_HD int fp8_block128_ue8m0_exponent(float a) { return ceil_log2(mul_rn(a, kInvE4m3Max)); }
 MOEFQ_HD MxScale fp8_block128_ue8m0_scale(float bmax) {
   const float a = fp8_block_amax(bmax);
   if (!is_finite(a)) return {0.0f, canonical_nan_f32()};
-  return mx_scale(ceil_log2(mul_rn(a, kInvE4m3Max)));
+  return mx_scale(fp8_block128_ue8m0_exponent(a));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -752,6 +754,21 @@ MOEFQ_HD float logfmt_qdq_log2(float x, float l, const LogFmtBlock& b) {
   return copysign_f32(logfmt_decode(k, b), x);
 }
 MOEFQ_HD float logfmt_qdq(float x, const LogFmtBlock& b) { return logfmt_qdq_log2(x, log2_f32(abs_f32(x)), b); }
+// logfmt_qdq for a bf16 value x with log2 read from `table` (log2_bf16_normal's) where x is a
+// normal bf16; subnormals, zeros and NaN take log2_f32.
+MOEFQ_HD float logfmt_qdq_table(float x, const LogFmtBlock& b, const float* table) {
+  const uint32_t mag = (f32_bits(x) >> 16) & 0x7FFFu;
+  return logfmt_qdq_log2(x, mag - 0x80u < 0x7F00u ? log2_bf16_normal(mag, table) : log2_f32(abs_f32(x)), b);
+}
+// The same value without branches, for blocks with log_amin >= -126 and x normal, zero or NaN (not
+// subnormal): the table's log2 for every element, exp2_f32_normal for the decode, and zeros (code
+// 0, or x = +-0, whose table value is not log2 0) and NaN chosen at the end.
+MOEFQ_HD float logfmt_qdq_table_normal(float x, const LogFmtBlock& b, const float* table) {
+  const uint32_t mag = (f32_bits(x) >> 16) & 0x7FFFu;
+  const float k = logfmt_code(fma_rn(log2_bf16_normal(mag, table), b.step_inv, b.fused));
+  const float r = exp2_f32_normal(fma_rn(add_rn(k, -1.0f), b.step, b.log_amin));
+  return mag > 0x7F80u ? canonical_nan_f32() : copysign_f32(k == 0.0f || mag == 0 ? 0.0f : r, x);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Sum-exact element rules, for the combine quantizer only. The combine adds each QDQ'd row into an
@@ -1052,7 +1069,7 @@ MOEFQ_HD MxPacked mx_packed_block(uint32_t bits) {
 MOEFQ_HD MxPacked fp8_block128_ue8m0_packed(float bmax) {
   const float a = fp8_block_amax(bmax);
   if (!is_finite(a)) return {false, 0u};
-  const int e = ceil_log2(mul_rn(a, kInvE4m3Max));
+  const int e = fp8_block128_ue8m0_exponent(a);
   const uint32_t floor = (uint32_t(e + 127 - 6) << 7) | 0x40u;  // 1.5 * 2^(e - 6) as bf16
   return {e <= kMxPackedMaxExp, floor | (floor << 16)};
 }

@@ -411,23 +411,6 @@ struct Rule<Format::kLogfmt10> {
   }
   __device__ static int rev3(int j) { return ((j & 1) << 2) | (j & 2) | ((j >> 2) & 1); }
 
-  // One element of a cast block, general: log2|x| from the table where x is a normal bf16 (else
-  // log2_f32, which logfmt_qdq_log2 needs only for subnormals).
-  __device__ float qdq(float x, const LogFmtBlock& b) const {
-    const uint32_t mag = (f32_bits(x) >> 16) & 0x7FFFu;
-    const float l = mag - 0x80u < 0x7F00u ? log2_bf16_normal(mag, sh.log2_mant) : log2_f32(abs_f32(x));
-    return logfmt_qdq_log2(x, l, b);
-  }
-  // The same without branches, for blocks with log_amin >= -126 and elements that are normal, zero
-  // or NaN: the table's log2 for every element, exp2_f32_normal for the decode, and zeros (code 0
-  // or x = +-0, whose table value is not log2 0) and NaN chosen at the end.
-  __device__ float qdq_fast(float x, const LogFmtBlock& b) const {
-    const uint32_t mag = (f32_bits(x) >> 16) & 0x7FFFu;
-    const float k = logfmt_code(fma_rn(log2_bf16_normal(mag, sh.log2_mant), b.step_inv, b.fused));
-    const float r = exp2_f32_normal(fma_rn(add_rn(k, -1.0f), b.step, b.log_amin));
-    return mag > 0x7F80u ? canonical_nan_f32() : copysign_f32(k == 0.0f || mag == 0 ? 0.0f : r, x);
-  }
-
   // Adds the batch's active routed slots (bit j of `active`: raw[j] holds slot j's chunk; the
   // others are zero) to acc in slot order, QDQ'd where their group is cast; with kCheck the
   // unquantized values go into plain as well. kWeighted (combine_weighting after): each slot's
@@ -499,10 +482,10 @@ struct Rule<Format::kLogfmt10> {
           tame = tame && ((w[i] & 0x7F80u) || !(w[i] & 0x7Fu)) && ((w[i] & 0x7F800000u) || !(w[i] & 0x7F0000u));
         if (__all_sync(kAll, tame)) {
 #pragma unroll
-          for (int i = 0; i < kCombineElems; ++i) v[i] = qdq_fast(v[i], b);
+          for (int i = 0; i < kCombineElems; ++i) v[i] = logfmt_qdq_table_normal(v[i], b, sh.log2_mant);
         } else {
 #pragma unroll
-          for (int i = 0; i < kCombineElems; ++i) v[i] = qdq(v[i], b);
+          for (int i = 0; i < kCombineElems; ++i) v[i] = logfmt_qdq_table(v[i], b, sh.log2_mant);
         }
         round_to_bf16(v);
       }

@@ -20,15 +20,12 @@
 
 #include "checkpoint_test_util.h"
 #include "cli_test_util.h"
+#include "moefq_binary.h"
 #include "moefq/moe_config.h"
 #include "moefq/safetensors.h"
 #include "moefq/synthetic.h"
 #include "moefq/weights.h"
 #include "test_util.h"
-
-#ifndef MOEFQ_BINARY
-#error "MOEFQ_BINARY (the path of the moefq executable) must be defined by tests/CMakeLists.txt"
-#endif
 
 namespace moefq {
 namespace {
@@ -50,7 +47,7 @@ class EvalCli : public test::WorkDirTest {
 
   // Runs `[env] moefq ARGS` in work_.
   RunResult moefq(const std::string& args, const std::string& env = "") const {
-    return run_in_work(env + " " + quote(MOEFQ_BINARY) + " " + args);
+    return run_in_work(env + " " + test::moefq_command(args));
   }
 
   // Every path under work_, relative, sorted.
@@ -146,7 +143,9 @@ TEST_F(EvalCli, DefaultRunTableJsonAndCsvAgree) {
     for (const char* side : {"dispatch", "combine"}) {
       const json& clip = row.at(std::string(side) + "_clipped_fraction");
       EXPECT_EQ(clip.is_null(), row.at(std::string(side) + "_amax").is_null()) << side;
-      if (!clip.is_null()) EXPECT_TRUE(clip.get<double>() >= 0 && clip.get<double>() <= 1) << side;
+      if (!clip.is_null()) {
+        EXPECT_TRUE(clip.get<double>() >= 0 && clip.get<double>() <= 1) << side;
+      }
     }
     EXPECT_EQ(row.at("count"), 2 * 4 * 256 * 1024) << "metrics over the whole evaluation set";
     const bool comb = !row.at("combine_format").is_null();

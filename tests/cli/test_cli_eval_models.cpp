@@ -12,13 +12,10 @@
 #include <vector>
 
 #include "cli_test_util.h"
+#include "moefq_binary.h"
 #include "checkpoint_test_util.h"
 #include "moefq/moe_config.h"
 #include "moefq/weights.h"
-
-#ifndef MOEFQ_BINARY
-#error "MOEFQ_BINARY (the path of the moefq executable) must be defined by tests/CMakeLists.txt"
-#endif
 
 namespace moefq {
 namespace {
@@ -60,7 +57,7 @@ class EvalModels : public test::WorkDirTest {
  protected:
   EvalModels() : WorkDirTest("moefq_eval_models_") {}
 
-  RunResult moefq(const std::string& args) const { return run_in_work(quote(MOEFQ_BINARY) + " " + args); }
+  RunResult moefq(const std::string& args) const { return run_in_work(test::moefq_command(args)); }
   json report(const std::string& dir) const { return json::parse(read_text(path(dir) / "report.json")); }
 
   // The model's config.json at a small size (H 256, I 128, 8 experts, top-2), in `dir`.

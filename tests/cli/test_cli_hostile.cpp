@@ -19,12 +19,9 @@
 
 #include "checkpoint_test_util.h"
 #include "cli_test_util.h"
+#include "moefq_binary.h"
 #include "moefq/safetensors.h"
 #include "test_util.h"
-
-#ifndef MOEFQ_BINARY
-#error "MOEFQ_BINARY (the path of the moefq executable) must be defined by tests/CMakeLists.txt"
-#endif
 
 namespace moefq {
 namespace {
@@ -59,7 +56,7 @@ class Hostile : public test::WorkDirTest {
   // `[env] moefq ARGS` in work_, killed after 60 s (a hang fails the test, exit 137).
   RunResult moefq(const std::string& args, const std::string& env = "") const {
     // Not the last command of the shell, so that the shell waits and reports 128 + N for a signal.
-    return run_in_work("(" + env + " timeout -s KILL 60 " + quote(MOEFQ_BINARY) + " " + args + "; exit $?)");
+    return run_in_work("(" + env + " timeout -s KILL 60 " + test::moefq_command(args) + "; exit $?)");
   }
 
   // Every path under work_ (links not followed) with its kind, sorted.
@@ -237,7 +234,7 @@ TEST_F(Hostile, SignalsRemoveTemporaries) {
 TEST_F(Hostile, ConcurrentEvalsNeverMixTheirReports) {
   ASSERT_EQ(moefq("eval " + kEvalBase + " --tokens 32 --out solo32").status, 0);
   ASSERT_EQ(moefq("eval " + kEvalBase + " --tokens 64 --out solo64").status, 0);
-  const std::string bin = quote(MOEFQ_BINARY) + " eval " + kEvalBase;
+  const std::string bin = test::moefq_command("eval " + kEvalBase);
   const RunResult r = run_in_work(
       "( MOEFQ_TEST_RAISE=atomic-dir-written:19 " + bin + " --tokens 32 --out rep >o1 2>e1 & a=$!\n"
       "  i=0; while [ $i -lt 600 ] && [ -e /proc/$a ] && [ \"$(cut -d' ' -f3 /proc/$a/stat)\" != T ]; do\n"

@@ -16,13 +16,10 @@
 #include <vector>
 
 #include "cli_test_util.h"
+#include "moefq_binary.h"
 #include "moefq/qdq.h"
 #include "moefq/safetensors.h"
 #include "test_util.h"
-
-#ifndef MOEFQ_BINARY
-#error "MOEFQ_BINARY (the path of the moefq executable) must be defined by tests/CMakeLists.txt"
-#endif
 
 namespace moefq {
 namespace {
@@ -38,7 +35,7 @@ class CliTest : public test::WorkDirTest {
   CliTest() : WorkDirTest("moefq_cli_") {}
 
   // Runs `moefq ARGS` (ARGS already shell-quoted where needed) in work_.
-  RunResult moefq(const std::string& args) const { return run_in_work(quote(MOEFQ_BINARY) + " " + args); }
+  RunResult moefq(const std::string& args) const { return run_in_work(test::moefq_command(args)); }
 
   // Names in the working directory, sorted.
   std::vector<std::string> listing() const {

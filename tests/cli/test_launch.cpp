@@ -24,13 +24,11 @@
 #include <vector>
 
 #include "cli_test_util.h"
+#include "moefq_binary.h"
 #include "moefq/dist_env.h"
 #include "moefq/errors.h"
 #include "test_util.h"
 
-#ifndef MOEFQ_BINARY
-#error "MOEFQ_BINARY (the path of the moefq executable) must be defined by tests/CMakeLists.txt"
-#endif
 #ifndef LAUNCH_TEST_RANK
 #error "LAUNCH_TEST_RANK (the path of the launch_test_rank executable) must be defined by tests/CMakeLists.txt"
 #endif
@@ -85,7 +83,7 @@ class LaunchCli : public test::WorkDirTest {
 
   // The words that run `moefq launch ARGS` with TMPDIR = tmp() and the variables env.
   std::string launch_command(const std::string& args, const std::string& env = "") const {
-    return "TMPDIR=" + quote(tmp().string()) + " " + env + " " + quote(MOEFQ_BINARY) + " launch " + args;
+    return "TMPDIR=" + quote(tmp().string()) + " " + env + " " + test::moefq_command("launch " + args);
   }
 
   // Runs `moefq launch ARGS` in work_; seconds_: its wall time.
@@ -400,11 +398,11 @@ TEST_F(LaunchCli, BadArguments) {
 }
 
 TEST_F(LaunchCli, HelpHasAnExample) {
-  const RunResult r = run_in_work(quote(MOEFQ_BINARY) + " launch --help");
+  const RunResult r = run_in_work(test::moefq_command("launch --help"));
   EXPECT_EQ(r.status, 0) << describe(r);
   for (const char* text : {"-n,--num-ranks", "--timeout", "--grace", "Examples:", "moefq launch -n 4 -- sh -c"})
     EXPECT_NE(r.out.find(text), std::string::npos) << text << "\n" << r.out;
-  const RunResult top = run_in_work(quote(MOEFQ_BINARY) + " --help");
+  const RunResult top = run_in_work(test::moefq_command("--help"));
   EXPECT_NE(top.out.find("\n  launch "), std::string::npos) << top.out;
 }
 

@@ -13,8 +13,9 @@
 //   the next block's issue, so the tensor cores idle while a block is promoted and the k loop
 //   overlaps its loads, wgmmas and promotion only partly; keeping a wgmma group in flight across
 //   the promotion needs a second accumulator, which does not fit in the registers beside the two
-//   sums of a 128 x 256 tile. 64-row store tiles (decode) keep one block: more tiles for the SMs,
-//   more stages in flight.
+//   sums of a 128 x 256 tile. (128 x 128 tiles have the registers for it, but read each A block
+//   twice as often and hold half the work per stage: slower for the store GEMM.) 64-row store
+//   tiles (decode) keep one block: more tiles for the SMs, more stages in flight.
 // - Tile list: every CTA builds the prefix of ceil(count_g / BM) * n_tiles over the groups in
 //   shared memory and walks tiles blockIdx.x, +gridDim.x, ... (n fastest inside an m-tile).
 // - Producer, bulk tensor path (args.b_all and args.a_rows given): one thread issues TMA loads

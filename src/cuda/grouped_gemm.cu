@@ -29,7 +29,8 @@
 // - Producer, fallback path (no b_all): cp.async (16-byte, zero fill for rows past the group's
 //   count, so those rows are never read) into the same stages; weight pointers from args.b.
 // - Consumers: per 128-block and column block, 4 wgmma m64n128k32 (8 x k16 for bf16) into a
-//   fresh accumulator, wait, then promote: sum = fma(partial, a_scale * b_scale, sum), blocks
+//   fresh accumulator (TMA e4m3 path: A from registers, loaded once per block with ldmatrix, so
+//   that the tensor cores read only B from shared memory), wait, then promote: sum = fma(partial, a_scale * b_scale, sum), blocks
 //   ascending, as the CPU reference (engine/gemm_cpu.h) promotes. One FMA instead of a multiply
 //   and an add halves the promotion's instructions, which sit between a column block's wgmmas and
 //   the next while the tensor cores wait. Only the order inside a block differs from the CPU; the
@@ -449,6 +450,10 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
     const int lane = threadIdx.x & 31, q = lane & 3;
     const int r0 = wgc * 64 + ((threadIdx.x / 32) & 3) * 16 + lane / 4;  // tile row of i = 0 (i = 1: +8)
     float acc[64], sum0[64], sum1[64];
+    // TMA e4m3 kernels: the stage's A block of this thread, one fragment per k step of 32 (the
+    // cp.async fallback reads A from shared memory: the fragments would make it spill).
+    constexpr bool kRegA = !kBf16 && kTma;
+    uint32_t a_frag[4][4];
     int s = 0;
     uint32_t phase = 0, ephase = 0;
     // The block's wgmmas on column block c of stage s into a fresh `acc`, waited for.
@@ -471,7 +476,10 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
       for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
       turn_wait();
       wgmma_fence();
-      if constexpr (!kBf16) {
+      if constexpr (kRegA) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3_rs(acc, a_frag[kk], sw128_desc(sb + kk * 32), kk > 0 ? 1u : 0u);
+      } else if constexpr (!kBf16) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
           wgmma_m64n128k32_e4m3(acc, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32), kk > 0 ? 1u : 0u);
@@ -506,6 +514,15 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
         const float b0 = kBf16 ? 1.0f : sc[kBM], b1 = kBf16 ? 1.0f : sc[kBM + 1];
         const float f00 = __fmul_rn(a0, b0), f01 = __fmul_rn(a1, b0);
         const float f10 = __fmul_rn(a0, b1), f11 = __fmul_rn(a1, b1);
+        if constexpr (kRegA) {
+          // A from registers for both column blocks: the tensor cores read it from shared memory
+          // once instead of once per block. Lane l loads row l % 8 (+8 for l / 8 odd) of the
+          // warp's 16, 16-byte chunk l / 16 of the k step (128-byte swizzle: chunk ^ row % 8).
+          const int row = 16 * ((threadIdx.x / 32) & 3) + (lane & 7) + (lane & 8);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            ldmatrix_x4(a_frag[kk], sa + row * 128 + (((2 * kk + (lane >> 4)) ^ (row & 7)) << 4));
+        }
         // The stage is free once its wgmmas are done and its scales read.
         const auto release = [&, empty_bar = smem_addr(&empty[s])] {
           __syncwarp();

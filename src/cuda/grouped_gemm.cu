@@ -41,7 +41,8 @@
 //   row per warp (32 lanes x 16 bytes: SwiGLU's row amax is a warp reduction, the stores are
 //   512-byte rows). On the TMA e4m3 path the producer warpgroup's idle warps 1-3 run it from a
 //   whole-tile buffer (64 KB with 128-row tiles: three stages instead of four), so that it overlaps
-//   the next tile's k loop instead of holding the consumers at the end of every tile. Elsewhere
+//   the next tile's k loop instead of holding the consumers at the end of every tile (the store
+//   GEMM with the consumers' per-warp epilogue and four stages ran about 1.25x slower). Elsewhere
 //   (bf16 weights, cp.async) each consumer warp runs it on 8 of its rows at a time through its
 //   own 4 KB.
 // - SwiGLU epilogue: silu of the bf16-rounded gate is a load from a table of silu_f32 over all
@@ -257,7 +258,9 @@ __device__ __forceinline__ void run_epilogue(const KernelParams& p, const Tile& 
 // The TMA producer for e4m3 weights, run by the producer warpgroup's first warp: lane 0 loads
 // the A and B tiles, lanes 0 and 1 the column blocks' weight scales, every lane the a scales of
 // BM / 32 rows (zero for rows past the group's count); each lane's cp.async arrival plus lane 0's
-// expect_tx complete the stage's phase with the bytes.
+// expect_tx complete the stage's phase with the bytes. No L2 prefetch of later blocks: bulk tensor
+// prefetches 2 to 16 blocks ahead made both GEMMs slower, gate_up by 10-50%, even when only one
+// CTA of those sharing a weight tile issued them.
 template <int kBM, int kStageBytes>
 __device__ __forceinline__ void tma_producer_e4m3(const KernelParams& p, uint8_t* smem, float* scales, uint64_t* full,
                                                   uint64_t* empty, const int* tile_prefix, int num_tiles) {

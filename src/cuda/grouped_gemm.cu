@@ -30,10 +30,11 @@
 //   count, so those rows are never read) into the same stages; weight pointers from args.b.
 // - Consumers: per 128-block and column block, 4 wgmma m64n128k32 (8 x k16 for bf16) into a
 //   fresh accumulator (TMA e4m3 path: A from registers, loaded once per block with ldmatrix, so
-//   that the tensor cores read only B from shared memory), wait, then promote: sum = fma(partial, a_scale * b_scale, sum), blocks
-//   ascending, as the CPU reference (engine/gemm_cpu.h) promotes. One FMA instead of a multiply
-//   and an add halves the promotion's instructions, which sit between a column block's wgmmas and
-//   the next while the tensor cores wait. Only the order inside a block differs from the CPU; the
+//   that the tensor cores read only B from shared memory), wait, then promote: sum =
+//   fma(partial, a_scale * b_scale, sum), blocks ascending, as the CPU reference
+//   (engine/gemm_cpu.h) promotes. One FMA instead of a multiply and an add halves the
+//   promotion's instructions, which sit between a column block's wgmmas and the next while the
+//   tensor cores wait. Only the order inside a block differs from the CPU; the
 //   epilogues are bit-exact given the same sums. On the TMA e4m3 path the two consumer warpgroups
 //   issue their wgmma groups in turn, so that one's promotion overlaps the other's group.
 // - Epilogue through a shared-memory hand-off: the consumers write the tile's sums as bf16 pairs
@@ -481,7 +482,8 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
       wgmma_fence();
       if constexpr (kRegA) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3_rs(acc, a_frag[kk], sw128_desc(sb + kk * 32), kk > 0 ? 1u : 0u);
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n128k32_e4m3_rs(acc, a_frag[kk], sw128_desc(sb + kk * 32), kk > 0 ? 1u : 0u);
       } else if constexpr (!kBf16) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
@@ -518,8 +520,8 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
         const float f00 = __fmul_rn(a0, b0), f01 = __fmul_rn(a1, b0);
         const float f10 = __fmul_rn(a0, b1), f11 = __fmul_rn(a1, b1);
         if constexpr (kRegA) {
-          // A from registers for both column blocks: the tensor cores read it from shared memory
-          // once instead of once per block. Lane l loads row l % 8 (+8 for l / 8 odd) of the
+          // A from registers for both column blocks: read from shared memory once instead of once
+          // per block. Lane l loads row l % 8 (+8 for l / 8 odd) of the
           // warp's 16, 16-byte chunk l / 16 of the k step (128-byte swizzle: chunk ^ row % 8).
           const int row = 16 * ((threadIdx.x / 32) & 3) + (lane & 7) + (lane & 8);
 #pragma unroll

@@ -93,10 +93,8 @@ std::vector<bf16> reference(const Rows& r, const std::vector<int32_t>& idx, bool
 }  // namespace
 
 int run_bench_combine(const CombineBenchOptions& o) {
-  const auto weighting = parse_combine_weighting(o.combine_weighting);
-  MOEFQ_CHECK(weighting.has_value(), "--combine-weighting: unknown mode '", o.combine_weighting,
-              "' (expected before or after)");
-  const bool after = *weighting == CombineWeighting::kAfter;
+  const CombineWeighting weighting = combine_weighting_option(o.combine_weighting, "--combine-weighting");
+  const bool after = weighting == CombineWeighting::kAfter;
   MOEFQ_CHECK(cuda::device_count() > 0, "moefq bench combine: no CUDA device is visible");
   MOEFQ_CHECK(o.tokens > 0, "--tokens must be positive");
   MOEFQ_CHECK(o.top_k >= 1 && o.top_k <= 32, "--top-k must be in 1..32");
@@ -159,9 +157,9 @@ int run_bench_combine(const CombineBenchOptions& o) {
   report["top_k"] = K;
   report["hidden"] = H;
   report["copy_gbs"] = copy;
-  report["combine_weighting"] = combine_weighting_name(*weighting);
+  report["combine_weighting"] = combine_weighting_name(weighting);
   std::printf("T=%lld K=%lld H=%lld, router weight applied %s the combine, copy %.1f GB/s\n", (long long)T,
-              (long long)K, (long long)H, combine_weighting_name(*weighting), copy);
+              (long long)K, (long long)H, combine_weighting_name(weighting), copy);
   std::printf("%-18s  %-8s  %10s  %9s  %6s  %s\n", "format", "variant", "time_us", "GB/s", "ratio", "check");
   bool all_ok = true;
   for (const auto& f : cases) {
@@ -207,7 +205,7 @@ int run_bench_combine(const CombineBenchOptions& o) {
       report["results"].push_back({{"format", fname}, {"variant", v.name}, {"time_us", us}, {"bytes", bytes},
                                    {"gbs", gbs}, {"ratio_to_copy", gbs / copy}, {"check", ok ? "ok" : "mismatch"},
                                    {"data_scale_exp", scale_exp},
-                                   {"combine_weighting", combine_weighting_name(*weighting)}});
+                                   {"combine_weighting", combine_weighting_name(weighting)}});
     }
   }
   if (!o.json.empty()) write_file_atomic(o.json, report.dump(2) + "\n");

@@ -26,6 +26,8 @@ enum class CombineWeighting { kBefore, kAfter };
 const char* combine_weighting_name(CombineWeighting w);  // "before", "after"
 // "before" or "after"; nullopt for anything else.
 std::optional<CombineWeighting> parse_combine_weighting(std::string_view text);
+// The same for a user's option: anything else is an error (bad input) naming the option `what`.
+CombineWeighting combine_weighting_option(std::string_view text, std::string_view what);
 
 struct QuantSpec {
   Format format = Format::kFp8;

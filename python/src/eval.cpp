@@ -74,9 +74,7 @@ EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
     } else if (k == "threads") {
       o.num_threads = option<int>(value, k, "an integer");
     } else if (k == "combine_weighting") {
-      const std::string v = option<std::string>(value, k, "a string");
-      o.combine_weighting = parse_combine_weighting(v);
-      MOEFQ_CHECK(o.combine_weighting.has_value(), "combine_weighting: unknown mode '", v, "' (expected before or after)");
+      o.combine_weighting = combine_weighting_option(option<std::string>(value, k, "a string"), k);
     } else if (k == "load_calibration" && with_recipes) {
       o.load_calibration = option<std::string>(value, k, "a string");
     } else if (k == "max_rel_l2" && with_recipes) {

@@ -78,11 +78,8 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
   if (sub->get_option_no_throw("--max-rel-l2") && sub->get_option("--max-rel-l2")->count() > 0)
     o.eval.max_rel_l2 = o.max_rel_l2;
   if (!o.layers.empty() || sub->get_option("--layers")->count() > 0) o.eval.layers = parse_layers(o.layers);
-  if (sub->get_option("--combine-weighting")->count() > 0) {
-    o.eval.combine_weighting = parse_combine_weighting(o.combine_weighting);
-    MOEFQ_CHECK(o.eval.combine_weighting.has_value(), "--combine-weighting: unknown mode '", o.combine_weighting,
-                "' (expected before or after)");
-  }
+  if (sub->get_option("--combine-weighting")->count() > 0)
+    o.eval.combine_weighting = combine_weighting_option(o.combine_weighting, "--combine-weighting");
   const bool cuda = use_cuda(o.device);
   if (cuda) {
 #ifdef MOEFQ_HAS_CUDA

@@ -23,6 +23,12 @@ std::optional<CombineWeighting> parse_combine_weighting(std::string_view text) {
   return std::nullopt;
 }
 
+CombineWeighting combine_weighting_option(std::string_view text, std::string_view what) {
+  const std::optional<CombineWeighting> w = parse_combine_weighting(text);
+  MOEFQ_CHECK(w.has_value(), what, ": unknown mode '", text, "' (expected before or after)");
+  return *w;
+}
+
 void QuantSpec::validate(std::string_view quantizer) const {
   const int own = format_block_size(format);
   MOEFQ_CHECK(block_size == 0 || block_size == own, quantizer, ": format ", format_name(format),

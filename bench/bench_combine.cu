@@ -70,22 +70,13 @@ std::vector<bf16> reference(const Rows& r, const std::vector<int32_t>& idx, bool
                             float amax, const float* weights) {
   std::vector<bf16> y(size_t(r.sample * r.H)), q(size_t(r.K * r.H));
   for (int64_t t = 0; t < r.sample; ++t) {
-    const bf16* rows[kMaxCombineRows];
-    float w[kMaxCombineRows];
-    int n = 0;
-    for (int64_t k = 0; k < r.K; ++k) {
-      if (idx[size_t(t * r.K + k)] < 0) continue;
+    const auto row = [&](int64_t k) -> const bf16* {
       const bf16* src = r.host[size_t(k)].data() + t * r.H;
-      if (f) {
-        qdq_ref(*f, src, q.data() + n * r.H, 1, r.H, amax);
-        src = q.data() + n * r.H;
-      }
-      w[n] = weights ? weights[t * r.K + k] : 1.0f;
-      rows[n++] = src;
-    }
-    const int routed = n;
-    if (fused) rows[n++] = r.host[size_t(r.K)].data() + t * r.H;
-    combine_rows(rows, n, r.H, y.data() + t * r.H, weights ? w : nullptr, routed);
+      if (k == r.K || !f) return src;
+      qdq_ref(*f, src, q.data() + k * r.H, 1, r.H, amax);
+      return q.data() + k * r.H;
+    };
+    combine_token(idx.data() + t * r.K, weights ? weights + t * r.K : nullptr, r.K, fused, r.H, row, y.data() + t * r.H);
   }
   return y;
 }

@@ -17,24 +17,19 @@ void combine_qdq_ref(const HostCombineRows& r, std::optional<Format> format, flo
   if (T == 0 || H == 0) return;
   MOEFQ_CHECK(r.rows && y, "combine: null rows or output");
   std::vector<bf16> qrows(format ? size_t(K * H) : 0);
+  const std::vector<int32_t> all_active(static_cast<size_t>(K), 0);  // for a null topk_idx
   for (int64_t t = 0; t < T; ++t) {
-    const bf16* rows[kMaxCombineRows];
-    float w[kMaxCombineRows];
-    int n = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      if (r.topk_idx && r.topk_idx[t * K + k] < 0) continue;
-      w[n] = r.topk_weights ? r.topk_weights[t * K + k] : 1.0f;
-      const bf16* row = r.rows + k * r.slot_stride + t * H;
-      if (format) {
-        bf16* q = qrows.data() + n * H;
-        qdq_ref(*format, row, q, 1, H, amax);
-        row = q;
-      }
-      rows[n++] = row;
-    }
-    const int routed = n;
-    if (r.shared) rows[n++] = r.shared + t * H;
-    combine_rows(rows, n, H, y + t * H, r.topk_weights ? w : nullptr, routed);
+    // Slot k's row, QDQ'd into qrows first when a format is given; slot K is the shared row.
+    const auto row = [&](int64_t k) -> const bf16* {
+      if (k == K) return r.shared + t * H;
+      const bf16* x = r.rows + k * r.slot_stride + t * H;
+      if (!format) return x;
+      bf16* q = qrows.data() + k * H;
+      qdq_ref(*format, x, q, 1, H, amax);
+      return q;
+    };
+    combine_token(r.topk_idx ? r.topk_idx + t * K : all_active.data(), r.topk_weights ? r.topk_weights + t * K : nullptr,
+                  K, r.shared != nullptr, H, row, y + t * H);
   }
 }
 

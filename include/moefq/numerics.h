@@ -739,19 +739,16 @@ MOEFQ_HD float logfmt_code(float t) {
   const float k = floor_f32(t);
   return k < float(kLogFmtMaxCode) ? k : float(kLogFmtMaxCode);
 }
+// log2 of code k's grid value (k >= 1): (k - 1) * step + log_amin, in [log_amin, log_amax].
+MOEFQ_HD float logfmt_grid_log2(float k, const LogFmtBlock& b) { return fma_rn(add_rn(k, -1.0f), b.step, b.log_amin); }
 // The decoded magnitude of code k >= 1: 2^((k - 1) * step + log_amin).
-MOEFQ_HD float logfmt_decode(float k, const LogFmtBlock& b) {
-  return exp2_f32(fma_rn(add_rn(k, -1.0f), b.step, b.log_amin));
-}
+MOEFQ_HD float logfmt_decode(float k, const LogFmtBlock& b) { return exp2_f32(logfmt_grid_log2(k, b)); }
 // QDQ of one element x (a bf16 value) of a cast block, given l = log2_f32(|x|) (kernels read it from
-// a table): NaN stays NaN, zero codes keep the sign. Decoded values lie in [2^log_amin, 2^log_amax],
-// log_amax < 0, so where log_amin >= -126 exp2_f32_normal gives logfmt_decode's bits.
+// a table): NaN stays NaN, zero codes keep the sign.
 MOEFQ_HD float logfmt_qdq_log2(float x, float l, const LogFmtBlock& b) {
   if (is_nan(x)) return canonical_nan_f32();
   const float k = logfmt_code(fma_rn(l, b.step_inv, b.fused));
-  if (k == 0.0f) return copysign_f32(0.0f, x);
-  if (b.log_amin >= -126.0f) return copysign_f32(exp2_f32_normal(fma_rn(add_rn(k, -1.0f), b.step, b.log_amin)), x);
-  return copysign_f32(logfmt_decode(k, b), x);
+  return copysign_f32(k == 0.0f ? 0.0f : logfmt_decode(k, b), x);
 }
 MOEFQ_HD float logfmt_qdq(float x, const LogFmtBlock& b) { return logfmt_qdq_log2(x, log2_f32(abs_f32(x)), b); }
 // logfmt_qdq for a bf16 value x with log2 read from `table` (log2_bf16_normal's) where x is a
@@ -761,12 +758,13 @@ MOEFQ_HD float logfmt_qdq_table(float x, const LogFmtBlock& b, const float* tabl
   return logfmt_qdq_log2(x, mag - 0x80u < 0x7F00u ? log2_bf16_normal(mag, table) : log2_f32(abs_f32(x)), b);
 }
 // The same value without branches, for blocks with log_amin >= -126 and x normal, zero or NaN (not
-// subnormal): the table's log2 for every element, exp2_f32_normal for the decode, and zeros (code
+// subnormal): the table's log2 for every element, exp2_f32_normal for the decode (grid values lie
+// in [2^log_amin, 2^log_amax] with log_amax < 0, where it gives exp2_f32's bits), and zeros (code
 // 0, or x = +-0, whose table value is not log2 0) and NaN chosen at the end.
 MOEFQ_HD float logfmt_qdq_table_normal(float x, const LogFmtBlock& b, const float* table) {
   const uint32_t mag = (f32_bits(x) >> 16) & 0x7FFFu;
   const float k = logfmt_code(fma_rn(log2_bf16_normal(mag, table), b.step_inv, b.fused));
-  const float r = exp2_f32_normal(fma_rn(add_rn(k, -1.0f), b.step, b.log_amin));
+  const float r = exp2_f32_normal(logfmt_grid_log2(k, b));
   return mag > 0x7F80u ? canonical_nan_f32() : copysign_f32(k == 0.0f || mag == 0 ? 0.0f : r, x);
 }
 

@@ -61,14 +61,6 @@ __device__ __forceinline__ uint16_t half_word(int4 raw, int i) {
   return uint16_t(w[i / 2] >> (16 * (i % 2)));
 }
 
-// A routed value as the sum takes it: combine_weighting after multiplies it by the slot's router
-// weight first (its own rounding, then the add's: mul_rn and add_rn are never contracted to an fma).
-template <bool kWeighted>
-__device__ __forceinline__ float weighted(float weight, float v) {
-  if constexpr (kWeighted) return mul_rn(weight, v);
-  return v;
-}
-
 // Adds one routed row's chunk to the sum: the rule's combine_chunk gives the values of the QDQ the
 // CPU quantizer applies (a bf16 row), blocks spanning kLanes consecutive lanes (whole, because H
 // is a multiple of the block and each warp starts on a multiple of 32 chunks of the row). With a

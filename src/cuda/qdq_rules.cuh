@@ -38,6 +38,15 @@ __device__ __forceinline__ int4 pack(const float (&v)[4]) {
 constexpr int kCombineElems = 8;
 using CombineWords = uint32_t[4];
 
+// A routed value as the combine's sum takes it: combine_weighting after multiplies it by the
+// slot's router weight first (its own rounding, then the add's: mul_rn and add_rn are never
+// contracted to an fma).
+template <bool kWeighted>
+__device__ __forceinline__ float weighted(float weight, float v) {
+  if constexpr (kWeighted) return mul_rn(weight, v);
+  return v;
+}
+
 // The chunk's 8 bf16 as fp32 (exact): lo = w << 16, hi = w with the low half cleared.
 __device__ __forceinline__ void unpack(const CombineWords& w, float (&v)[kCombineElems]) {
 #pragma unroll
@@ -465,7 +474,7 @@ struct Rule<Format::kLogfmt10> {
       if constexpr (kWeighted) weight = slot_weight(j);
       if constexpr (kCheck) {
 #pragma unroll
-        for (int i = 0; i < kCombineElems; ++i) plain[i] = add_rn(plain[i], kWeighted ? mul_rn(weight, v[i]) : v[i]);
+        for (int i = 0; i < kCombineElems; ++i) plain[i] = add_rn(plain[i], weighted<kWeighted>(weight, v[i]));
       }
       if (cast & (1u << j)) {
         const int src = base | rev3(j);
@@ -490,7 +499,7 @@ struct Rule<Format::kLogfmt10> {
         round_to_bf16(v);
       }
 #pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) acc[i] = add_rn(acc[i], kWeighted ? mul_rn(weight, v[i]) : v[i]);
+      for (int i = 0; i < kCombineElems; ++i) acc[i] = add_rn(acc[i], weighted<kWeighted>(weight, v[i]));
     }
   }
 };

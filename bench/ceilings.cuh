@@ -11,6 +11,11 @@ namespace moefq::bench {
 // to multiply, so that a ceiling runs on the same data as the kernel it is compared with (the
 // tensor cores' power, and with it the clock under the power limit, depends on the data); null:
 // constant operands (every a 1.0, every b 0.5), which run at a higher clock than any real GEMM.
-double cublaslt_fp8_gemm_us(int64_t m, int64_t n, int64_t k, const uint8_t* a = nullptr, const uint8_t* b = nullptr);
+// batch > 1: `batch` such GEMMs in one strided-batched call, instance i on A rows [i m, (i + 1) m)
+// and B rows [i n, (i + 1) n): a grouped GEMM's ceiling with every group's own weights, read from
+// memory as the grouped kernel reads them (equal rows per group); NaN where cuBLASLt offers no
+// algorithm for the batch.
+double cublaslt_fp8_gemm_us(int64_t m, int64_t n, int64_t k, const uint8_t* a = nullptr, const uint8_t* b = nullptr,
+                            int batch = 1);
 
 }  // namespace moefq::bench

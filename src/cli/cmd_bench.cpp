@@ -87,7 +87,8 @@ std::function<int()> add_bench_command(CLI::App& app) {
   auto go = std::make_shared<bench::GemmBenchOptions>();
   CLI::App* gemm = bench->add_subcommand(
       "gemm", "Grouped expert GEMMs (gate/up + SwiGLU, down + store) with e4m3 weights: time, TFLOPS, the ratio to "
-              "cuBLASLt FP8 of the same total M x N x K and to reading the touched experts' weights once.");
+              "cuBLASLt FP8 on the same operands (batched over the experts, each with its own weights; and on one "
+              "expert's weights) and to reading the touched experts' weights once.");
   gemm->add_option("--tokens", go->tokens, "tokens per rank; rows = tokens * top-k (default 1 128 512 4096)");
   gemm->add_option("--hidden", go->hidden, "H (default 7168)");
   gemm->add_option("--inter", go->inter, "I (default 2048)");

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# On the GPU machine: A/B timing of grouped-GEMM variants in one call. The GEMMs' times move by
+# several percent from run to run (the clock follows the power the data draws), so variants are
+# judged by runs that alternate, not by one run each.
+#
+# Usage: scripts/device_ab.sh [--rounds N] [--tokens "T ..."] [--tests] [NAME=PATCH[,VAR=VALUE...] ...]
+#   The tree as carried is variant "base"; each NAME=PATCH is the tree with PATCH (a diff against
+#   it, applied with patch -p1) and the environment variables given. Every variant is built in
+#   its own copy (in parallel); --tests runs each patched variant's GroupedGemm and CudaEngine
+#   tests (bit-exact against the CPU) before any timing. Then N rounds (default 3) of
+#   `moefq bench gemm --tokens T ...` (default 512 4096), the variants' order rotated each round.
+#   JSON per run under $OUT/ab/, and a table of each variant's median, min and max time and median
+#   ratio to cuBLASLt per (tokens, GEMM) at the end (also in $OUT/ab/summary.txt).
+# Needs .deps/ from scripts/fetch_device_deps.sh, as scripts/device_check.sh does.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-out}
+AB="$OUT/ab"
+mkdir -p "$AB"
+rounds=3
+tokens="512 4096"
+tests=0
+specs=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rounds) rounds=$2; shift 2 ;;
+    --tokens) tokens=$2; shift 2 ;;
+    --tests) tests=1; shift ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *=*) specs+=("$1"); shift ;;
+    *) echo "device_ab.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+case "$rounds" in '' | *[!0-9]* | 0) echo "device_ab.sh: --rounds must be a positive integer" >&2; exit 2 ;; esac
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+src=$PWD
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+names=(base)
+patches=("")
+envs=("")
+for s in "${specs[@]}"; do
+  name=${s%%=*}
+  rest=${s#*=}
+  patch=${rest%%,*}
+  env=""
+  [ "$patch" != "$rest" ] && env=${rest#*,}
+  case "$name" in '' | base | *[!A-Za-z0-9_-]*) echo "device_ab.sh: bad variant name '$name'" >&2; exit 2 ;; esac
+  [ -f "$patch" ] || { echo "device_ab.sh: no patch file '$patch' for variant $name" >&2; exit 2; }
+  names+=("$name")
+  patches+=("$src/$patch")
+  envs+=("${env//,/ }")
+done
+n=${#names[@]}
+jobs=$(( $(nproc) / n ))
+[ "$jobs" -ge 2 ] || jobs=2
+
+build() {  # index
+  local i=$1 name=${names[$1]} dir="$work/${names[$1]}"
+  mkdir -p "$dir"
+  tar -C "$src" --exclude='./build*' --exclude=./.git -cf - . | tar -C "$dir" -xf -
+  if [ -n "${patches[$i]}" ] && ! patch -d "$dir" -p1 -s < "${patches[$i]}" > "$AB/build_$name.log" 2>&1; then
+    echo "$name: the patch does not apply"; return 1
+  fi
+  local targets=(moefq)
+  [ "$tests" = 1 ] && [ "$i" -gt 0 ] && targets+=(test_grouped_gemm test_cuda_engine)
+  if ! { cmake -S "$dir" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$src/.deps/usr" \
+    -DCMAKE_CUDA_COMPILER="$nvcc" -DMOEFQ_FUZZ=OFF -DMOEFQ_PYTHON=OFF >> "$AB/build_$name.log" 2>&1 &&
+    cmake --build "$dir/build" -j"$jobs" --target "${targets[@]}" >> "$AB/build_$name.log" 2>&1; }; then
+    echo "$name: build failed"; grep -E "error" "$AB/build_$name.log" | head -n 10; return 1
+  fi
+}
+echo "== building ${names[*]} ($(date +%T))"
+pids=()
+for i in "${!names[@]}"; do build "$i" & pids+=($!); done
+ok=1
+for p in "${pids[@]}"; do wait "$p" || ok=0; done
+[ "$ok" = 1 ] || { echo "BUILD FAILED"; exit 1; }
+
+if [ "$tests" = 1 ]; then
+  echo "== tests of the patched variants ($(date +%T))"
+  for i in $(seq 1 $((n - 1))); do
+    for t in test_grouped_gemm test_cuda_engine; do
+      # shellcheck disable=SC2086  # the variant's VAR=VALUE words
+      env ${envs[$i]} timeout 300 "$work/${names[$i]}/build/tests/$t" > "$AB/${names[$i]}_$t.log" 2>&1
+      rc=$?
+      echo "${names[$i]} $t rc=$rc $(grep -E '^\[  (PASSED|FAILED) ' "$AB/${names[$i]}_$t.log" | tr '\n' ' ')"
+      [ $rc -eq 0 ] || grep -E "^\[  FAILED  \]" "$AB/${names[$i]}_$t.log" | head -n 5
+    done
+  done
+fi
+
+echo "== $rounds rounds of bench gemm --tokens $tokens ($(date +%T))"
+for r in $(seq 1 "$rounds"); do
+  for j in $(seq 0 $((n - 1))); do
+    i=$(( (j + r - 1) % n ))
+    # shellcheck disable=SC2086  # the variant's VAR=VALUE words and the token counts
+    env ${envs[$i]} timeout 180 "$work/${names[$i]}/build/moefq" bench gemm --tokens $tokens \
+      --json "$AB/${names[$i]}_r$r.json" > "$AB/${names[$i]}_r$r.txt" 2>&1
+    echo "round $r ${names[$i]} rc=$?"
+  done
+done
+
+python3 - "$AB" "${names[@]}" << 'EOF' | tee "$AB/summary.txt"
+import json, statistics, sys, glob, os
+ab, names = sys.argv[1], sys.argv[2:]
+rows = {}
+for name in names:
+    for f in sorted(glob.glob(os.path.join(ab, name + "_r*.json"))):
+        for c in json.load(open(f))["cases"]:
+            rows.setdefault((c["tokens"], c["gemm"]), {}).setdefault(name, []).append(c)
+print("%-6s %-8s %-14s %10s %10s %10s %7s %10s" % ("tokens", "gemm", "variant", "median_us", "min_us", "max_us", "ratio", "cublas_us"))
+for (tokens, gemm), by in sorted(rows.items()):
+    for name in names:
+        cs = by.get(name, [])
+        if not cs:
+            continue
+        t = [c["time_us"] for c in cs]
+        ratio = statistics.median(c["rate_vs_cublaslt"] or 0 for c in cs)
+        cub = statistics.median(c["cublaslt_us"] or 0 for c in cs)
+        print("%-6d %-8s %-14s %10.1f %10.1f %10.1f %7.3f %10.1f" % (tokens, gemm, name, statistics.median(t), min(t), max(t), ratio, cub))
+EOF

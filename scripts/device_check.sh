@@ -11,7 +11,9 @@
 #   pipeline's. MOEFQ_SASS=1 also saves the SASS of the GEMM and combine kernels;
 #   MOEFQ_NCU=1 adds ncu counters of the combine kernels inside the layer benchmark and alone;
 #   MOEFQ_NCU_CUBLAS=1 times cuBLASLt's GEMMs of `bench gemm` under ncu at the locked base clock
-#   (real operands, then constant ones: the same work, so a difference outside ncu is the clock).
+#   (real operands, then constant ones: the same work, so a difference outside ncu is the clock);
+#   MOEFQ_NCU_LAYER=1 times the deepseek-v3 layer's kernels one by one under ncu at 128 and 4096
+#   tokens per rank (scripts/ncu_layer_table.py: where the layer's time goes).
 #   benchmarks: any of qdq combine gemm moe (default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -161,6 +163,16 @@ if [ "${MOEFQ_NCU_CUBLAS:-0}" = 1 ]; then
   echo "-- ncu cublas rc=$? (launches in order: gate_up real, gate_up constant, down real, down constant)"
   grep -E "gpu__time_duration" "$LOG/ncu_cublas.txt" | awk '{printf "%s %s, ", $NF, $(NF-1)} END {print ""}'
   grep -E "per_second" "$LOG/ncu_cublas.txt" | awk '{print $(NF-1), $NF}' | sort | uniq -c
+fi
+if [ "${MOEFQ_NCU_LAYER:-0}" = 1 ]; then
+  step "ncu: the deepseek-v3 layer's kernels one by one"
+  for t in 128 4096; do
+    ncu --clock-control none --cache-control none --csv --log-file "$LOG/ncu_layer_$t.csv" \
+      --metrics gpu__time_duration.sum build-dev/moefq bench moe --preset deepseek-v3 --tokens $t --configs none \
+      --calls 1 --reps 1 > "$LOG/ncu_layer_$t.txt" 2>&1
+    echo "-- ncu layer, $t tokens: rc=$?"
+    python3 scripts/ncu_layer_table.py "$LOG/ncu_layer_$t.csv"
+  done
 fi
 step "done (tests rc=$test_rc)"
 exit $test_rc

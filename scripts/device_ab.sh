@@ -4,13 +4,14 @@
 # judged by runs that alternate, not by one run each.
 #
 # Usage: scripts/device_ab.sh [--rounds N] [--tokens "T ..."] [--tests] [NAME=PATCH[,VAR=VALUE...] ...]
-#   The tree as carried is variant "base"; each NAME=PATCH is the tree with PATCH (a diff against
-#   it, applied with patch -p1) and the environment variables given. Every variant is built in
-#   its own copy (in parallel); --tests runs each patched variant's GroupedGemm and CudaEngine
-#   tests (bit-exact against the CPU) before any timing. Then N rounds (default 3) of
-#   `moefq bench gemm --tokens T ...` (default 512 4096), the variants' order rotated each round.
-#   JSON per run under $OUT/ab/, and a table of each variant's median, min and max time and median
-#   ratio to cuBLASLt per (tokens, GEMM) at the end (also in $OUT/ab/summary.txt).
+#   The tree as carried is variant "base"; each NAME=PATCH is the tree with PATCH (a diff
+#   against it, applied with patch -p1) and the environment variables given. The base is built
+#   once in full and each patch incrementally on top of it; --tests runs each patched variant's
+#   GroupedGemm and CudaEngine tests (bit for bit against the CPU) before any timing. Then N
+#   rounds (default 3) of `moefq bench gemm --tokens T ...` (default 512 4096), the variants'
+#   order rotated each round. JSON per run under $OUT/ab/, and a table of each variant's median,
+#   min and max time, median ratio to cuBLASLt and median SM clock per (tokens, GEMM) at the end
+#   (also in $OUT/ab/summary.txt).
 # Needs .deps/ from scripts/fetch_device_deps.sh, as scripts/device_check.sh does.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -26,7 +27,7 @@ while [ $# -gt 0 ]; do
     --rounds) rounds=$2; shift 2 ;;
     --tokens) tokens=$2; shift 2 ;;
     --tests) tests=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *=*) specs+=("$1"); shift ;;
     *) echo "device_ab.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -53,37 +54,46 @@ for s in "${specs[@]}"; do
   envs+=("${env//,/ }")
 done
 n=${#names[@]}
-jobs=$(( $(nproc) / n ))
-[ "$jobs" -ge 2 ] || jobs=2
 
-build() {  # index
-  local i=$1 name=${names[$1]} dir="$work/${names[$1]}"
-  mkdir -p "$dir"
-  tar -C "$src" --exclude='./build*' --exclude=./.git -cf - . | tar -C "$dir" -xf -
-  if [ -n "${patches[$i]}" ] && ! patch -d "$dir" -p1 -s < "${patches[$i]}" > "$AB/build_$name.log" 2>&1; then
-    echo "$name: the patch does not apply"; return 1
-  fi
-  local targets=(moefq)
-  [ "$tests" = 1 ] && [ "$i" -gt 0 ] && targets+=(test_grouped_gemm test_cuda_engine)
-  if ! { cmake -S "$dir" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$src/.deps/usr" \
-    -DCMAKE_CUDA_COMPILER="$nvcc" -DMOEFQ_FUZZ=OFF -DMOEFQ_PYTHON=OFF >> "$AB/build_$name.log" 2>&1 &&
-    cmake --build "$dir/build" -j"$jobs" --target "${targets[@]}" >> "$AB/build_$name.log" 2>&1; }; then
-    echo "$name: build failed"; grep -E "error" "$AB/build_$name.log" | head -n 10; return 1
-  fi
-}
+# One copy of the tree and one build directory: the base is built in full, then each patch is
+# applied, built incrementally (only what it touches recompiles), its programs saved, and
+# reverted. Variants with the same patch share their programs.
+tree="$work/tree"
+mkdir -p "$tree"
+tar -C "$src" --exclude='./build*' --exclude=./.git -cf - . | tar -C "$tree" -xf -
+targets=(moefq)
+[ "$tests" = 1 ] && targets+=(test_grouped_gemm test_cuda_engine)
 echo "== building ${names[*]} ($(date +%T))"
-pids=()
-for i in "${!names[@]}"; do build "$i" & pids+=($!); done
-ok=1
-for p in "${pids[@]}"; do wait "$p" || ok=0; done
-[ "$ok" = 1 ] || { echo "BUILD FAILED"; exit 1; }
+cmake -S "$tree" -B "$tree/build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$src/.deps/usr" \
+  -DCMAKE_CUDA_COMPILER="$nvcc" -DMOEFQ_FUZZ=OFF -DMOEFQ_PYTHON=OFF > "$AB/build.log" 2>&1 ||
+  { tail -n 20 "$AB/build.log"; echo "CONFIGURE FAILED"; exit 1; }
+bins=()  # per variant: the directory of its programs
+for i in "${!names[@]}"; do
+  key=$(printf '%s' "${patches[$i]}" | md5sum | cut -c1-12)
+  bin="$work/bin/$key"
+  bins+=("$bin")
+  [ -d "$bin" ] && continue
+  if [ -n "${patches[$i]}" ] && ! patch -d "$tree" -p1 -s < "${patches[$i]}" >> "$AB/build.log" 2>&1; then
+    echo "${names[$i]}: the patch does not apply"; exit 1
+  fi
+  if ! cmake --build "$tree/build" -j"$(nproc)" --target "${targets[@]}" >> "$AB/build.log" 2>&1; then
+    grep -E "error" "$AB/build.log" | head -n 10; echo "${names[$i]}: BUILD FAILED"; exit 1
+  fi
+  mkdir -p "$bin"
+  cp "$tree/build/moefq" "$bin/"
+  [ "$tests" = 1 ] && cp "$tree/build/tests/test_grouped_gemm" "$tree/build/tests/test_cuda_engine" "$bin/"
+  if [ -n "${patches[$i]}" ] && ! patch -d "$tree" -p1 -R -s < "${patches[$i]}" >> "$AB/build.log" 2>&1; then
+    echo "${names[$i]}: the patch does not revert"; exit 1
+  fi
+  echo "built ${names[$i]} ($(date +%T))"
+done
 
 if [ "$tests" = 1 ]; then
   echo "== tests of the patched variants ($(date +%T))"
   for i in $(seq 1 $((n - 1))); do
     for t in test_grouped_gemm test_cuda_engine; do
       # shellcheck disable=SC2086  # the variant's VAR=VALUE words
-      env ${envs[$i]} timeout 300 "$work/${names[$i]}/build/tests/$t" > "$AB/${names[$i]}_$t.log" 2>&1
+      env ${envs[$i]} timeout 300 "${bins[$i]}/$t" > "$AB/${names[$i]}_$t.log" 2>&1
       rc=$?
       echo "${names[$i]} $t rc=$rc $(grep -E '^\[  (PASSED|FAILED) ' "$AB/${names[$i]}_$t.log" | tr '\n' ' ')"
       [ $rc -eq 0 ] || grep -E "^\[  FAILED  \]" "$AB/${names[$i]}_$t.log" | head -n 5
@@ -96,7 +106,7 @@ for r in $(seq 1 "$rounds"); do
   for j in $(seq 0 $((n - 1))); do
     i=$(( (j + r - 1) % n ))
     # shellcheck disable=SC2086  # the variant's VAR=VALUE words and the token counts
-    env ${envs[$i]} timeout 180 "$work/${names[$i]}/build/moefq" bench gemm --tokens $tokens \
+    env ${envs[$i]} timeout 180 "${bins[$i]}/moefq" bench gemm --tokens $tokens \
       --json "$AB/${names[$i]}_r$r.json" > "$AB/${names[$i]}_r$r.txt" 2>&1
     echo "round $r ${names[$i]} rc=$?"
   done
@@ -110,7 +120,8 @@ for name in names:
     for f in sorted(glob.glob(os.path.join(ab, name + "_r*.json"))):
         for c in json.load(open(f))["cases"]:
             rows.setdefault((c["tokens"], c["gemm"]), {}).setdefault(name, []).append(c)
-print("%-6s %-8s %-14s %10s %10s %10s %7s %10s" % ("tokens", "gemm", "variant", "median_us", "min_us", "max_us", "ratio", "cublas_us"))
+print("%-6s %-8s %-14s %10s %10s %10s %7s %10s %6s" % ("tokens", "gemm", "variant", "median_us", "min_us", "max_us",
+                                                     "ratio", "cublas_us", "MHz"))
 for (tokens, gemm), by in sorted(rows.items()):
     for name in names:
         cs = by.get(name, [])
@@ -119,5 +130,7 @@ for (tokens, gemm), by in sorted(rows.items()):
         t = [c["time_us"] for c in cs]
         ratio = statistics.median(c["rate_vs_cublaslt"] or 0 for c in cs)
         cub = statistics.median(c["cublaslt_us"] or 0 for c in cs)
-        print("%-6d %-8s %-14s %10.1f %10.1f %10.1f %7.3f %10.1f" % (tokens, gemm, name, statistics.median(t), min(t), max(t), ratio, cub))
+        mhz = [c["clock"]["sm_mhz"] for c in cs if c.get("clock")]
+        print("%-6d %-8s %-14s %10.1f %10.1f %10.1f %7.3f %10.1f %6s" % (tokens, gemm, name, statistics.median(t), min(t),
+              max(t), ratio, cub, "%.0f" % statistics.median(mhz) if mhz else "-"))
 EOF

@@ -9,10 +9,12 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "bench/bench_cuda_util.cuh"
 #include "bench/ceilings.cuh"
+#include "bench/gpu_telemetry.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/grouped_gemm.cuh"
@@ -124,6 +126,19 @@ int run_bench_gemm(const GemmBenchOptions& o) {
   MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
   cuda::prepare_grouped_gemm();
 
+  // The SM clock while our kernels and cuBLASLt's run (NVML; absent where it cannot be opened).
+  int dev = 0;
+  char bus_id[32] = {};
+  MOEFQ_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEFQ_CUDA_CHECK(cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, dev));
+  GpuTelemetry telemetry(bus_id);
+  const auto timed = [&telemetry](const std::function<double()>& run, TelemetrySummary& clock) {
+    telemetry.start();
+    const double us = run();
+    clock = telemetry.stop();
+    return us;
+  };
+
   // Ceilings measured now: device copy bandwidth (bytes read + written) and cuBLASLt FP8.
   const double copy_bw = copy_gbs(size_t(1) << 30) * 1e9;  // bytes / s
   std::printf("device copy: %.0f GB/s (read + write)\n", copy_bw * 1e-9);
@@ -132,9 +147,10 @@ int run_bench_gemm(const GemmBenchOptions& o) {
                            {"top_k", o.top_k}, {"copy_gbs", copy_bw * 1e-9}, {"cases", nlohmann::json::array()}};
   std::mt19937_64 rng(o.seed);
   bool all_ok = true;
-  std::printf("\n%-7s %-7s %-8s %-5s %10s %8s %10s %8s %6s %10s %6s %10s %10s %8s %10s %9s\n", "tokens", "rows", "gemm",
+  std::printf("\n%-7s %-7s %-8s %-5s %10s %8s %10s %8s %6s %10s %6s %10s %10s %8s %10s %6s %7s %9s\n", "tokens", "rows",
+              "gemm",
               "exp", "time_us", "TFLOPS", "cub_g_us", "TFLOPS", "ratio", "cub_1w_us", "r_1w", "cub_c_us", "wread_us",
-              "t/wread", "cpasync_us", "check");
+              "t/wread", "cpasync_us", "MHz", "cub_MHz", "check");
   for (const int64_t tokens : o.tokens) {
     const int64_t rows = tokens * o.top_k;
     const std::vector<int32_t> counts = route_counts(rows, G, rng);
@@ -208,13 +224,16 @@ int run_bench_gemm(const GemmBenchOptions& o) {
     };
     for (const Kind& kd : kinds) {
       const double cp_us = median_us(kd.launch_cp, o.launches_per_graph, o.reps);
-      const double us = median_us(kd.launch, o.launches_per_graph, o.reps);  // last: its output is checked
+      TelemetrySummary clock, cub_clock;
+      const double us = timed([&] { return median_us(kd.launch, o.launches_per_graph, o.reps); },
+                              clock);  // last: its output is checked
       const double flops = 2.0 * double(rows) * double(kd.n) * double(kd.k);
       // cuBLASLt on this GEMM's own activations: the grouped ceiling (G equal shares of the rows,
       // each against its own expert's weights, so every expert's weights are read as here); all
       // rows against expert 0's weights only (which stay in L2); constant operands (the clock).
       const int64_t m_grp = group_rows(rows), m_cub = cublaslt_rows(rows);
-      const double cub_us = cublaslt_fp8_gemm_us(m_grp, kd.n, kd.k, kd.a, kd.w0, int(G));
+      const double cub_us =
+          timed([&] { return cublaslt_fp8_gemm_us(m_grp, kd.n, kd.k, kd.a, kd.w0, int(G)); }, cub_clock);
       const double cub_1w_us = cublaslt_fp8_gemm_us(m_cub, kd.n, kd.k, kd.a, kd.w0);
       const double cub_const_us = cublaslt_fp8_gemm_us(m_cub, kd.n, kd.k);
       const double tf = flops / (us * 1e-6) * 1e-12;
@@ -292,10 +311,20 @@ int run_bench_gemm(const GemmBenchOptions& o) {
       all_ok = all_ok && ok;
       char check[32];
       std::snprintf(check, sizeof(check), "%s %.1e", ok ? "ok" : "FAIL", err);
+      const auto mhz = [](const TelemetrySummary& c) {
+        return c.samples > 0 ? std::to_string(int(c.sm_mhz + 0.5)) : std::string("-");
+      };
       std::printf("%-7lld %-7lld %-8s %-5lld %10.1f %8.1f %10.1f %8.1f %6.2f %10.1f %6.2f %10.1f %10.1f %8.2f "
-                  "%10.1f %9s\n",
+                  "%10.1f %6s %7s %9s\n",
                   (long long)tokens, (long long)rows, kd.name, (long long)touched, us, tf, cub_us, cub_tf, tf / cub_tf,
-                  cub_1w_us, tf / cub_1w_tf, cub_const_us, wread_us, us / wread_us, cp_us, check);
+                  cub_1w_us, tf / cub_1w_tf, cub_const_us, wread_us, us / wread_us, cp_us, mhz(clock).c_str(),
+                  mhz(cub_clock).c_str(), check);
+      // Clock, power and limit reasons of a timed window (null where nothing was sampled).
+      const auto clock_json = [](const TelemetrySummary& c) {
+        return c.samples > 0 ? nlohmann::json{{"sm_mhz", c.sm_mhz}, {"power_w", c.power_w}, {"samples", c.samples},
+                                              {"limits", clock_limit_text(c.reasons)}}
+                             : nlohmann::json(nullptr);
+      };
       report["cases"].push_back({{"tokens", tokens},
                                  {"rows", rows},
                                  {"gemm", kd.name},
@@ -313,6 +342,8 @@ int run_bench_gemm(const GemmBenchOptions& o) {
                                  {"cublaslt_one_weight_us", cub_1w_us},
                                  {"rate_vs_cublaslt_one_weight", tf / cub_1w_tf},
                                  {"cublaslt_constant_data_us", cub_const_us},
+                                 {"clock", clock_json(clock)},
+                                 {"cublaslt_clock", clock_json(cub_clock)},
                                  {"weight_bytes", kd.weight_bytes},
                                  {"weight_read_us", wread_us},
                                  {"time_vs_weight_read", us / wread_us},
@@ -325,7 +356,9 @@ int run_bench_gemm(const GemmBenchOptions& o) {
               "r_1w: all rows against expert 0's weights only, which stay in L2; cub_c_us: cuBLASLt on constant "
               "operands (a higher clock: the tensor cores' power depends on the data); wread = touched "
               "experts' weight bytes / copy bandwidth; time_us: bulk tensor (TMA) path, as the engine "
-              "launches it; cpasync_us: the cp.async fallback. check: relative L2 difference of the last row vs the CPU reference: gate_up "
+              "launches it; cpasync_us: the cp.async fallback; MHz, cub_MHz: mean SM clock (NVML, every 2 ms while "
+              "the GPU is busy) during our timed replays and cuBLASLt's grouped ones (JSON: power and clock limit "
+              "reasons too). check: relative L2 difference of the last row vs the CPU reference: gate_up "
               "= dequantized h8 (<= 3e-2), down = bf16 output (<= 4e-3)\n",
               (long long)G, (long long)G);
   if (!o.json.empty()) write_file_atomic(o.json, report.dump(2) + "\n");

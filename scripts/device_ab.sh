@@ -3,15 +3,17 @@
 # several percent from run to run (the clock follows the power the data draws), so variants are
 # judged by runs that alternate, not by one run each.
 #
-# Usage: scripts/device_ab.sh [--rounds N] [--tokens "T ..."] [--tests] [NAME=PATCH[,VAR=VALUE...] ...]
+# Usage: scripts/device_ab.sh [--rounds N] [--tokens "T ..."] [--moe "PRESET ..."] [--tests]
+#                             [NAME=PATCH[,VAR=VALUE...] ...]
 #   The tree as carried is variant "base"; each NAME=PATCH is the tree with PATCH (a diff
 #   against it, applied with patch -p1) and the environment variables given. The base is built
 #   once in full and each patch incrementally on top of it; --tests runs each patched variant's
 #   GroupedGemm and CudaEngine tests (bit for bit against the CPU) before any timing. Then N
 #   rounds (default 3) of `moefq bench gemm --tokens T ...` (default 512 4096), the variants'
-#   order rotated each round. JSON per run under $OUT/ab/, and a table of each variant's median,
-#   min and max time, median ratio to cuBLASLt and median SM clock per (tokens, GEMM) at the end
-#   (also in $OUT/ab/summary.txt).
+#   order rotated each round; --moe adds `moefq bench moe --preset PRESET ... --configs none` at
+#   the same token counts to each run (the whole layer). JSON per run under $OUT/ab/, and tables
+#   of each variant's median, min and max time (GEMMs: also the median ratio to cuBLASLt and SM
+#   clock) per (tokens, GEMM) and per (preset, tokens) at the end (also in $OUT/ab/summary.txt).
 # Needs .deps/ from scripts/fetch_device_deps.sh, as scripts/device_check.sh does.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -21,13 +23,15 @@ mkdir -p "$AB"
 rounds=3
 tokens="512 4096"
 tests=0
+moe=""
 specs=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) rounds=$2; shift 2 ;;
     --tokens) tokens=$2; shift 2 ;;
     --tests) tests=1; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --moe) moe=$2; shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *=*) specs+=("$1"); shift ;;
     *) echo "device_ab.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -109,6 +113,14 @@ for r in $(seq 1 "$rounds"); do
     env ${envs[$i]} timeout 180 "${bins[$i]}/moefq" bench gemm --tokens $tokens \
       --json "$AB/${names[$i]}_r$r.json" > "$AB/${names[$i]}_r$r.txt" 2>&1
     echo "round $r ${names[$i]} rc=$?"
+    if [ -n "$moe" ]; then
+      presets=()
+      for p in $moe; do presets+=(--preset "$p"); done
+      # shellcheck disable=SC2086  # as above
+      env ${envs[$i]} timeout 300 "${bins[$i]}/moefq" bench moe "${presets[@]}" --tokens $tokens --configs none \
+        --json "$AB/${names[$i]}_r${r}_moe.json" > "$AB/${names[$i]}_r${r}_moe.txt" 2>&1
+      echo "round $r ${names[$i]} bench moe rc=$?"
+    fi
   done
 done
 
@@ -118,6 +130,8 @@ ab, names = sys.argv[1], sys.argv[2:]
 rows = {}
 for name in names:
     for f in sorted(glob.glob(os.path.join(ab, name + "_r*.json"))):
+        if f.endswith("_moe.json"):
+            continue
         for c in json.load(open(f))["cases"]:
             rows.setdefault((c["tokens"], c["gemm"]), {}).setdefault(name, []).append(c)
 print("%-6s %-8s %-14s %10s %10s %10s %7s %10s %6s" % ("tokens", "gemm", "variant", "median_us", "min_us", "max_us",
@@ -133,4 +147,20 @@ for (tokens, gemm), by in sorted(rows.items()):
         mhz = [c["clock"]["sm_mhz"] for c in cs if c.get("clock")]
         print("%-6d %-8s %-14s %10.1f %10.1f %10.1f %7.3f %10.1f %6s" % (tokens, gemm, name, statistics.median(t), min(t),
               max(t), ratio, cub, "%.0f" % statistics.median(mhz) if mhz else "-"))
+layers = {}
+for name in names:
+    for f in sorted(glob.glob(os.path.join(ab, name + "_r*_moe.json"))):
+        for p in json.load(open(f))["presets"]:
+            for run in p["runs"]:
+                if run["config"] == "none":
+                    layers.setdefault((p["preset"], run["tokens"]), {}).setdefault(name, []).append(run["time_us"])
+if layers:
+    print()
+    print("%-18s %-6s %-14s %10s %10s %10s" % ("preset", "tokens", "variant", "median_us", "min_us", "max_us"))
+    for (preset, tokens), by in sorted(layers.items()):
+        for name in names:
+            t = by.get(name, [])
+            if t:
+                print("%-18s %-6d %-14s %10.1f %10.1f %10.1f" % (preset, tokens, name, statistics.median(t), min(t),
+                                                               max(t)))
 EOF

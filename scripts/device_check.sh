@@ -167,7 +167,7 @@ fi
 if [ "${MOEFQ_NCU_LAYER:-0}" = 1 ]; then
   step "ncu: the deepseek-v3 layer's kernels one by one"
   for t in 128 4096; do
-    ncu --clock-control none --cache-control none --csv --log-file "$LOG/ncu_layer_$t.csv" \
+    timeout 300 ncu --clock-control none --cache-control none --csv --log-file "$LOG/ncu_layer_$t.csv" \
       --metrics gpu__time_duration.sum build-dev/moefq bench moe --preset deepseek-v3 --tokens $t --configs none \
       --calls 1 --reps 1 > "$LOG/ncu_layer_$t.txt" 2>&1
     echo "-- ncu layer, $t tokens: rc=$?"

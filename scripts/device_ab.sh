@@ -54,7 +54,7 @@ for s in "${specs[@]}"; do
   case "$name" in '' | base | *[!A-Za-z0-9_-]*) echo "device_ab.sh: bad variant name '$name'" >&2; exit 2 ;; esac
   [ -f "$patch" ] || { echo "device_ab.sh: no patch file '$patch' for variant $name" >&2; exit 2; }
   names+=("$name")
-  patches+=("$src/$patch")
+  case "$patch" in /*) patches+=("$patch") ;; *) patches+=("$src/$patch") ;; esac
   envs+=("${env//,/ }")
 done
 n=${#names[@]}

@@ -227,7 +227,6 @@ int run_bench_gemm(const GemmBenchOptions& o) {
       TelemetrySummary clock, cub_clock;
       const double us = timed([&] { return median_us(kd.launch, o.launches_per_graph, o.reps); },
                               clock);  // last: its output is checked
-      const double flops = 2.0 * double(rows) * double(kd.n) * double(kd.k);
       // cuBLASLt on this GEMM's own activations: the grouped ceiling (G equal shares of the rows,
       // each against its own expert's weights, so every expert's weights are read as here); all
       // rows against expert 0's weights only (which stay in L2); constant operands (the clock).
@@ -236,11 +235,11 @@ int run_bench_gemm(const GemmBenchOptions& o) {
           timed([&] { return cublaslt_fp8_gemm_us(m_grp, kd.n, kd.k, kd.a, kd.w0, int(G)); }, cub_clock);
       const double cub_1w_us = cublaslt_fp8_gemm_us(m_cub, kd.n, kd.k, kd.a, kd.w0);
       const double cub_const_us = cublaslt_fp8_gemm_us(m_cub, kd.n, kd.k);
-      const double tf = flops / (us * 1e-6) * 1e-12;
-      const auto cub_tflops = [&](int64_t m, double t) {
+      // TFLOPS of m rows times this GEMM's weights in t microseconds.
+      const auto tflops = [&](int64_t m, double t) {
         return 2.0 * double(m) * double(kd.n) * double(kd.k) / (t * 1e-6) * 1e-12;
       };
-      const double cub_tf = cub_tflops(G * m_grp, cub_us), cub_1w_tf = cub_tflops(m_cub, cub_1w_us);
+      const double tf = tflops(rows, us), cub_tf = tflops(G * m_grp, cub_us), cub_1w_tf = tflops(m_cub, cub_1w_us);
       const double wread_us = double(kd.weight_bytes) / copy_bw * 1e6;
 
       // One check of the benchmarked output: the last row against the CPU reference.

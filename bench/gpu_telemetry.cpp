@@ -50,10 +50,14 @@ GpuTelemetry::GpuTelemetry(const std::string& pci_bus_id, int period_us) : perio
   const auto power = reinterpret_cast<PowerFn>(sym("nvmlDeviceGetPowerUsage"));
   auto reasons = reinterpret_cast<ReasonsFn>(sym("nvmlDeviceGetCurrentClocksEventReasons"));
   if (!reasons) reasons = reinterpret_cast<ReasonsFn>(sym("nvmlDeviceGetCurrentClocksThrottleReasons"));
+  using ShutdownFn = int (*)();
+  const auto shutdown = reinterpret_cast<ShutdownFn>(sym("nvmlShutdown"));
+  if (!init || !shutdown || !by_pci || !clock || !power || !reasons || init() != kNvmlSuccess) return;
   void* dev = nullptr;
-  if (!init || !by_pci || !clock || !power || !reasons || init() != kNvmlSuccess ||
-      by_pci(pci_bus_id.c_str(), &dev) != kNvmlSuccess)
+  if (by_pci(pci_bus_id.c_str(), &dev) != kNvmlSuccess) {
+    shutdown();  // NVML counts its initialisations: this one is not kept
     return;
+  }
   reader_ = [dev, clock, power, reasons](TelemetrySample& s) {
     unsigned long long r = 0;
     if (clock(dev, kNvmlClockSm, &s.sm_mhz) != kNvmlSuccess || power(dev, &s.power_mw) != kNvmlSuccess ||
@@ -67,10 +71,8 @@ GpuTelemetry::GpuTelemetry(const std::string& pci_bus_id, int period_us) : perio
 GpuTelemetry::~GpuTelemetry() {
   stop();
   if (nvml_) {
-    if (reader_) {
-      using ShutdownFn = int (*)();
-      if (const auto shutdown = reinterpret_cast<ShutdownFn>(dlsym(nvml_, "nvmlShutdown"))) shutdown();
-    }
+    using ShutdownFn = int (*)();
+    if (reader_) reinterpret_cast<ShutdownFn>(dlsym(nvml_, "nvmlShutdown"))();  // available: initialised
     dlclose(nvml_);
   }
 }

@@ -3,15 +3,16 @@
 # several percent from run to run (the clock follows the power the data draws), so variants are
 # judged by runs that alternate, not by one run each.
 #
-# Usage: scripts/device_ab.sh [--rounds N] [--tokens "T ..."] [--moe "PRESET ..."] [--tests]
-#                             [NAME=PATCH[,VAR=VALUE...] ...]
+# Usage: scripts/device_ab.sh [--rounds N] [--tokens "T ..."] [--moe "PRESET ..." [--layer-only]]
+#                             [--tests] [NAME=PATCH[,VAR=VALUE...] ...]
 #   The tree as carried is variant "base"; each NAME=PATCH is the tree with PATCH (a diff
 #   against it, applied with patch -p1) and the environment variables given. The base is built
 #   once in full and each patch incrementally on top of it; --tests runs each patched variant's
 #   GroupedGemm and CudaEngine tests (bit for bit against the CPU) before any timing. Then N
 #   rounds (default 3) of `moefq bench gemm --tokens T ...` (default 512 4096), the variants'
 #   order rotated each round; --moe adds `moefq bench moe --preset PRESET ... --configs none` at
-#   the same token counts to each run (the whole layer). JSON per run under $OUT/ab/, and tables
+#   the same token counts to each run (the whole layer), --layer-only leaves bench gemm out (for
+#   changes outside the GEMMs' kernels). JSON per run under $OUT/ab/, and tables
 #   of each variant's median, min and max time (GEMMs: also the median ratio to cuBLASLt and SM
 #   clock) per (tokens, GEMM) and per (preset, tokens) at the end (also in $OUT/ab/summary.txt).
 # Needs .deps/ from scripts/fetch_device_deps.sh, as scripts/device_check.sh does.
@@ -24,6 +25,7 @@ rounds=3
 tokens="512 4096"
 tests=0
 moe=""
+layer_only=0
 specs=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -31,12 +33,14 @@ while [ $# -gt 0 ]; do
     --tokens) tokens=$2; shift 2 ;;
     --tests) tests=1; shift ;;
     --moe) moe=$2; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --layer-only) layer_only=1; shift ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *=*) specs+=("$1"); shift ;;
     *) echo "device_ab.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 case "$rounds" in '' | *[!0-9]* | 0) echo "device_ab.sh: --rounds must be a positive integer" >&2; exit 2 ;; esac
+[ "$layer_only" = 1 ] && [ -z "$moe" ] && { echo "device_ab.sh: --layer-only needs --moe" >&2; exit 2; }
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 src=$PWD
 work=$(mktemp -d)
@@ -97,7 +101,7 @@ if [ "$tests" = 1 ]; then
   for i in $(seq 1 $((n - 1))); do
     for t in test_grouped_gemm test_cuda_engine; do
       # shellcheck disable=SC2086  # the variant's VAR=VALUE words
-      env ${envs[$i]} timeout 300 "${bins[$i]}/$t" > "$AB/${names[$i]}_$t.log" 2>&1
+      env ${envs[$i]} timeout 150 "${bins[$i]}/$t" > "$AB/${names[$i]}_$t.log" 2>&1
       rc=$?
       echo "${names[$i]} $t rc=$rc $(grep -E '^\[  (PASSED|FAILED) ' "$AB/${names[$i]}_$t.log" | tr '\n' ' ')"
       [ $rc -eq 0 ] || grep -E "^\[  FAILED  \]" "$AB/${names[$i]}_$t.log" | head -n 5
@@ -105,14 +109,16 @@ if [ "$tests" = 1 ]; then
   done
 fi
 
-echo "== $rounds rounds of bench gemm --tokens $tokens ($(date +%T))"
+echo "== $rounds rounds of$([ "$layer_only" = 1 ] || echo " bench gemm")${moe:+ bench moe} --tokens $tokens ($(date +%T))"
 for r in $(seq 1 "$rounds"); do
   for j in $(seq 0 $((n - 1))); do
     i=$(( (j + r - 1) % n ))
-    # shellcheck disable=SC2086  # the variant's VAR=VALUE words and the token counts
-    env ${envs[$i]} timeout 180 "${bins[$i]}/moefq" bench gemm --tokens $tokens \
-      --json "$AB/${names[$i]}_r$r.json" > "$AB/${names[$i]}_r$r.txt" 2>&1
-    echo "round $r ${names[$i]} rc=$?"
+    if [ "$layer_only" = 0 ]; then
+      # shellcheck disable=SC2086  # the variant's VAR=VALUE words and the token counts
+      env ${envs[$i]} timeout 180 "${bins[$i]}/moefq" bench gemm --tokens $tokens \
+        --json "$AB/${names[$i]}_r$r.json" > "$AB/${names[$i]}_r$r.txt" 2>&1
+      echo "round $r ${names[$i]} rc=$?"
+    fi
     if [ -n "$moe" ]; then
       presets=()
       for p in $moe; do presets+=(--preset "$p"); done
@@ -134,8 +140,9 @@ for name in names:
             continue
         for c in json.load(open(f))["cases"]:
             rows.setdefault((c["tokens"], c["gemm"]), {}).setdefault(name, []).append(c)
-print("%-6s %-8s %-14s %10s %10s %10s %7s %10s %6s" % ("tokens", "gemm", "variant", "median_us", "min_us", "max_us",
-                                                     "ratio", "cublas_us", "MHz"))
+if rows:
+    print("%-6s %-8s %-14s %10s %10s %10s %7s %10s %6s" % ("tokens", "gemm", "variant", "median_us", "min_us",
+                                                         "max_us", "ratio", "cublas_us", "MHz"))
 for (tokens, gemm), by in sorted(rows.items()):
     for name in names:
         cs = by.get(name, [])

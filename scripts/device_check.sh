@@ -12,8 +12,8 @@
 #   MOEFQ_NCU=1 adds ncu counters of the combine kernels inside the layer benchmark and alone;
 #   MOEFQ_NCU_CUBLAS=1 times cuBLASLt's GEMMs of `bench gemm` under ncu at the locked base clock
 #   (real operands, then constant ones: the same work, so a difference outside ncu is the clock);
-#   MOEFQ_NCU_LAYER=1 times the deepseek-v3 layer's kernels one by one under ncu at 128 and 4096
-#   tokens per rank (scripts/ncu_layer_table.py: where the layer's time goes).
+#   MOEFQ_NCU_LAYER=1 times the layer's kernels one by one under ncu: deepseek-v3 at 128 and 4096
+#   tokens per rank, deepseek-v4-flash at 512 (scripts/ncu_layer_table.py: where the time goes).
 #   benchmarks: any of qdq combine gemm moe (default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -165,13 +165,14 @@ if [ "${MOEFQ_NCU_CUBLAS:-0}" = 1 ]; then
   grep -E "per_second" "$LOG/ncu_cublas.txt" | awk '{print $(NF-1), $NF}' | sort | uniq -c
 fi
 if [ "${MOEFQ_NCU_LAYER:-0}" = 1 ]; then
-  step "ncu: the deepseek-v3 layer's kernels one by one"
-  for t in 128 4096; do
-    timeout 300 ncu --clock-control none --cache-control none --csv --log-file "$LOG/ncu_layer_$t.csv" \
-      --metrics gpu__time_duration.sum build-dev/moefq bench moe --preset deepseek-v3 --tokens $t --configs none \
-      --calls 1 --reps 1 > "$LOG/ncu_layer_$t.txt" 2>&1
-    echo "-- ncu layer, $t tokens: rc=$?"
-    python3 scripts/ncu_layer_table.py "$LOG/ncu_layer_$t.csv"
+  step "ncu: the layer's kernels one by one (the small-token targets' cases, and 4096 tokens)"
+  for c in deepseek-v3:128 deepseek-v4-flash:512 deepseek-v3:4096; do
+    p=${c%%:*} t=${c##*:}
+    timeout 300 ncu --clock-control none --cache-control none --csv --log-file "$LOG/ncu_layer_${p}_$t.csv" \
+      --metrics gpu__time_duration.sum build-dev/moefq bench moe --preset "$p" --tokens "$t" --configs none \
+      --calls 1 --reps 1 > "$LOG/ncu_layer_${p}_$t.txt" 2>&1
+    echo "-- ncu layer, $p, $t tokens: rc=$?"
+    python3 scripts/ncu_layer_table.py "$LOG/ncu_layer_${p}_$t.csv"
   done
 fi
 step "done (tests rc=$test_rc)"

@@ -41,6 +41,7 @@ GpuTelemetry::GpuTelemetry(const std::string& pci_bus_id, int period_us) : perio
   using ClockFn = int (*)(void*, int, unsigned*);
   using PowerFn = int (*)(void*, unsigned*);
   using ReasonsFn = int (*)(void*, unsigned long long*);
+  using ShutdownFn = int (*)();
   nvml_ = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
   if (!nvml_) return;
   const auto sym = [this](const char* name) { return dlsym(nvml_, name); };
@@ -50,7 +51,6 @@ GpuTelemetry::GpuTelemetry(const std::string& pci_bus_id, int period_us) : perio
   const auto power = reinterpret_cast<PowerFn>(sym("nvmlDeviceGetPowerUsage"));
   auto reasons = reinterpret_cast<ReasonsFn>(sym("nvmlDeviceGetCurrentClocksEventReasons"));
   if (!reasons) reasons = reinterpret_cast<ReasonsFn>(sym("nvmlDeviceGetCurrentClocksThrottleReasons"));
-  using ShutdownFn = int (*)();
   const auto shutdown = reinterpret_cast<ShutdownFn>(sym("nvmlShutdown"));
   if (!init || !shutdown || !by_pci || !clock || !power || !reasons || init() != kNvmlSuccess) return;
   void* dev = nullptr;
@@ -66,15 +66,13 @@ GpuTelemetry::GpuTelemetry(const std::string& pci_bus_id, int period_us) : perio
     s.reasons = r;
     return true;
   };
+  shutdown_ = shutdown;  // initialised and kept: shut down at destruction
 }
 
 GpuTelemetry::~GpuTelemetry() {
   stop();
-  if (nvml_) {
-    using ShutdownFn = int (*)();
-    if (reader_) reinterpret_cast<ShutdownFn>(dlsym(nvml_, "nvmlShutdown"))();  // available: initialised
-    dlclose(nvml_);
-  }
+  if (shutdown_) shutdown_();
+  if (nvml_) dlclose(nvml_);
 }
 
 void GpuTelemetry::add(const TelemetrySample& s) {

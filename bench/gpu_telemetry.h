@@ -57,6 +57,7 @@ class GpuTelemetry {
   Reader reader_;
   int period_us_;
   void* nvml_ = nullptr;  // the library handle, closed at destruction
+  int (*shutdown_)() = nullptr;  // nvmlShutdown, once NVML is initialised for a GPU it found
   std::thread thread_;
   std::atomic<bool> running_{false};
   std::mutex mu_;

@@ -521,8 +521,8 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
         const float f10 = __fmul_rn(a0, b1), f11 = __fmul_rn(a1, b1);
         if constexpr (kRegA) {
           // A from registers for both column blocks: read from shared memory once instead of once
-          // per block. Lane l loads row l % 8 (+8 for l / 8 odd) of the
-          // warp's 16, 16-byte chunk l / 16 of the k step (128-byte swizzle: chunk ^ row % 8).
+          // per block. Lane l loads row l % 8 (+8 for l / 8 odd) of the warp's 16, 16-byte chunk
+          // l / 16 of the k step (128-byte swizzle: chunk ^ row % 8).
           const int row = 16 * ((threadIdx.x / 32) & 3) + (lane & 7) + (lane & 8);
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)

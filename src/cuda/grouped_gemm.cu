@@ -259,9 +259,10 @@ __device__ __forceinline__ void run_epilogue(const KernelParams& p, const Tile& 
 // The TMA producer for e4m3 weights, run by the producer warpgroup's first warp: lane 0 loads
 // the A and B tiles, lanes 0 and 1 the column blocks' weight scales, every lane the a scales of
 // BM / 32 rows (zero for rows past the group's count); each lane's cp.async arrival plus lane 0's
-// expect_tx complete the stage's phase with the bytes. No L2 prefetch of later blocks: bulk tensor
-// prefetches 2 to 16 blocks ahead made both GEMMs slower, gate_up by 10-50%, even when only one
-// CTA of those sharing a weight tile issued them.
+// expect_tx complete the stage's phase with the bytes. No L2 prefetch of later blocks: the ring
+// already keeps every stage's loads in flight, and bulk tensor prefetches further ahead only add
+// L2 traffic that competes with them (measured slower for both GEMMs, also with one prefetching
+// CTA per shared weight tile).
 template <int kBM, int kStageBytes>
 __device__ __forceinline__ void tma_producer_e4m3(const KernelParams& p, uint8_t* smem, float* scales, uint64_t* full,
                                                   uint64_t* empty, const int* tile_prefix, int num_tiles) {

@@ -1,4 +1,4 @@
-// `moefq bench combine`: the GPU combine kernels (engine.md's combine and fake_quant.md's combine
+// `moefq bench combine`: the GPU combine kernels (docs/engine.md's combine and docs/fake_quant.md's combine
 // quantizer with its layout check) against the device copy bandwidth. No CUDA types here;
 // run_bench_combine exists in CUDA builds only.
 #pragma once

@@ -129,7 +129,7 @@ std::vector<std::vector<bf16>> host_forward(Layer& layer, const Problem& p,
   return y;
 }
 
-// The combine re-sum of fake_quant.md for rank r's tokens over the rows of a buffer (`buf`, rows
+// The combine re-sum of docs/fake_quant.md for rank r's tokens over the rows of a buffer (`buf`, rows
 // at combine_offset, [K + fused][T][H] bf16): fp32 from +0, the active routed slots ascending,
 // each row QDQ'd with format f (qdq_ref, blocks along H; no QDQ when f is nullopt), the fused
 // shared slot last and unquantized, one bf16 rounding. weighted (combine_weighting after): each

@@ -1,4 +1,4 @@
-// The engine's symmetric buffer (engine.md): one per rank, the same size on every rank, allocated
+// The engine's symmetric buffer (docs/engine.md): one per rank, the same size on every rank, allocated
 // once per configuration. This is the only place that computes its size and region offsets;
 // everything else (the engine, the fake quantizer) asks it.
 #pragma once

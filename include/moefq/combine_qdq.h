@@ -1,6 +1,6 @@
-// The combine quantizer of fake_quant.md as one operation on host tensors, for callers that hold
+// The combine quantizer of docs/fake_quant.md as one operation on host tensors, for callers that hold
 // the combine rows themselves (the Python binding): each active routed row QDQ'd along H, then
-// engine.md's re-sum (fp32 from +0, active slots ascending, each routed row times its router
+// docs/engine.md's re-sum (fp32 from +0, active slots ascending, each routed row times its router
 // weight when the rows are unweighted, the shared row last and unquantized, one bf16 rounding).
 // FakeQuantMoe's host combine quantizer is this function on its buffer's rows.
 #pragma once
@@ -29,7 +29,7 @@ struct HostCombineRows {
 
 // y[t] = bf16(sum from +0 of [w[t, k] *] QDQ_f(row (k, t)) over the active slots k ascending, then
 // shared[t]).
-// format nullopt: no QDQ (engine.md's plain combine). amax: the global amax of fp8, nvfp4 and int8
+// format nullopt: no QDQ (docs/engine.md's plain combine). amax: the global amax of fp8, nvfp4 and int8
 // (ignored by mxfp8 and mxfp4). y: [num_tokens, H] bf16, must not overlap the rows. Bad shapes are
 // errors (bad input).
 void combine_qdq_ref(const HostCombineRows& rows, std::optional<Format> format, float amax, bf16* y);

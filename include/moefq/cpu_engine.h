@@ -1,4 +1,4 @@
-// The fused MoE layer on the CPU (engine.md): the reference every other backend is checked
+// The fused MoE layer on the CPU (docs/engine.md): the reference every other backend is checked
 // against. R simulated ranks in one process, each with its own symmetric buffer and tokens; rows
 // move between the buffers as they would over NVLink. One forward() is one call of every rank.
 #pragma once

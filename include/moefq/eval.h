@@ -1,7 +1,7 @@
 // The evaluation pipeline behind `moefq eval` and `moefq calibrate`: for each MoE layer, max
 // calibration once (the amax does not depend on the recipe, since calibration applies no QDQ),
 // then every recipe on the same held-out batches against one shared unquantized reference, with
-// the error metrics of numerics.md, the error's shape (per token, outside the outlier channels),
+// the error metrics of docs/numerics.md, the error's shape (per token, outside the outlier channels),
 // the clipped fractions and the wire bytes of each recipe. On the CPU it runs the CPU engine on
 // host tensors; with a GPU everything stays on the device (weights generated or loaded there, the
 // CUDA router, the fake quantizers' kernels, the metrics reduced there in fp64). Options in, a

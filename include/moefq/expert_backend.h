@@ -29,7 +29,7 @@ class ExpertBackend {
   // One call of every rank; batches[r] is rank r's (x already dispatch-quantized by the caller).
   virtual void forward(std::span<const RankBatch> batches) = 0;
   // Where rank r's combine rows p[t, k] are after forward(): combine_bytes(r) from
-  // combine_offset(), laid out [K + fused][max_tokens][H] bf16 (engine.md). nullopt when this
+  // combine_offset(), laid out [K + fused][max_tokens][H] bf16 (docs/engine.md). nullopt when this
   // kind cannot expose them (then no combine quantizer can be enabled on it).
   virtual std::optional<size_t> combine_offset() const = 0;
   virtual std::span<const uint8_t> combine_bytes(int64_t rank) const = 0;

@@ -1,4 +1,4 @@
-// Fake quantization of MoE dispatch and combine (fake_quant.md) around an expert back-end on host
+// Fake quantization of MoE dispatch and combine (docs/fake_quant.md) around an expert back-end on host
 // tensors: dispatch_quantizer QDQs the experts' input tokens out of place; combine_quantizer reads
 // the combine rows the back-end summed (at its own combine offset), QDQs each active routed row and
 // sums again in the engine's order (shared slot last, unquantized), replacing the output. A layout
@@ -31,7 +31,7 @@ class FakeQuantMoe {
   std::vector<std::string> quantizer_names() const;
 
   // Sets both quantizers from resolved recipe configs (apply_recipe's output; names of other
-  // layers are ignored). Raises the configuration errors of fake_quant.md before any forward:
+  // layers are ignored). Raises the configuration errors of docs/fake_quant.md before any forward:
   // a dispatch quantizer with the shared expert fused, a dynamic global amax on the combine
   // quantizer, a combine quantizer on a back-end that cannot expose its combine rows.
   void configure(const std::map<std::string, QuantizerConfig>& configs);

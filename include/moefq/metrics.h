@@ -1,4 +1,4 @@
-// Error metrics of numerics.md for an output y against a reference r, in float64.
+// Error metrics of docs/numerics.md for an output y against a reference r, in float64.
 // Positions where the reference is not finite are left out (and counted); a non-finite y where
 // the reference is finite makes the metrics non-finite (NaN), so it cannot go unnoticed.
 // The metrics are finalised from sums (MetricSums) that any device can accumulate over any part

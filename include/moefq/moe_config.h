@@ -1,4 +1,4 @@
-// The routed-MoE part of a model: shapes, routing rule and presets (engine.md), and a loader for
+// The routed-MoE part of a model: shapes, routing rule and presets (docs/models.md), and a loader for
 // the Hugging Face config.json of the MoE architectures moefq knows (DeepSeek-V2/V3/V4, Kimi-K2,
 // GLM-4.5, Qwen3-MoE, Mixtral, OLMoE), dispatched on its model_type.
 #pragma once

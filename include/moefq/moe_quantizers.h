@@ -1,4 +1,4 @@
-// The two fake quantizers of one MoE layer (fake_quant.md), one replica per expert-parallel rank,
+// The two fake quantizers of one MoE layer (docs/fake_quant.md), one replica per expert-parallel rank,
 // with the rules every fake-quantized layer shares whatever it runs on (CPU or GPU): their names,
 // the configuration-time errors, max calibration reduced with MAX over the ranks, the calibration
 // file, and the layout check's error.
@@ -30,7 +30,7 @@ class MoeQuantizers {
   int64_t layer() const { return layer_; }
 
   // Sets both quantizers from resolved recipe configs (names of other layers are ignored). Raises
-  // fake_quant.md's configuration errors: dispatch with the shared expert fused, a dynamic global
+  // docs/fake_quant.md's configuration errors: dispatch with the shared expert fused, a dynamic global
   // amax on combine, combine on a back-end (`kind`) that cannot expose its combine rows.
   void configure(const std::map<std::string, QuantizerConfig>& configs, bool fused_shared, bool has_combine_rows,
                  const std::string& kind);

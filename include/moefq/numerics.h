@@ -37,7 +37,7 @@ inline constexpr int kMxBlock = 32;
 inline constexpr int kStageBlock = 128;  // e4m3 staging: 1 x 128 blocks along H
 
 // ---------------------------------------------------------------------------------------------
-// binary32 bit access and the spec's arithmetic
+// binary32 bit access and the arithmetic of docs/numerics.md (RN, exact division, no contraction)
 MOEFQ_HD uint32_t f32_bits(float x) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(x);
@@ -316,7 +316,7 @@ MOEFQ_HD int ceil_log2(float r) {
   return fl - 149 + ((mant & (mant - 1u)) != 0 ? 1 : 0);
 }
 
-// int8, narrow range [-127, 127], round to nearest even, as the binary32 value numerics.md calls q:
+// int8, narrow range [-127, 127], round to nearest even, as the binary32 value docs/numerics.md calls q:
 // it keeps the sign of v, so a negative v that rounds to zero gives -0.0. v must not be NaN.
 MOEFQ_HD float int8_round_sat(float v) {
   const float r = rint_f32(v);
@@ -350,7 +350,7 @@ MOEFQ_HD float fp8_qdq(float x, Fp8Params p) {
 
 // nvfp4: e2m1 elements, blocks of 16, e4m3 block scales, fp32 global scale.
 MOEFQ_HD float nvfp4_global_scale(float amax) {
-  const float gs = mul_rn(amax, 1.0f / 2688.0f);  // the rounded reciprocal, as the reference does
+  const float gs = mul_rn(amax, 1.0f / 2688.0f);  // the rounded reciprocal, as Model Optimizer does
   return gs <= 0.0f ? 1e-12f : gs;
 }
 // The block's e4m3 scale code from its max |x| over non-NaN elements.
@@ -381,7 +381,7 @@ MOEFQ_HD float nvfp4_block_scale(float bmax, float gs) {
 MOEFQ_HD float nvfp4_qdq(float x, float scale) {
   if (is_nan(x)) return canonical_nan_f32();
   const float q = e2m1_decode(e2m1_encode_sat(div_rn(abs_f32(x), scale)));
-  if (q == 0.0f) return 0.0f;  // the reference framework's rule: a zero is +0 whatever the sign
+  if (q == 0.0f) return 0.0f;  // Model Optimizer's nvfp4 rule: a zero is +0 whatever the sign
   return copysign_f32(mul_rn(q, scale), x);
 }
 // The same result with the block's division done as div_rn_recip (rcp = RN(1 / scale), computed
@@ -430,7 +430,7 @@ MOEFQ_HD float mxfp4_qdq(float x, MxScale s) {
 }
 
 // int8: per-tensor, narrow range. With amax = +inf, s = 0 and every y = q / 0 is NaN. y keeps the
-// sign of q: -0.0 for a negative x that rounds to zero (the reference framework's kernel does too).
+// sign of q: -0.0 for a negative x that rounds to zero (Model Optimizer's int8 kernel does too).
 struct Int8Params {
   float s;    // 127 / amax
   bool zero;  // amax < 2^-24: y = 0
@@ -455,7 +455,7 @@ MOEFQ_HD float int8_qdq_recip(float x, Int8Params p, float rcp) {
   return copysign_f32(div_rn_recip(q, p.s, rcp), q);
 }
 
-// exp and SiLU for the engine's SwiGLU, written with the spec's binary32 operations only, so CPU
+// exp and SiLU for the engine's SwiGLU, written with explicit binary32 operations only, so CPU
 // and GPU compute the same bits (library expf differs between them). Cody-Waite reduction
 // x = n ln2 + r, |r| <= ln2/2, then a degree-7 Taylor polynomial; a few ulp from exact.
 MOEFQ_HD float exp_f32(float x) {
@@ -482,7 +482,7 @@ MOEFQ_HD float exp_f32(float x) {
 // silu(g) = g / (1 + exp(-g)).
 MOEFQ_HD float silu_f32(float g) { return div_rn(g, add_rn(1.0f, exp_f32(-g))); }
 
-// The router's scoring functions (router.h), also written with the spec's binary32 operations
+// The router's scoring functions (router.h), also written with explicit binary32 operations
 // only: the CPU router and the CUDA router call these same functions, so they agree bit for bit
 // (library expf / log1pf / sqrtf may differ between host and device, or between libm versions).
 // Worst errors against exact (tests/numerics/test_router_math.cpp bounds them): exp_f32 1.2 ulp,
@@ -498,7 +498,7 @@ MOEFQ_HD float sqrt_rn(float x) {
   return __builtin_sqrtf(x);
 #endif
 }
-// log(1 + x): musl's log1pf (from FreeBSD / fdlibm) in the spec's operations, less than 1 ulp
+// log(1 + x): musl's log1pf (from FreeBSD / fdlibm) in explicit binary32 operations, less than 1 ulp
 // from exact. 1 + x = 2^k (1 + f) with 1 + f in [sqrt(2)/2, sqrt(2)); c corrects the rounding of
 // 1 + x; log(1 + f) = f - f^2/2 + s (f^2/2 + R(s^2)) with s = f / (2 + f). x = -1 gives -inf,
 // x < -1 and NaN the canonical NaN, +inf gives +inf; |x| < 2^-24 gives x (sign of zero kept).
@@ -558,7 +558,7 @@ MOEFQ_HD float sigmoid_f32(float l) {
 // the threshold of torch.nn.functional.softplus). NaN gives the canonical NaN.
 MOEFQ_HD float softplus_f32(float l) { return l > 20.0f ? l : log1p_f32(exp_f32(l)); }
 
-// log2 and exp2 for LogFMT, in the spec's binary32 operations (fma_rn included), so CPU and GPU
+// log2 and exp2 for LogFMT, in explicit binary32 operations (fma_rn included), so CPU and GPU
 // compute the same bits (the GPU's lg2.approx / ex2.approx and the C library's log2f / exp2f differ
 // between platforms). tests/numerics/test_log2_exp2.cpp bounds them against long double:
 // exp2_f32 within 1 ulp, log2_f32 within 2 ulp (2^-23 absolute for x in [1/2, 1)).

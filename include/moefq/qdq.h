@@ -12,7 +12,7 @@
 
 namespace moefq {
 
-// The formats of numerics.md, and those the expert-parallel libraries put on the wire
+// The formats of docs/numerics.md, and those the expert-parallel libraries put on the wire
 // (docs/numerics.md): fp8_block128 (e4m3, fp32 scale per 128 channels), fp8_block128_ue8m0 (its
 // scale a power of two) and logfmt10 (DeepEP's 10-bit log format, bf16 where a group cannot be cast).
 enum class Format { kFp8, kNvfp4, kMxfp8, kMxfp4, kInt8, kFp8Block128, kFp8Block128Ue8m0, kLogfmt10 };
@@ -57,7 +57,7 @@ float amax_ref(const float* x, int64_t n);
 void qdq_ref(Format f, const bf16* x, bf16* y, int64_t rows, int64_t cols, float amax);
 void qdq_ref(Format f, const float* x, float* y, int64_t rows, int64_t cols, float amax);
 
-// The engine's e4m3 staging cast (numerics.md). x: [rows, cols] bf16; x8: [rows, cols] e4m3;
+// The engine's e4m3 staging cast (docs/numerics.md). x: [rows, cols] bf16; x8: [rows, cols] e4m3;
 // scales: [rows, ceil(cols / 128)] fp32 (the dequantization scale sf of each 1 x 128 block).
 void stage_e4m3_ref(const bf16* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols);
 // The same for fp32 input (the engine re-stages the SwiGLU output h this way).

@@ -17,7 +17,7 @@ enum class AmaxSource {
 };
 const char* amax_source_name(AmaxSource s);
 
-// Where a layer applies the router weight w[t, k] (engine.md, fake_quant.md). kBefore: in the
+// Where a layer applies the router weight w[t, k] (docs/engine.md, docs/fake_quant.md). kBefore: in the
 // SwiGLU step, so the combine rows are weighted and the combine sums them as they are. kAfter: the
 // rows are left unweighted and the combine (and the combine quantizer's re-sum, after its QDQ)
 // multiplies each routed row by w[t, k] in fp32 before adding it. A layer property: the engine

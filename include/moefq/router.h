@@ -1,4 +1,4 @@
-// The MoE router (engine.md): gate logits in fp32, scoring (sigmoid, softmax, sqrtsoftplus), the
+// The MoE router (docs/models.md): gate logits in fp32, scoring (sigmoid, softmax, sqrtsoftplus), the
 // noaux_tc correction bias (selection only), group-limited top-k, normalisation and the routed
 // scaling factor. Output: topk_idx [T, K] int32 (-1 = inactive slot) and topk_weights [T, K] fp32.
 #pragma once

@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
     int4 shared_raw = make_int4(0, 0, 0, 0);
     if (p.fused) shared_raw = load_row_chunk(p.shared + row_offset);
 
-    // engine.md's order: fp32 from +0, active routed slots ascending, then the shared slot; no fma.
+    // docs/engine.md's order: fp32 from +0, active routed slots ascending, then the shared slot; no fma.
     // Slots are visited by index in batches (no compaction): a slot costs a pointer add and one
     // uniform branch, an active one its load as well.
     float acc[kChunkElems] = {}, plain[kChunkElems] = {};
@@ -262,9 +262,9 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 // Checks the rows' description; false when there is nothing to do (no tokens).
 bool validate(const CombineRows& r, const bf16* y, const char* who) {
-  MOEFQ_CHECK(r.top_k >= 1 && r.top_k <= 32, who, ": top_k is ", r.top_k, "; engine.md allows 1..32");
+  MOEFQ_CHECK(r.top_k >= 1 && r.top_k <= 32, who, ": top_k is ", r.top_k, "; top-k must be 1..32");
   MOEFQ_CHECK(r.hidden > 0 && r.hidden % kMxBlock == 0, who, ": hidden size ", r.hidden,
-              " is not a positive multiple of 32 (engine.md: a multiple of 128)");
+              " is not a positive multiple of 32 (the engine needs a multiple of 128)");
   MOEFQ_CHECK(r.num_tokens >= 0 && r.num_tokens <= r.max_tokens, who, ": ", r.num_tokens,
               " tokens; the buffer holds at most ", r.max_tokens);
   if (r.num_tokens == 0) return false;

@@ -1,4 +1,4 @@
-// CUDA kernels of engine.md's combine and of fake_quant.md's combine quantizer (QDQ of the active
+// CUDA kernels of docs/engine.md's combine and of docs/fake_quant.md's combine quantizer (QDQ of the active
 // routed rows, re-sum, and the device-side layout check), bit-identical to the CPU (combine_rows,
 // qdq_ref). Plain host launchers: device pointers, a stream; no host synchronisation, so every
 // launch can be captured in a CUDA graph (read_check is the one host-side sync point).
@@ -14,9 +14,9 @@
 
 namespace moefq::cuda {
 
-// One rank's combine rows as engine.md lays them out: row (slot k, token t) is [H] bf16 at
+// One rank's combine rows as docs/engine.md lays them out: row (slot k, token t) is [H] bf16 at
 // buffer + combine_offset + (k * T + t) * H * 2; slot K is the fused shared expert (if any).
-// H must be a multiple of 32 (engine.md: of 128) and buffer + combine_offset 16-byte aligned.
+// H must be a multiple of 32 (docs/engine.md: of 128) and buffer + combine_offset 16-byte aligned.
 struct CombineRows {
   const uint8_t* buffer = nullptr;  // device, the rank's symmetric buffer
   size_t combine_offset = 0;        // bytes, from the engine's sizing function
@@ -34,7 +34,7 @@ struct CombineRows {
   const float* topk_weights = nullptr;
 };
 
-// engine.md's combine: y[t] = bf16(fp32 sum from +0 of the active routed rows (each times its
+// docs/engine.md's combine: y[t] = bf16(fp32 sum from +0 of the active routed rows (each times its
 // router weight when topk_weights is set) in ascending slot order, then the fused shared row,
 // never weighted). y: [num_tokens, H] bf16, 16-byte aligned. Rows of inactive slots are never read.
 void launch_combine(const CombineRows& rows, bf16* y, cudaStream_t stream);
@@ -55,7 +55,7 @@ struct CombineCheck {
   bool trap = false;               // opt-in: __trap() on mismatch (kills the CUDA context)
 };
 
-// fake_quant.md's combine quantizer. For each token: QDQ each active ROUTED row (blocks along H;
+// docs/fake_quant.md's combine quantizer. For each token: QDQ each active ROUTED row (blocks along H;
 // format f with the global amax *d_amax for fp8/nvfp4/int8, none for mxfp8/mxfp4; quantize =
 // false: no QDQ) to bf16, exactly as qdq_ref on a [1, H] row; re-sum exactly like launch_combine
 // (each dequantized row times its router weight when rows.topk_weights is set) with the fused

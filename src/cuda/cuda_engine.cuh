@@ -1,4 +1,4 @@
-// The fused MoE layer on a Hopper GPU (engine.md): the same contract and buffer layout as the CPU
+// The fused MoE layer on a Hopper GPU (docs/engine.md): the same contract and buffer layout as the CPU
 // engine (its reference). Either R simulated ranks on one GPU, each with its own symmetric buffer
 // in device memory, or one real rank of R, one process per GPU, whose buffer is a symmetric
 // buffer of a RankLink (NCCL) and whose peers' buffers are reached by loads and stores over NVLink.

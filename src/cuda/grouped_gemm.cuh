@@ -1,8 +1,8 @@
-// The grouped expert GEMMs of the CUDA engine (engine.md, steps 1-4 of a routed row) on Hopper
+// The grouped expert GEMMs of the CUDA engine (docs/engine.md, steps 1-4 of a routed row) on Hopper
 // tensor cores, with the two fused epilogues. Groups are experts; their row counts live on the
 // device, so a launch needs no host synchronisation and can be captured in a CUDA graph.
 //
-// Numerics (engine.md): A is e4m3 with one fp32 scale per 128 elements of k (1x128); B is e4m3
+// Numerics (docs/engine.md): A is e4m3 with one fp32 scale per 128 elements of k (1x128); B is e4m3
 // with one fp32 scale per 128x128 block, or bf16 (no scale). For each 128-block b of k the
 // partial dot product is accumulated in fp32 and added to the fp32 result as
 // fma(partial, a_scale[row][b] * b_scale[n / 128][b], result), blocks ascending. Only the order

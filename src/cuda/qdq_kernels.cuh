@@ -1,4 +1,4 @@
-// CUDA kernels of the QDQ functions of numerics.md and the e4m3 staging cast, bit-identical to
+// CUDA kernels of the QDQ functions of docs/numerics.md and the e4m3 staging cast, bit-identical to
 // the CPU reference (qdq.h). Plain host launchers: device pointers, sizes, a stream.
 #pragma once
 

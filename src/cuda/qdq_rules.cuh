@@ -1,4 +1,4 @@
-// The per-format rules of the QDQ kernels (numerics.md), shared by every kernel that QDQs rows on
+// The per-format rules of the QDQ kernels (docs/numerics.md), shared by every kernel that QDQs rows on
 // the device (qdq_kernels.cu, combine_kernels.cu), so each rule is written once. All numerics come
 // from moefq/numerics.h (the combine's sum-exact element rules included). Rule<F>'s constructor may
 // fill a per-CTA table in shared memory with the CTA's first 128 threads: kernels launch at least

@@ -1,4 +1,4 @@
-// The expert computation of the CPU backends (engine.md, steps 1-5 of a routed row), shared by the
+// The expert computation of the CPU backends (docs/engine.md, steps 1-5 of a routed row), shared by the
 // fused engine and the modular layer so that both produce the same bits.
 #pragma once
 
@@ -54,7 +54,7 @@ void run_expert_on_tokens(const PreparedExpert& e, const bf16* x, int64_t n, bf1
 // The most rows a token's combine reads: K <= 32 routed slots and the fused shared slot.
 inline constexpr int kMaxCombineRows = 33;
 
-// engine.md's combine of one token: y[h] = bf16 of the fp32 sum from +0 of rows[0][h],
+// docs/engine.md's combine of one token: y[h] = bf16 of the fp32 sum from +0 of rows[0][h],
 // rows[1][h], ... in the given order (the active routed slots ascending, then the fused shared
 // slot). rows: n pointers to [H] bf16 rows; y: [H] bf16. weights (combine_weighting after): null,
 // or the fp32 router weight of each of the first num_weighted rows (the routed ones), which then

@@ -1,4 +1,5 @@
-// MoE presets, their validation and the Hugging Face config.json loader (engine.md).
+// MoE presets, their validation and the Hugging Face config.json loader (docs/models.md; the
+// shape limits are docs/engine.md's).
 #include "moefq/moe_config.h"
 
 #include <cmath>
@@ -104,7 +105,8 @@ MoeConfig make_preset(const char* name, const char* model_type, int64_t h, int64
 }
 
 // The values of each model's published config.json (hidden_size, the routed expert's intermediate
-// size, experts, top-k, shared experts, groups, routed_scaling_factor, norm_topk_prob).
+// size, experts, top-k, shared experts, groups, routed_scaling_factor, norm_topk_prob), except
+// deepseek-v4-flash, deepseek-v4-pro and kimi-k3, whose sources docs/models.md names.
 std::vector<MoeConfig> all_presets() {
   using S = ScoringFunc;
   constexpr auto none = std::nullopt;
@@ -112,7 +114,8 @@ std::vector<MoeConfig> all_presets() {
       make_preset("deepseek-v3", "deepseek_v3", 7168, 2048, 256, 8, 1, S::kSigmoid, true, 8, 4, 2.5f, true, none),
       make_preset("deepseek-v4-flash", "deepseek_v4", 4096, 2048, 256, 6, 1, S::kSqrtSoftplus, true, 1, 1, 1.5f, true,
                   10.0f),
-      // The routed scaling factor of v4-pro is not in engine.md; 1.0 until a checkpoint says more.
+      // No published routed scaling factor of v4-pro is known here: 1.0 is a placeholder until a
+      // checkpoint's config.json gives one (docs/models.md).
       make_preset("deepseek-v4-pro", "deepseek_v4", 7168, 3072, 384, 6, 1, S::kSqrtSoftplus, true, 1, 1, 1.0f, true,
                   10.0f),
       // DeepSeek-V3's layout with 384 experts, one group and a scaling factor of 2.827.

@@ -1,4 +1,4 @@
-// The MoE router (engine.md): fp32 gate logits in a fixed order, then the per-token rules of
+// The MoE router (docs/models.md): fp32 gate logits in a fixed order, then the per-token rules of
 // router_rules.h (scoring, noaux_tc bias, group-limited top-k, normalisation, routed scaling),
 // which the CUDA router shares. One token's result depends only on its own row, so chunking and
 // threading cannot change a bit.

@@ -10,7 +10,7 @@ namespace moefq {
 
 void combine_qdq_ref(const HostCombineRows& r, std::optional<Format> format, float amax, bf16* y) {
   const int64_t K = r.top_k, T = r.num_tokens, H = r.hidden;
-  MOEFQ_CHECK(K >= 1 && K <= kMaxCombineRows - 1, "combine: top_k is ", K, "; engine.md allows 1..",
+  MOEFQ_CHECK(K >= 1 && K <= kMaxCombineRows - 1, "combine: top_k is ", K, "; top-k must be 1..",
               kMaxCombineRows - 1);
   MOEFQ_CHECK(T >= 0 && H >= 0 && r.slot_stride >= T * H, "combine: bad shape (", T, " tokens, H ", H,
               ", slot stride ", r.slot_stride, ")");

@@ -79,7 +79,7 @@ void FakeQuantDriver::forward(std::span<const RankBatch> batches, bool with_engi
     if (end > ops_->buffer_bytes())
       MOEFQ_FAIL(ErrorKind::kFailedCheck, q_.combine(r).name(), ": combine rows read at offset ", offset,
                  " would run past the end of the ", ops_->buffer_bytes(), "-byte buffer of rank ",
-                 ops_->first_rank() + r, "; the layout does not match engine.md's [K + shared][T][H]");
+                 ops_->first_rank() + r, "; the combine region must hold bf16 rows [K + fused shared slots][max tokens][H]");
   }
 
   // Dispatch: QDQ out of place; calibration and a dynamic amax see the tokens that are sent.

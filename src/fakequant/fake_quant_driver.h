@@ -1,4 +1,4 @@
-// The logic of a fake-quantized MoE layer (fake_quant.md), written once for every device: dispatch
+// The logic of a fake-quantized MoE layer (docs/fake_quant.md), written once for every device: dispatch
 // QDQ out of place with its amax over the tokens that are sent, max calibration reduced with MAX
 // over the ranks, the layout check (eager on the first call with routed rows, or recorded in a
 // captured graph and raised at the next synchronisation), combine QDQ + re-sum with the shared slot
@@ -109,7 +109,7 @@ class FakeQuantDriver {
   MoeQuantizers& quantizers() { return q_; }
   const MoeQuantizers& quantizers() const { return q_; }
 
-  // Both quantizers from resolved recipe configs, with fake_quant.md's configuration errors
+  // Both quantizers from resolved recipe configs, with docs/fake_quant.md's configuration errors
   // before any forward.
   void configure(const std::map<std::string, QuantizerConfig>& configs);
   // Max calibration (no QDQ meanwhile): start, forwards, finish (MAX over the ranks; errors name

@@ -508,7 +508,7 @@ std::string eval_report_html(const EvalResult& r) {
                   esc(s.config.name) + "</title>\n<style>\n" + kStyle + "\n</style>\n</head>\n<body>\n";
   h += "<h1>moefq eval: " + esc(s.config.name) + "</h1>\n";
   h += "<p class=\"note\">Error of the MoE layer output with quantized dispatch/combine traffic against the same "
-       "layer unquantized, per recipe (numerics.md's metrics over the whole evaluation set).</p>\n";
+       "layer unquantized, per recipe (docs/numerics.md's metrics over the whole evaluation set).</p>\n";
   h += "<dl class=\"meta\">\n";
   const auto meta = [&](const std::string& k, const std::string& v) { h += "<dt>" + esc(k) + "</dt><dd>" + esc(v) + "</dd>\n"; };
   meta("model", s.model_source + " (H " + std::to_string(s.config.hidden) + ", I " + std::to_string(s.config.intermediate) +

@@ -208,7 +208,7 @@ TEST(NcclRanks, FakeQuantizedLayerMatchesSimulatedRanks) {
   }
 }
 
-// fake_quant.md: the calibrated amax equals the largest |value| any rank saw, on every rank, also
+// docs/fake_quant.md: the calibrated amax equals the largest |value| any rank saw, on every rank, also
 // on a rank that saw none (rank 0 gets padding only when there are peers).
 TEST(NcclRanks, CalibratedAmaxIsTheMaxOverEveryRank) {
   SKIP_WITHOUT_RANK_GPUS();

@@ -69,7 +69,7 @@ inline std::vector<uint8_t> download_buffer(const cuda::CudaEngine& e, int64_t r
   return b;
 }
 
-// engine.md's combine of the rows in a downloaded buffer: the re-sum the layout check computes.
+// docs/engine.md's combine of the rows in a downloaded buffer: the re-sum the layout check computes.
 inline std::vector<bf16> resum_rows(const BufferLayout& l, const std::vector<uint8_t>& buf, const Problem& p, int64_t r,
                                     bool fused) {
   return qdq_resum(buf.data(), l.combine_offset(), l.shape().max_tokens, fused, p, r, std::nullopt, 0.0f);

@@ -1,5 +1,5 @@
-// CudaFakeQuantMoe (fake_quant.md on the GPU), one test per line of the spec's "What must be
-// tested": dispatch and combine quantization (with and without a fused shared expert) against
+// CudaFakeQuantMoe (docs/fake_quant.md on the GPU), one test per behaviour of the
+// quantizers: dispatch and combine quantization (with and without a fused shared expert) against
 // independent expectations computed on the host from the GPU engine's own rows; the raise paths;
 // the layout check waiting for routed rows; calibrated amax; and CUDA graph capture/replay after
 // a padding-only warm-up, with the correct layout and with a corrupted one (the error surfaces at

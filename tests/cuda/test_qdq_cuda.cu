@@ -222,8 +222,8 @@ TEST(CudaQdq, StagingEqualsReference) {
 namespace moefq {
 namespace {
 
-// nvfp4 as the reference framework's GPU kernel computes it: the element division |x| / scale with
-// the approximate instruction (div.approx.f32), everything else as numerics.md.
+// nvfp4 as NVIDIA Model Optimizer's CUDA kernel computes it: the element division |x| / scale with
+// the approximate instruction (div.approx.f32), everything else as docs/numerics.md.
 __global__ void nvfp4_approx_div_kernel(const bf16* x, bf16* y, int64_t n, float amax) {
   const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b * kNvfp4Block >= n) return;
@@ -238,7 +238,7 @@ __global__ void nvfp4_approx_div_kernel(const bf16* x, bf16* y, int64_t n, float
   }
 }
 
-// numerics.md: the reference framework divides approximately, we divide exactly; elements on an
+// docs/numerics.md: Model Optimizer's kernel divides approximately, we divide exactly; elements on an
 // e2m1 rounding boundary may differ by one e2m1 step. Measures that fraction on random data and on
 // vectors whose quotients sit exactly on, and one ulp beside, every boundary.
 TEST(CudaQdq, Nvfp4ApproximateDivisionDiffersOnlyOnBoundaries) {

@@ -1,4 +1,4 @@
-// The CPU engine (engine.md): against a naive double-precision implementation, bit-exact across
+// The CPU engine (docs/engine.md): against a naive double-precision implementation, bit-exact across
 // simulated rank counts and repeated calls, the combine against a re-sum of the buffer's rows,
 // padding / empty experts / edge sizes, the debug switch and the input checks.
 #include <gtest/gtest.h>
@@ -36,7 +36,7 @@ std::vector<bf16> run(CpuEngine& eng, const std::vector<bf16>& x, const std::vec
   return y;
 }
 
-// The naive implementation: per (token, slot), dequantized weights, GEMMs in double, the spec's
+// The naive implementation: per (token, slot), dequantized weights, GEMMs in double, docs/engine.md's
 // roundings (staging, bf16 of g/u and of the row, re-staging) and the sum in double.
 std::vector<double> naive(const MoeConfig& c, const std::vector<LayerWeights>& w, const std::vector<bf16>& x,
                           const std::vector<int32_t>& idx, const std::vector<float>& wt, int64_t n, bool fused) {
@@ -65,7 +65,7 @@ std::vector<double> naive(const MoeConfig& c, const std::vector<LayerWeights>& w
     }
     std::vector<uint8_t> h8(static_cast<size_t>(I));
     std::vector<float> hs(size_t(I / 128));
-    // re-staging with the spec's rule (on fp32 values)
+    // re-staging with the staging rule of docs/numerics.md (on fp32 values)
     for (int64_t b = 0; b < I / 128; ++b) {
       float m = 0;
       for (int64_t i = b * 128; i < (b + 1) * 128; ++i) m = std::max(m, std::fabs(h[size_t(i)]));

@@ -1,4 +1,4 @@
-// MoE presets (engine.md's table and the models' published config.json values), validate()'s error
+// MoE presets (docs/models.md: the models' config.json values), validate()'s error
 // paths, and the config.json loader: the architectures' own config files (tests/engine/data) load
 // to their presets, and on files the tests write every missing, mistyped or inconsistent field
 // (in the architecture's own spelling) and every unknown model_type is named in the error.

@@ -1,4 +1,4 @@
-// FakeQuantMoe (fake_quant.md) on the CPU back-ends: dispatch and combine quantization against
+// FakeQuantMoe (docs/fake_quant.md) on the CPU back-ends: dispatch and combine quantization against
 // independent re-computations (qdq_ref on the inputs, a re-sum of the QDQ'd combine rows), the
 // configuration errors, the layout check (wrong offset, debug switch, padding-only warm-up), both
 // back-ends bit-identical, max calibration across simulated ranks, and calibration files.
@@ -101,7 +101,7 @@ const bf16* row_at(const ExpertBackend& be, int64_t rank, int64_t slot, int64_t 
   return reinterpret_cast<const bf16*>(bytes.data() + off);
 }
 
-// The combine re-sum of fake_quant.md over the back-end's rows (test::qdq_resum).
+// The combine re-sum of docs/fake_quant.md over the back-end's rows (test::qdq_resum).
 std::vector<bf16> expected_resum(const ExpertBackend& be, const Problem& p, int64_t r, Format f, float amax) {
   return test::qdq_resum(be.combine_bytes(r).data(), *be.combine_offset(), be.max_tokens(), be.fused_shared(), p, r, f,
                          amax, be.combine_weighting() == CombineWeighting::kAfter);

@@ -1,4 +1,4 @@
-// A second implementation of every conversion and QDQ rule of numerics.md, written the slow way so
+// A second implementation of every conversion and QDQ rule of docs/numerics.md, written the slow way so
 // that it shares nothing with include/moefq/numerics.h: integer arithmetic only on every path that
 // decides a result. A non-negative finite value is an exact dyadic rational m * 2^e (m an unsigned
 // integer); binary32 multiply and divide form the exact product, or a long quotient whose
@@ -8,10 +8,10 @@
 // bit tricks. No long double or float arithmetic decides any result, so the reference computes
 // the same bits under any compiler and optimisation level (floats are only compared, negated,
 // and reinterpreted; IEEE comparisons are exact).
-// It also follows the project's choices on points the spec leaves open: every NaN result is
+// It also follows the project's choices on points real kernels differ on: every NaN result is
 // canonical (f32 0x7FFFFFFF, bf16 0x7FFF, e4m3/e5m2 0x7F, sign dropped), int8 QDQ of -0 gives +0,
 // mx blocks keep the sign of zero, the dynamic amax is max |x| over non-NaN elements (+inf counts),
-// and NaN propagates through every step (numerics.md taken literally with IEEE arithmetic: a NaN
+// and NaN propagates through every step (docs/numerics.md taken literally with IEEE arithmetic: a NaN
 // scale gives NaN elements, e4m3_sat(NaN) and e2m1 of NaN are NaN).
 // Header only: every .cpp under tests/numerics is its own test program.
 #pragma once
@@ -403,7 +403,7 @@ inline bool is_finite(float x) { return !nan_bits(f32_to_bits(x)) && !inf_bits(f
 inline bool sign_bit(float x) { return neg_bits(f32_to_bits(x)); }
 inline float abs_f32(float x) { return f32_from_bits(f32_to_bits(x) & ~kSignBit); }
 
-// QDQ element rules (numerics.md). Each returns the dequantized binary32 value before the output
+// QDQ element rules (docs/numerics.md). Each returns the dequantized binary32 value before the output
 // rounding to the tensor's dtype.
 
 inline float e4m3_sat_value(float x) { return e4m3_decode(e4m3_encode_sat(x)); }  // NaN: NaN
@@ -477,7 +477,7 @@ inline float int8_qdq(float x, float amax) {
   const float s = div_rn(127.0f, amax);
   const float v = mul_rn(x, s);
   const int q = int8_encode_sat(v);
-  // q is a binary32 value (numerics.md): a zero keeps the sign of x * s, so y = -0.0 for a
+  // q is a binary32 value (docs/numerics.md): a zero keeps the sign of x * s, so y = -0.0 for a
   // negative x that rounds to zero.
   return div_rn(q == 0 ? with_sign(0.0f, sign_bit(v)) : float(q), s);
 }

@@ -1,6 +1,6 @@
 // Every scalar conversion of include/moefq/numerics.h against the slow reference (slow_ref.h), bit
 // for bit: all 65,536 bf16 bit patterns as binary32 inputs, every code of every decoder, binary32
-// inputs on and next to every rounding boundary, and the named cases of numerics.md.
+// inputs on and next to every rounding boundary, and the named cases of docs/numerics.md.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -177,7 +177,7 @@ TEST(Decoders, EncodeOfDecodeIsIdentity) {
   for (int c = 0; c < 16; ++c) EXPECT_EQ(e2m1_encode_sat(e2m1_decode(uint8_t(c))), c) << "e2m1 code " << c;
 }
 
-// The slow reference's own tables agree with the format table of numerics.md.
+// The slow reference's own tables agree with the format table of docs/numerics.md.
 TEST(Decoders, SlowTablesMatchTheSpecTable) {
   EXPECT_EQ(slow::e4m3_table().value(0x7E), 448.0f);
   EXPECT_EQ(slow::e4m3_table().value(1), 0x1p-9f);
@@ -192,7 +192,7 @@ TEST(Decoders, SlowTablesMatchTheSpecTable) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Named cases of numerics.md.
+// Named cases of docs/numerics.md.
 
 TEST(Conversions, E2m1TiesGoToTheEvenCode) {
   const struct {
@@ -254,7 +254,7 @@ TEST(Conversions, Bf16KeepsInfAndCanonicalizesNan) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The spec's binary32 arithmetic (RN multiply and divide, rint, ceil(log2)) and the slow
+// docs/numerics.md's binary32 arithmetic (RN multiply and divide, rint, ceil(log2)) and the slow
 // reference's versions of it, against each other and against the host's IEEE operations.
 
 std::vector<float> arithmetic_operands() {

@@ -42,7 +42,7 @@ TEST(Metrics, NonFiniteReferenceSkippedNonFiniteOutputPoisons) {
   EXPECT_FALSE(std::isfinite(m.max_abs));
 }
 
-// numerics.md: a non-finite output where the reference is finite makes the metrics non-finite.
+// docs/numerics.md: a non-finite output where the reference is finite makes the metrics non-finite.
 // Every metric, not only rel_l2: NaN sums would turn calc_diff into 0 and snr_db into +inf (a
 // perfect score) through comparisons that are false for NaN.
 TEST(Metrics, NonFiniteOutputMakesEveryMetricNan) {

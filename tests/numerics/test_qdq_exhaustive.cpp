@@ -225,7 +225,7 @@ TEST_P(QdqExhaustive, DynamicAmax) {
   }
 }
 
-// amax = +inf, which is what the dynamic amax is for a tensor holding +-inf. numerics.md's
+// amax = +inf, which is what the dynamic amax is for a tensor holding +-inf. docs/numerics.md's
 // arithmetic taken literally (IEEE, NaN propagating through min(t, 448), e4m3_sat and e2m1) gives
 // NaN for every element: fp8 s = 448/inf = 0 and si = 1/0 = inf, so y = e4m3(x * 0) * inf = 0 * inf
 // (NaN * inf for x = +-inf); nvfp4 gs = inf, so each block's scale is e4m3(bmax / inf) * inf =
@@ -389,8 +389,8 @@ TEST(QdqExactValues, Int8KeepsIntegers) {
   }
 }
 
-// numerics.md: q = rint(x * s) is a binary32 value, so a negative x that rounds to zero gives
-// y = -0.0 (the reference framework's kernel does the same), a positive one +0.0; bf16 and fp32.
+// docs/numerics.md: q = rint(x * s) is a binary32 value, so a negative x that rounds to zero gives
+// y = -0.0 (Model Optimizer's int8 kernel does the same), a positive one +0.0; bf16 and fp32.
 TEST(QdqExactValues, Int8ZeroKeepsTheSignOfX) {
   const float amax = 127.0f;  // s = 1
   const std::vector<float> x = {-0.0f, -0.25f, -0.5f, 0.0f, 0.25f, 0.5f, -1e-30f, 1e-30f};

@@ -141,7 +141,7 @@ class CudaFakeQuantOps final : public FakeQuantOps {
   }
   std::vector<AmaxStats> read_calibration() override {
     MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
-    // Real ranks: fake_quant.md's MAX over every expert-parallel rank (AmaxStats' words order like
+    // Real ranks: docs/fake_quant.md's MAX over every expert-parallel rank (AmaxStats' words order like
     // their bits, so one MAX over the words reduces them all).
     if (RankLink* link = engine_->link())
       link->all_reduce_max(reinterpret_cast<uint32_t*>(calib_.get()), calib_.bytes() / 4, nullptr);

@@ -1,4 +1,4 @@
-// Fake quantization of MoE dispatch and combine (fake_quant.md) around the CUDA engine, all on the
+// Fake quantization of MoE dispatch and combine (docs/fake_quant.md) around the CUDA engine, all on the
 // device: the shared driver (fakequant/fake_quant_driver.h) over device primitives. Dispatch QDQ
 // out of place, combine QDQ + exact re-sum in one kernel that reads the rows once, max calibration
 // on the device (MAX over the ranks at the end: simulated ones on the host, real ones through the

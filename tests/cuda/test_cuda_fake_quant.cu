@@ -186,7 +186,8 @@ TEST(CudaFakeQuant, RaisePaths) {
     expect_error([&] { run(*l.fq, dp); }, ErrorKind::kFailedCheck, {"layout check failed", "rank 0", "token 0"});
     EXPECT_FALSE(l.fq->layout_checked(0));
     l.fq->set_combine_offset(l.fq->engine().layout().total_bytes());
-    expect_error([&] { run(*l.fq, dp); }, ErrorKind::kFailedCheck, {"past the end"});
+    expect_error([&] { run(*l.fq, dp); }, ErrorKind::kFailedCheck,
+                 {"past the end", "the combine region must hold bf16 rows [K + fused shared slots]"});
   }
   {
     ::setenv("MOEFQ_COMM_KERNEL_DEBUG", "1", 1);

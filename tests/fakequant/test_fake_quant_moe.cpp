@@ -799,6 +799,24 @@ TEST(CombineQdqRef, WeightedResumRoundsTheProductThenTheSum) {
   }
 }
 
+// A top-k outside 1..32 is bad input whose message states the rule itself (users have no other
+// document to look it up in), and nothing is written.
+TEST(CombineQdqRef, TopKOutsideItsRangeNamesTheRule) {
+  const int64_t T = 1, H = 32;
+  std::vector<bf16> rows(size_t(33 * T * H), bf16{bf16_round(1.0f)}), y(size_t(T * H), bf16{0x1234});
+  for (int64_t K : {int64_t(0), int64_t(33)}) {
+    const std::vector<int32_t> idx(size_t(T * std::max<int64_t>(K, 1)), 0);
+    const std::vector<float> weights(idx.size(), 1.0f);
+    const HostCombineRows r = host_rows(rows, K, T, H, idx, weights);
+    const auto e = expect_error([&] { combine_qdq_ref(r, std::nullopt, 0.0f, y.data()); },
+                                {"top_k is " + std::to_string(K), "top-k must be 1..32"});
+    ASSERT_TRUE(e.has_value());
+    EXPECT_EQ(e->kind(), ErrorKind::kBadInput);
+    EXPECT_EQ(std::string(e->what()).find(".md"), std::string::npos) << e->what();
+    EXPECT_EQ(y[0].bits, 0x1234) << "K " << K << ": the output was written";
+  }
+}
+
 // The combine quantizer's after re-sum on random rows against a loop written here: QDQ each
 // active row, multiply by the weight in double (exact) and round to fp32, add in fp32.
 TEST(CombineQdqRef, WeightedResumEqualsHandWrittenLoopForEveryFormat) {

@@ -113,7 +113,12 @@ std::vector<NamedPath> inputs_of(const EvalCliOptions& o) {
   for (const std::string& r : o.eval.recipes) in.push_back({"--recipe", r});
   if (!o.eval.checkpoint_dir.empty()) {
     in.push_back({"--checkpoint's config.json", (fs::path(o.eval.checkpoint_dir) / "config.json").string()});
-    for (const std::string& f : checkpoint_files(o.eval.checkpoint_dir)) in.push_back({"a --checkpoint file", f});
+    // A checkpoint that cannot be read is refused by the run, with the options checked first and
+    // before anything is written: here it simply has no files to protect.
+    try {
+      for (const std::string& f : checkpoint_files(o.eval.checkpoint_dir)) in.push_back({"a --checkpoint file", f});
+    } catch (const Error&) {
+    }
   }
   return in;
 }

@@ -2,10 +2,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "bench/bench.h"
+#include "eval/layer_runner.h"
 #include "moefq/cpu_engine.h"
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
@@ -13,6 +15,32 @@
 #include "moefq/synthetic.h"
 
 namespace moefq::bench {
+namespace {
+
+// Refuses, with the figures, a run that does not fit the host, before any allocation. The eval's
+// plan of one batch of R x T tokens on the CPU engine counts what this benchmark holds: every
+// rank's weights and router, the engine's buffers, the activations, the outputs, the GEMM scratch.
+void check_memory(const MoeConfig& cfg, const EngineCpuBenchOptions& o) {
+  RunnerSetup s;
+  s.config = cfg;
+  s.ranks = o.ranks;
+  s.tokens = o.tokens;
+  s.calib_batches = 1;  // one batch: the activations and their outputs
+  s.weight_format = o.format;
+  s.num_threads = o.threads;
+  const MemoryPlan plan = plan_run_memory(s, EvalDevice::kCpu);
+  const auto gib = [](double b) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(1ull << 30));
+    return std::string(buf);
+  };
+  MOEFQ_CHECK(plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available,
+              "moefq bench engine-cpu: --ranks ", o.ranks, " --tokens ", o.tokens, " of ", cfg.name, " needs ",
+              gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
+              " available: use fewer --ranks or --tokens, or a smaller --preset\n", plan.describe());
+}
+
+}  // namespace
 
 int run_bench_engine_cpu(const EngineCpuBenchOptions& o) {
   const MoeConfig cfg = preset(o.preset);
@@ -20,6 +48,7 @@ int run_bench_engine_cpu(const EngineCpuBenchOptions& o) {
               cfg.num_experts, ")");
   MOEFQ_CHECK(o.tokens >= 1, "--tokens must be >= 1");
   const int64_t R = o.ranks, T = o.tokens, H = cfg.hidden, el = cfg.num_experts / R;
+  check_memory(cfg, o);
   std::fprintf(stderr, "moefq bench engine-cpu: %s, %lld ranks x %lld tokens, %s weights, generating...\n",
                cfg.name.c_str(), (long long)R, (long long)T, weight_format_name(o.format));
   std::vector<LayerWeights> w;

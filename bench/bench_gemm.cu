@@ -18,6 +18,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/grouped_gemm.cuh"
+#include "cuda/host_api.h"
 #include "engine/gemm_cpu.h"
 #include "moefq/fileio.h"
 #include "moefq/numerics.h"
@@ -77,8 +78,13 @@ std::vector<int32_t> route_counts(int64_t rows, int64_t experts, std::mt19937_64
 
 int run_bench_gemm(const GemmBenchOptions& o) {
   const int64_t H = o.hidden, I = o.inter, G = o.experts, hb = H / 128, ib = I / 128;
-  MOEFQ_CHECK(H % 128 == 0 && I % 128 == 0, "bench gemm: hidden and inter must be multiples of 128");
-  MOEFQ_CHECK(!o.tokens.empty() && G > 0, "bench gemm: no token counts or experts");
+  MOEFQ_CHECK(cuda::device_count() > 0, "moefq bench gemm: no CUDA device is visible");
+  // The CLI checks these when it parses the options (src/cli/cmd_bench.cpp); here for other callers.
+  MOEFQ_CHECK(H > 0 && H % 128 == 0, "--hidden ", H, ": expected a positive multiple of 128");
+  MOEFQ_CHECK(I > 0 && I % 128 == 0, "--inter ", I, ": expected a positive multiple of 128");
+  MOEFQ_CHECK(G > 0, "--experts ", G, ": expected at least 1");
+  MOEFQ_CHECK(!o.tokens.empty(), "--tokens: no token counts");
+  for (int64_t t : o.tokens) MOEFQ_CHECK(t >= 1, "--tokens: ", t, " is not a positive token count");
   const int64_t max_rows = *std::max_element(o.tokens.begin(), o.tokens.end()) * o.top_k;
   cudaDeviceProp prop;
   MOEFQ_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));

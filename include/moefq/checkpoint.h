@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "moefq/moe_config.h"
 #include "moefq/weights.h"
@@ -29,6 +30,11 @@ struct LayerTensorNames {
   std::string expert_weight(int64_t e, const std::string& proj) const;
 };
 LayerTensorNames layer_tensor_names(const MoeConfig& cfg, int64_t layer);
+
+// The files of the checkpoint's weights: its index and every shard the index names, or its one
+// model.safetensors (what an output must not replace). Reads the index only; errors as
+// load_checkpoint_layer's for a missing or malformed index.
+std::vector<std::string> checkpoint_files(const std::string& dir);
 
 // The format of the checkpoint's expert weights, from the dtype of layer `layer`'s expert 0 gate
 // projection (kE4m3 for F8_E4M3, kBf16 for BF16); reads the shard's header only. Errors as

@@ -5,9 +5,10 @@
 //   it was opened (truncated meanwhile) are errors, not crashes;
 // - outputs are checked before any work (check_output_path, check_output_dir), written to a
 //   temporary beside the target and renamed into place when complete, never over a non-regular
-//   file or a symbolic link; a directory of outputs appears whole, with one rename;
-// - live temporaries are registered, so that SIGINT, SIGTERM, SIGHUP and SIGPIPE remove them once
-//   install_cleanup_signal_handlers() has run (the CLI does this at start).
+//   file or a symbolic link; a directory of outputs appears whole, with one rename; a new output
+//   gets the permissions of 0666 (a directory 0777) less the umask, a replaced one keeps its own;
+// - live temporaries are registered, so that SIGINT, SIGTERM and SIGHUP remove them once
+//   install_cleanup_signal_handlers() has run (the CLI does this at start); SIGPIPE ends nothing.
 // Every failure throws moefq::Error (bad input) with a message that names the file.
 #pragma once
 
@@ -64,7 +65,8 @@ void check_output_path(const std::string& path, std::string_view what, std::span
 // A file written to a temporary beside the target, renamed over it when complete.
 class AtomicFile {
  public:
-  // Creates the temporary PATH.tmp.XXXXXX; throws naming `path` when it cannot.
+  // Creates the temporary PATH.tmp.XXXXXX with mode 0666 less the umask (or the directory's
+  // default ACL), as any new file; throws naming `path` when it cannot.
   explicit AtomicFile(std::string path);
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
@@ -72,7 +74,8 @@ class AtomicFile {
   ~AtomicFile();
 
   void write(const void* data, size_t size);  // all of it, retrying short writes
-  // fsync, close, rename over the target. Refuses (and leaves the target alone) when the target
+  // fsync, close, rename over the target; a target that exists passes its permission bits on to
+  // the new file. Refuses (and leaves the target alone) when the target
   // is now something other than a regular file, e.g. a FIFO or a link created since the check.
   void commit();
 
@@ -91,12 +94,17 @@ void write_file_atomic(const std::string& path, std::string_view content);
 // regular files of those names (earlier outputs: the directory is replaced as a whole) and is not
 // the working directory; its nearest existing ancestor is a directory where a temporary
 // directory can be created (tried, then removed).
-void check_output_dir(const std::string& path, std::string_view what, std::span<const std::string_view> names);
+// Nor may one of those files be one of `inputs` (device and inode compared): it would be removed
+// with the directory it replaces.
+void check_output_dir(const std::string& path, std::string_view what, std::span<const std::string_view> names,
+                      std::span<const NamedPath> inputs = {});
 
 // A directory of files that appears whole or not at all: the files go into a temporary directory
 // PATH.tmp.XXXXXX beside the target, published by one rename (an atomic exchange when the target
 // exists; the earlier files, now in the temporary, are then removed). Of concurrent writers, the
-// last to publish wins with all of its files; a reader never sees files of two runs.
+// last to publish wins with all of its files; a reader never sees files of two runs. A new
+// directory gets 0777 less the umask, one that replaces an earlier directory that one's permission
+// bits; its files 0666 less the umask.
 class AtomicDirectory {
  public:
   // Creates the target's missing parent directories and the temporary one.
@@ -118,10 +126,19 @@ class AtomicDirectory {
   std::vector<int> slots_;  // the temporary directory's, then each file's
 };
 
-// From now on SIGINT, SIGTERM, SIGHUP and SIGPIPE remove the live temporaries of AtomicFile and
-// AtomicDirectory, then end the process with the signal's default action. A signal that is
-// ignored, or has a handler, when this is called is left as it is. Call once, from main.
+// From now on SIGINT, SIGTERM and SIGHUP remove the live temporaries of AtomicFile and
+// AtomicDirectory, then end the process with the signal's default action; SIGPIPE no longer ends
+// the process: a write to a pipe whose reader has gone fails with EPIPE instead (printing then
+// stops quietly), so that a run whose table is piped into `head` still publishes its outputs. A
+// signal that is ignored, or has a handler, when this is called is left as it is. Call once, from
+// main.
 void install_cleanup_signal_handlers();
+
+// Flushes stdout at the end of a command. Returns when everything printed was written, or when
+// stdout is a pipe or socket whose reader has gone (the reader closed it early, taking what it
+// wanted: the command's exit status stands). Any other failure (a full disk, an I/O error) throws
+// moefq::Error: the table was lost. Commands publish their output files before they print.
+void finish_stdout();
 
 // A test hook: when the environment variable MOEFQ_TEST_RAISE is "POINT:SIGNUM" with POINT equal to
 // `point`, raises signal SIGNUM here (tests kill or stop a run at a chosen step). Points:

@@ -12,6 +12,7 @@
 
 #include "cli/commands.h"
 #include "cli/table.h"
+#include "moefq/checkpoint.h"
 #include "moefq/errors.h"
 #include "moefq/eval.h"
 #include "moefq/fileio.h"
@@ -102,11 +103,23 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
   o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
 }
 
-// The inputs an output must not replace.
+// The inputs an output must not replace: the files named on the command line and every file of
+// the checkpoint (its config.json, index and shards, or its one model.safetensors). A recipe given
+// by unit name is no path here, and is skipped by the checks as a path that does not exist.
 std::vector<NamedPath> inputs_of(const EvalCliOptions& o) {
-  std::vector<NamedPath> in = {{"--config", o.eval.config_path}, {"--activations", o.eval.activations_path}};
-  if (!o.eval.checkpoint_dir.empty())
+  std::vector<NamedPath> in = {{"--config", o.eval.config_path},
+                               {"--activations", o.eval.activations_path},
+                               {"--load-calibration", o.eval.load_calibration}};
+  for (const std::string& r : o.eval.recipes) in.push_back({"--recipe", r});
+  if (!o.eval.checkpoint_dir.empty()) {
     in.push_back({"--checkpoint's config.json", (fs::path(o.eval.checkpoint_dir) / "config.json").string()});
+    // A checkpoint that cannot be read is refused by the run, with the options checked first and
+    // before anything is written: here it simply has no files to protect.
+    try {
+      for (const std::string& f : checkpoint_files(o.eval.checkpoint_dir)) in.push_back({"a --checkpoint file", f});
+    } catch (const Error&) {
+    }
+  }
   return in;
 }
 
@@ -135,9 +148,14 @@ void print_header(const char* tool, const EvalSetup& s) {
 int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {
   resolve(o, sub);
   const bool want_reports = sub->get_option("--out")->count() > 0;  // an empty --out is an error, not "no reports"
-  if (want_reports) check_output_dir(o.out, "--out", kEvalReportFiles);
+  if (want_reports) check_output_dir(o.out, "--out", kEvalReportFiles, inputs_of(o));
   std::fprintf(stderr, "moefq eval: running (progress below; the table follows on stdout)\n");
   const EvalResult r = run_eval(o.eval);
+  // The reports first: a reader that closes stdout early (`| head`) loses only the table.
+  if (want_reports) {
+    write_eval_reports(r, o.out);
+    std::fprintf(stderr, "moefq eval: wrote %s/report.json, report.csv, report.html\n", o.out.c_str());
+  }
   print_header("moefq eval", r.setup);
   std::printf("calibration: %s\n\n", r.calibration.source.c_str());
   const bool budget = r.setup.max_rel_l2.has_value();
@@ -183,10 +201,7 @@ int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {
       std::printf("answer: no recipe stays within rel_l2 <= %g on every layer\n", *r.setup.max_rel_l2);
   }
   for (const std::string& w : r.warnings) std::fprintf(stderr, "moefq eval: warning: %s\n", w.c_str());
-  if (want_reports) {
-    write_eval_reports(r, o.out);
-    std::fprintf(stderr, "moefq eval: wrote %s/report.json, report.csv, report.html\n", o.out.c_str());
-  }
+  finish_stdout();
   return 0;
 }
 
@@ -214,6 +229,7 @@ int run_calibrate_command(EvalCliOptions& o, const CLI::App* sub) {
   t.print();
   std::printf("\nsaved to %s (use: moefq eval --load-calibration %s with the same model options)\n", o.save.c_str(),
               o.save.c_str());
+  finish_stdout();
   return 0;
 }
 

@@ -274,7 +274,7 @@ int run_qdq(const QdqOptions& o, const CLI::App* sub) {
       }
     }
   }
-  print_results(results);
+  // The files first: a reader that closes stdout early (`| head`) loses only the table.
   if (!o.out.empty()) {
     writer.write(o.out);
     std::fprintf(stderr, "wrote %s\n", o.out.c_str());
@@ -283,6 +283,8 @@ int run_qdq(const QdqOptions& o, const CLI::App* sub) {
     write_report(o.report, o, device, results);
     std::fprintf(stderr, "wrote %s\n", o.report.c_str());
   }
+  print_results(results);
+  finish_stdout();
   return 0;
 }
 

@@ -10,6 +10,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <span>
 #include <sstream>
 
@@ -108,6 +109,16 @@ class Checkpoint {
   }
 
   std::string where() const { return single_.empty() ? index_path_ : single_; }
+
+  // The index and every shard it names (each once, sorted), or the single file.
+  std::vector<std::string> files() const {
+    if (!single_.empty()) return {single_};
+    std::set<std::string> shards;
+    for (const auto& [name, shard] : weight_map_) shards.insert((fs::path(dir_) / shard).string());
+    std::vector<std::string> v = {index_path_};
+    v.insert(v.end(), shards.begin(), shards.end());
+    return v;
+  }
 
  private:
   void read_index(const std::string& path) {
@@ -242,6 +253,8 @@ LayerTensorNames layer_tensor_names(const MoeConfig& cfg, int64_t layer) {
   }
   return n;
 }
+
+std::vector<std::string> checkpoint_files(const std::string& dir) { return Checkpoint(dir).files(); }
 
 WeightFormat checkpoint_weight_format(const std::string& dir, int64_t layer, const MoeConfig& cfg) {
   MOEFQ_CHECK(layer >= 0, dir, ": layer ", layer, " must be >= 0");

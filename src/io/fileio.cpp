@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <random>
 
 #include "moefq/errors.h"
 #include "moefq/host_memory.h"
@@ -70,6 +72,8 @@ extern "C" void remove_temps_and_reraise(int sig) {
   errno = saved_errno;
 }
 
+extern "C" void ignore_signal(int) {}
+
 // ---------------------------------------------------------------------------------------------
 
 const char* kind_of(mode_t mode) {
@@ -79,7 +83,8 @@ const char* kind_of(mode_t mode) {
   if (S_ISBLK(mode)) return "a block device";
   if (S_ISSOCK(mode)) return "a socket";
   if (S_ISLNK(mode)) return "a symbolic link";
-  return "not a regular file";
+  if (S_ISREG(mode)) return "a regular file";
+  return "a file of unknown kind";
 }
 
 std::string error_text(int err) { return std::strerror(err); }
@@ -116,6 +121,30 @@ std::string without_trailing_slashes(std::string p) {
 std::string parent_of(const std::string& path) {
   const fs::path parent = fs::path(path).parent_path();
   return parent.empty() ? std::string(".") : parent.string();
+}
+
+// Creates a file (mode 0666, opened for writing) or a directory (mode 0777) named `tmpl` with its
+// trailing XXXXXX replaced by random letters, and returns the file's descriptor (0 for a
+// directory) or -1 with errno set. Unlike mkstemp (0600) and mkdtemp (0700), the umask and a
+// default ACL of the directory apply, as to any file the user creates: an output gets the
+// permissions the user asked for without moefq reading the process-wide umask.
+int create_unique(std::string& tmpl, bool dir) {
+  static constexpr char kLetters[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  constexpr size_t kSuffix = 6;
+  if (tmpl.size() < kSuffix || tmpl.compare(tmpl.size() - kSuffix, kSuffix, "XXXXXX") != 0) {
+    errno = EINVAL;
+    return -1;
+  }
+  static thread_local std::mt19937_64 rng{std::random_device{}() ^ (uint64_t(::getpid()) << 32)};
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    for (size_t i = tmpl.size() - kSuffix; i < tmpl.size(); ++i) tmpl[i] = kLetters[rng() % (sizeof kLetters - 1)];
+    const int rc = dir ? ::mkdir(tmpl.c_str(), 0777)
+                       : ::open(tmpl.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (rc >= 0) return rc;
+    if (errno != EEXIST) return -1;
+  }
+  errno = EEXIST;
+  return -1;
 }
 
 // Creating (then removing) a temporary file or directory from `tmpl` (ending in XXXXXX) is the
@@ -260,7 +289,7 @@ void check_output_path(const std::string& path, std::string_view what, std::span
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
   // Same directory as the target, so the final rename stays within one file system.
   std::string tmpl = path_ + ".tmp.XXXXXX";
-  fd_ = ::mkostemp(tmpl.data(), O_CLOEXEC);
+  fd_ = create_unique(tmpl, false);
   MOEFQ_CHECK(fd_ >= 0, path_, ": cannot write: cannot create a temporary file in ", parent_of(path_), ": ",
               error_text(errno));
   tmp_path_ = tmpl;
@@ -282,17 +311,18 @@ void AtomicFile::write(const void* data, size_t size) {
 }
 
 void AtomicFile::commit() {
-  // mkstemp creates 0600; give the output ordinary permissions.
-  MOEFQ_CHECK(::fchmod(fd_, 0644) == 0, tmp_path_, ": chmod failed: ", error_text(errno));
   MOEFQ_CHECK(::fsync(fd_) == 0, tmp_path_, ": fsync failed: ", error_text(errno));
+  // The target was checked before the work began; something else may have been put there since.
+  struct stat st {};
+  if (::lstat(path_.c_str(), &st) == 0) {
+    MOEFQ_CHECK(S_ISREG(st.st_mode), path_, ": is now ", kind_of(st.st_mode),
+                "; outputs never replace anything but a regular file (nothing was written)");
+    // A replaced file keeps its permissions (a new one has 0666 less the umask from its creation).
+    MOEFQ_CHECK(::fchmod(fd_, st.st_mode & 0777) == 0, tmp_path_, ": chmod failed: ", error_text(errno));
+  }
   const int close_rc = ::close(fd_);
   fd_ = -1;
   MOEFQ_CHECK(close_rc == 0, tmp_path_, ": close failed: ", error_text(errno));
-  // The target was checked before the work began; something else may have been put there since.
-  struct stat st {};
-  if (::lstat(path_.c_str(), &st) == 0)
-    MOEFQ_CHECK(S_ISREG(st.st_mode), path_, ": is now ", kind_of(st.st_mode),
-                "; outputs never replace anything but a regular file (nothing was written)");
   MOEFQ_CHECK(::rename(tmp_path_.c_str(), path_.c_str()) == 0, path_, ": cannot rename ", tmp_path_,
               " into place: ", error_text(errno));
   committed_ = true;
@@ -308,7 +338,8 @@ void write_file_atomic(const std::string& path, std::string_view content) {
 // ---------------------------------------------------------------------------------------------
 // Directories of outputs
 
-void check_output_dir(const std::string& path_in, std::string_view what, std::span<const std::string_view> names) {
+void check_output_dir(const std::string& path_in, std::string_view what, std::span<const std::string_view> names,
+                      std::span<const NamedPath> inputs) {
   MOEFQ_CHECK(!path_in.empty(), what, ": empty path; give a directory name");
   const std::string path = without_trailing_slashes(path_in), w = named(what, path_in);
   const std::string base = fs::path(path).filename().string();
@@ -326,6 +357,19 @@ void check_output_dir(const std::string& path_in, std::string_view what, std::sp
     MOEFQ_CHECK(foreign.empty(), w, ": holds other entries (", join(foreign), foreign.size() >= 4 ? ", ..." : "",
                 "); the directory is replaced as a whole, so give a new or empty directory, or one that holds "
                 "only earlier reports");
+    // Its files are removed when it is replaced: none may be an input of this run.
+    for (const std::string_view name : names) {
+      struct stat out {};
+      const std::string file = path + "/" + std::string(name);
+      if (::stat(file.c_str(), &out) != 0) continue;
+      for (const auto& [input_what, input_path] : inputs) {
+        struct stat in {};
+        MOEFQ_CHECK(input_path.empty() || ::stat(input_path.c_str(), &in) != 0 || in.st_dev != out.st_dev ||
+                        in.st_ino != out.st_ino,
+                    w, ": its ", name, " is ", input_what, " ", input_path,
+                    "; the directory is replaced as a whole, so give another directory");
+      }
+    }
     probe_writable(path + ".tmp.XXXXXX", true, w, parent_of(path));
     return;
   }
@@ -348,7 +392,7 @@ AtomicDirectory::AtomicDirectory(std::string path, std::span<const std::string_v
   if (!parent.empty()) fs::create_directories(parent, ec);
   MOEFQ_CHECK(!ec, path_, ": cannot create the directory ", parent.string(), ": ", ec.message());
   std::string tmpl = path_ + ".tmp.XXXXXX";
-  MOEFQ_CHECK(::mkdtemp(tmpl.data()) != nullptr, path_, ": cannot create a temporary directory in ",
+  MOEFQ_CHECK(create_unique(tmpl, true) >= 0, path_, ": cannot create a temporary directory in ",
               parent_of(path_), ": ", error_text(errno));
   tmp_path_ = tmpl;
   slots_.push_back(register_temp(tmp_path_, true));
@@ -369,7 +413,7 @@ void AtomicDirectory::write(std::string_view name, std::string_view content) {
   MOEFQ_ASSERT(std::find(names_.begin(), names_.end(), name) != names_.end(), "AtomicDirectory: ", name,
                " is not one of its files");
   const std::string p = tmp_path_ + "/" + std::string(name);
-  const int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  const int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);  // less the umask
   MOEFQ_CHECK(fd >= 0, p, ": cannot create: ", error_text(errno));
   slots_.push_back(register_temp(p, false));
   try {
@@ -395,6 +439,9 @@ void AtomicDirectory::commit() {
     std::vector<std::string_view> names(names_.begin(), names_.end());
     const std::vector<std::string> foreign = foreign_entries(path_, names);
     MOEFQ_CHECK(foreign.empty(), path_, ": now holds other entries (", join(foreign), "); nothing was written");
+    // The directory that replaces an earlier one keeps its permissions (a new one has 0777 less the
+    // umask from its creation).
+    MOEFQ_CHECK(::chmod(tmp.c_str(), st.st_mode & 0777) == 0, tmp, ": chmod failed: ", error_text(errno));
   };
   bool published = false;
   if (!no_renameat2_for_tests()) {
@@ -467,15 +514,38 @@ void AtomicDirectory::commit() {
 // ---------------------------------------------------------------------------------------------
 
 void install_cleanup_signal_handlers() {
-  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) {
+  constexpr int kCleanup[] = {SIGINT, SIGTERM, SIGHUP};
+  for (int sig : kCleanup) {
     struct sigaction old {};
     if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) continue;
     struct sigaction sa {};
     sa.sa_handler = remove_temps_and_reraise;
     sigemptyset(&sa.sa_mask);
-    for (int other : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaddset(&sa.sa_mask, other);
+    for (int other : kCleanup) sigaddset(&sa.sa_mask, other);
     ::sigaction(sig, &sa, nullptr);
   }
+  // A handler that does nothing rather than SIG_IGN: an ignored signal stays ignored in the
+  // programs `moefq launch` starts, a handled one is reset to its default by exec.
+  struct sigaction old {};
+  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
+    struct sigaction sa {};
+    sa.sa_handler = ignore_signal;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGPIPE, &sa, nullptr);
+  }
+}
+
+void finish_stdout() {
+  const bool flushed = std::fflush(stdout) == 0;
+  const int err = errno;
+  if (flushed && !std::ferror(stdout)) return;
+  // A pipe or socket whose reader has gone reports POLLERR to its writer: the reader closed it
+  // early (`| head`), having taken what it wanted.
+  pollfd p{STDOUT_FILENO, POLLOUT, 0};
+  if (::poll(&p, 1, 0) == 1 && (p.revents & POLLERR) != 0) return;
+  MOEFQ_FAIL(ErrorKind::kBadInput, "stdout: the results could not be written in full (",
+             flushed ? std::string("a write failed") : error_text(err), "); the output files were written first");
 }
 
 void test_signal_point(std::string_view point) {

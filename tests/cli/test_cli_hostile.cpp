@@ -297,5 +297,143 @@ TEST_F(Hostile, MessagesSayWhatIsWrong) {
     expect_refused(kQdq + " --out b.safetensors --amax=" + quote(amax), {"--amax", "decimal"});
 }
 
+// 11. An output is never a file of the checkpoint read: its index, a shard the index names, its one
+// model.safetensors, under any name; nor is eval --out a directory one of whose reports is an input
+// (replacing the directory would remove it).
+TEST_F(Hostile, OutputsNeverReplaceACheckpointFile) {
+  test::write_checkpoint(path("single"), {{1, 7}});
+  const std::string cal = "calibrate --device cpu --ranks 2 --tokens 32 --calib-batches 1 --layers 1 ";
+  expect_refused(cal + "--checkpoint single --save single/model.safetensors",
+                 {"--save single/model.safetensors", "is the same file as a --checkpoint file"});
+  fs::create_directories(path("sharded"));
+  std::ofstream(path("sharded/config.json")) << test::kSmallConfigJson;
+  const MoeConfig cfg = test::small_config();
+  test::FakeCheckpoint ckpt;
+  ckpt.add_layer(cfg, synthetic_weights(cfg, WeightFormat::kE4m3, 7, 0, cfg.num_experts), 1);
+  ckpt.write(path("sharded").string(), /*with_index=*/true);
+  fs::create_hard_link(path("sharded") / test::FakeCheckpoint::shard_name(2), path("shard_link.safetensors"));
+  for (const std::string& out :
+       std::vector<std::string>{"sharded/model.safetensors.index.json", "sharded/" + test::FakeCheckpoint::shard_name(1),
+                                "sharded/" + test::FakeCheckpoint::shard_name(2), "shard_link.safetensors"})
+    expect_refused(cal + "--checkpoint sharded --save " + out, {"--save " + out, "is the same file as"});
+  // A --config that is one of the reports eval --out would replace.
+  fs::create_directory(path("rep"));
+  std::ofstream(path("rep/report.json")) << test::kSmallConfigJson;
+  expect_refused("eval --config rep/report.json --device cpu --ranks 2 --tokens 32 --calib-batches 1 --eval-batches 1 "
+                 "--recipe moe_combine_fp8 --out rep",
+                 {"--out rep", "its report.json is --config rep/report.json"});
+}
+
+// 12. A reader that closes stdout early (`| head`) loses only the table: the outputs are published
+// before anything is printed, the closed pipe ends nothing and the exit status is the command's
+// own. A stdout that cannot be written for another reason (a full disk) is exit 2, outputs kept.
+TEST_F(Hostile, AClosedStdoutLosesOnlyTheTable) {
+  SafetensorsWriter w;
+  const std::vector<float> x = test::activations(1, 128, 9, /*specials=*/false);
+  for (int i = 0; i < 300; ++i) w.add("t" + std::to_string(i), StDtype::kF32, {1, 128}, span_of(x));
+  w.write(path("many.safetensors").string());
+  // `:` exits at once: every write to stdout after it finds the pipe closed.
+  const auto piped = [&](const std::string& args) {
+    return run_in_work("{ timeout -s KILL 60 " + test::moefq_command(args) + "; echo $? >status; } | :");
+  };
+  RunResult r = piped("qdq --in many.safetensors --out x.safetensors --format fp8 --device cpu --report r.json");
+  EXPECT_EQ(read_text(path("status")), "0\n") << describe(r);
+  ASSERT_TRUE(fs::exists(path("x.safetensors"))) << describe(r);
+  EXPECT_EQ(SafetensorsFile::open(path("x.safetensors").string(), "x").header().tensors.size(), 300u);
+  EXPECT_EQ(json::parse(read_text(path("r.json"))).at("results").size(), 300u);
+  r = piped("eval " + kEval + " --out rep");
+  EXPECT_EQ(read_text(path("status")), "0\n") << describe(r);
+  EXPECT_TRUE(fs::exists(path("rep/report.json"))) << describe(r);
+  r = piped("calibrate " + kCalibrate + " --save cal.json");
+  EXPECT_EQ(read_text(path("status")), "0\n") << describe(r);
+  EXPECT_TRUE(fs::exists(path("cal.json"))) << describe(r);
+  // A full disk under stdout: the outputs are there, the lost table is an error.
+  r = run_in_work("(timeout -s KILL 60 " +
+                  test::moefq_command("qdq --in many.safetensors --out y.safetensors --format fp8 --device cpu") +
+                  " >/dev/full)");
+  EXPECT_EQ(r.status, 2) << describe(r);
+  EXPECT_NE(r.err.find("moefq: error: stdout: the results could not be written in full"), std::string::npos)
+      << describe(r);
+  EXPECT_TRUE(fs::exists(path("y.safetensors"))) << describe(r);
+  EXPECT_TRUE(leftovers().empty()) << leftovers().front();
+}
+
+// 13. Outputs get the permissions the umask gives any new file (0666, a directory 0777, less the
+// umask); one that replaces an earlier file or report directory keeps that one's permissions.
+TEST_F(Hostile, OutputPermissionsFollowTheUmask) {
+  const auto mode = [&](const std::string& name) {
+    struct stat st {};
+    EXPECT_EQ(::stat(path(name).c_str(), &st), 0) << name;
+    return st.st_mode & 07777;
+  };
+  RunResult r = moefq(kQdq + " --out b.safetensors --report r.json", "umask 027;");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_EQ(mode("b.safetensors"), 0640u);
+  EXPECT_EQ(mode("r.json"), 0640u);
+  r = moefq("eval " + kEval + " --out rep", "umask 027;");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_EQ(mode("rep"), 0750u);
+  EXPECT_EQ(mode("rep/report.json"), 0640u);
+  ::chmod(path("b.safetensors").c_str(), 0600);
+  ::chmod(path("rep").c_str(), 0700);
+  r = moefq(kQdq + " --out b.safetensors --report r2.json", "umask 002;");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_EQ(mode("b.safetensors"), 0600u) << "the replaced file's permissions";
+  EXPECT_EQ(mode("r2.json"), 0664u);
+  r = moefq("eval " + kEval + " --out rep", "umask 002;");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_EQ(mode("rep"), 0700u) << "the replaced directory's permissions";
+  EXPECT_EQ(mode("rep/report.csv"), 0664u);
+}
+
+// 14. bench --json follows the rules of every output, checked before the benchmark runs; an
+// existing regular file is replaced, as by every output.
+TEST_F(Hostile, BenchJsonIsCheckedBeforeTheRun) {
+  const std::string ecpu = "bench engine-cpu --ranks 2 --tokens 8 --reps 1";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"nodir/x.json", "does not exist"}, {"keep.txt/x.json", "keep.txt is not a directory"},
+      {"pipe", "FIFO"},                   {"emptydir", "is a directory"},
+      {"/dev/null", "character device"}};
+  for (const auto& [out, why] : cases) {
+    const RunResult r = expect_refused(ecpu + " --json " + out, {"--json " + out, why});
+    EXPECT_EQ(r.out.find("layer call"), std::string::npos) << "the benchmark ran first\n" << describe(r);
+  }
+  expect_refused(ecpu + " --json ''", {"--json: empty path"});
+  expect_refused("bench eval --preset tiny --layers 0 --ranks 2 --tokens 8 --calib-batches 1 --eval-batches 1 "
+                 "--device cpu --json ''",
+                 {"--json: empty path"});
+  for (const std::string gpu : {"qdq", "moe", "gemm", "combine"})
+    expect_refused("bench " + gpu + " --json ''", {"--json: empty path"});
+  std::ofstream(path("b.json")) << "earlier";
+  const RunResult r = moefq(ecpu + " --json b.json");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_EQ(json::parse(read_text(path("b.json"))).at("tool"), "moefq bench engine-cpu");
+}
+
+// 15. Benchmark sizes are checked as the options are parsed, in every build, before any device
+// is touched: exit 2 naming the option.
+TEST_F(Hostile, BenchSizesAreCheckedByOption) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"bench gemm --hidden 0", "--hidden"},       {"bench gemm --hidden=-128", "--hidden"},
+      {"bench gemm --hidden 100", "--hidden"},     {"bench gemm --inter 0", "--inter"},
+      {"bench gemm --tokens=-5", "--tokens"},      {"bench gemm --tokens 1 0", "--tokens"},
+      {"bench qdq --rows 0", "--rows"},            {"bench qdq --cols 100", "--cols"},
+      {"bench combine --hidden 0", "--hidden"},    {"bench combine --hidden 131072", "--hidden"},
+      {"bench moe --tokens 8 0", "--tokens"},      {"bench engine-cpu --tokens 0", "--tokens"}};
+  for (const auto& [args, option] : cases) {
+    const RunResult r = expect_refused(args, {option});
+    EXPECT_EQ(r.err.find("CUDA"), std::string::npos) << "the sizes before the device\n" << describe(r);
+  }
+}
+
+// 16. bench engine-cpu plans its memory like eval: a run that cannot fit is refused with the
+// figures before it allocates (the address-space limit makes an unplanned run fail fast).
+TEST_F(Hostile, BenchEngineCpuPlansItsMemory) {
+  const RunResult r = expect_refused("bench engine-cpu --preset deepseek-v3 --ranks 8 --tokens 1048576",
+                                     {"--tokens 1048576", "needs", "available", "memory plan"}, "ulimit -v 1048576;");
+  EXPECT_EQ(r.err.find("ran out of memory"), std::string::npos) << describe(r);
+  EXPECT_EQ(r.err.find("generating"), std::string::npos) << describe(r);
+}
+
 }  // namespace
 }  // namespace moefq

@@ -157,12 +157,71 @@ TEST_F(FileIo, OutputDirAcceptsNewOrEarlierReportsOnly) {
   fs::create_symlink(root_ / "earlier", root_ / "dlink");
   EXPECT_TRUE(has(error_of([&] { check_output_dir(p("dlink"), "--out", kNames); }), "is a symbolic link"));
   write("file", "x");
-  EXPECT_TRUE(has(error_of([&] { check_output_dir(p("file"), "--out", kNames); }), "not a directory"));
+  EXPECT_TRUE(has(error_of([&] { check_output_dir(p("file"), "--out", kNames); }),
+                  "--out " + p("file") + ": exists and is a regular file, not a directory"));
   EXPECT_TRUE(has(error_of([&] { check_output_dir(p("file/sub"), "--out", kNames); }), "is not a directory"));
   EXPECT_TRUE(has(error_of([&] { check_output_dir("", "--out", kNames); }), "--out: empty path"));
   EXPECT_TRUE(has(error_of([&] { check_output_dir(".", "--out", kNames); }), "by its name"));
   EXPECT_TRUE(has(error_of([&] { check_output_dir(p("earlier/.."), "--out", kNames); }), "by its name"));
   EXPECT_FALSE(fs::exists(root_ / "new")) << "the check creates nothing";
+}
+
+// The directory's files are removed when it is replaced: one that is an input of the run (under
+// any name) makes the directory unusable as an output.
+TEST_F(FileIo, OutputDirRefusesOneHoldingAnInput) {
+  fs::create_directory(root_ / "earlier");
+  write("earlier/b.txt", "config");
+  fs::create_hard_link(root_ / "earlier" / "b.txt", root_ / "config.json");
+  write("other.json", "x");
+  const std::vector<NamedPath> other = {{"--config", p("other.json")}, {"--recipe", "not_a_path"}};
+  check_output_dir(p("earlier"), "--out", kNames, other);
+  const std::vector<NamedPath> inputs = {{"--recipe", "not_a_path"}, {"--config", p("config.json")}};
+  EXPECT_EQ(error_of([&] { check_output_dir(p("earlier"), "--out", kNames, inputs); }),
+            "--out " + p("earlier") + ": its b.txt is --config " + p("config.json") +
+                "; the directory is replaced as a whole, so give another directory");
+}
+
+// Outputs get the permissions of any new file (0666, a directory 0777, less the umask); one that
+// replaces an earlier file or directory keeps that one's permission bits.
+TEST_F(FileIo, OutputPermissionsFollowTheUmaskOrTheReplacedFile) {
+  const auto mode = [&](const std::string& name) {
+    struct stat st {};
+    EXPECT_EQ(::stat(p(name).c_str(), &st), 0) << name;
+    return st.st_mode & 07777;
+  };
+  const mode_t saved = ::umask(027);
+  write_file_atomic(p("new.json"), "{}");
+  EXPECT_EQ(mode("new.json"), 0640u);
+  write("old.json", "x");
+  ::chmod(p("old.json").c_str(), 0604);
+  write_file_atomic(p("old.json"), "{}");
+  EXPECT_EQ(mode("old.json"), 0604u);
+  EXPECT_EQ(read_text(root_ / "old.json"), "{}");
+  for (const bool renameat2 : {true, false}) {
+    SCOPED_TRACE(renameat2 ? "renameat2" : "two renames");
+    if (!renameat2) ::setenv("MOEFQ_TEST_NO_RENAMEAT2", "1", 1);
+    const std::string d = renameat2 ? "d1" : "d2";
+    ::umask(027);
+    {
+      AtomicDirectory out(p(d), kNames);
+      out.write("a.txt", "1");
+      out.commit();
+    }
+    EXPECT_EQ(mode(d), 0750u);
+    EXPECT_EQ(mode(d + "/a.txt"), 0640u);
+    ::chmod(p(d).c_str(), 0705);
+    ::umask(002);
+    {
+      AtomicDirectory out(p(d), kNames);
+      out.write("a.txt", "2");
+      out.commit();
+    }
+    EXPECT_EQ(mode(d), 0705u) << "the replaced directory's permissions";
+    EXPECT_EQ(mode(d + "/a.txt"), 0664u);
+    EXPECT_EQ(read_text(root_ / d / "a.txt"), "2");
+    ::unsetenv("MOEFQ_TEST_NO_RENAMEAT2");
+  }
+  ::umask(saved);
 }
 
 TEST_F(FileIo, DirectoryIsPublishedWholeAndReplacesTheEarlierOne) {

@@ -82,6 +82,16 @@ class EvalLib : public ::testing::Test {
     o_.layers = {0, 5};
   }
   void TearDown() override { fs::remove_all(root_); }
+
+  // Layer 0 calibrated alone and saved to ROOT/cal.json (returned); its setup in `setup`.
+  std::string saved_calibration(EvalSetup& setup) {
+    o_.layers = {0};
+    const CalibrationState cal = run_calibration(o_, &setup);
+    const std::string file = (root_ / "cal.json").string();
+    save_eval_calibration(file, cal, setup);
+    return file;
+  }
+
   fs::path root_;
   EvalOptions o_;
 };
@@ -191,11 +201,8 @@ TEST_F(EvalLib, CalibrationIsSharedAndTheFileRoundTrips) {
 // A calibration file made for another setup is used, with a warning naming each difference; an
 // amax of 0, negative or not finite, or per-rank lists of the wrong length, are errors.
 TEST_F(EvalLib, CalibrationFilesMatchTheirUse) {
-  o_.layers = {0};
   EvalSetup setup;
-  const CalibrationState cal = run_calibration(o_, &setup);
-  const std::string file = (root_ / "cal.json").string();
-  save_eval_calibration(file, cal, setup);
+  const std::string file = saved_calibration(setup);
   EvalSetup changed = setup;
   changed.seed = 7;
   changed.tokens = 32;
@@ -234,11 +241,8 @@ TEST_F(EvalLib, CalibrationFilesMatchTheirUse) {
 // was measured with (the combine rows differ), each rank_amax list against its amax (their max),
 // the setup's integers as JSON integers, and the keys the check needs.
 TEST_F(EvalLib, CalibrationFilesFromAnotherModeOrEditedAreRefused) {
-  o_.layers = {0};
   EvalSetup setup;
-  const CalibrationState cal = run_calibration(o_, &setup);
-  const std::string file = (root_ / "cal.json").string();
-  save_eval_calibration(file, cal, setup);
+  const std::string file = saved_calibration(setup);
   EvalSetup after = setup;
   after.combine_weighting = CombineWeighting::kAfter;
   std::vector<std::string> warnings;

@@ -52,6 +52,17 @@ LayerWeights rank_weights(const RunnerSetup& s, int64_t layer, int64_t rank, con
                                  s.num_threads, on_progress);
 }
 
+std::vector<LayerWeights> all_rank_weights(const RunnerSetup& s, int64_t layer,
+                                           const std::function<void(int64_t, int64_t)>& on_weights) {
+  const int64_t R = s.ranks, per_rank = s.config.num_experts / R + (s.config.num_shared > 0 ? 1 : 0);
+  std::vector<LayerWeights> w;
+  for (int64_t r = 0; r < R; ++r) {
+    const auto told = [&](int64_t n) { on_weights(r * per_rank + n, R * per_rank); };
+    w.push_back(rank_weights(s, layer, r, on_weights ? ExpertProgress(told) : ExpertProgress()));
+  }
+  return w;
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -91,12 +102,7 @@ class HostRunner final : public LayerRunner {
     fq_.reset();  // the previous layer's weights go before the next one's arrive
     calib_.clear();
     eval_.clear();
-    std::vector<LayerWeights> w;
-    const int64_t per_rank = cfg.num_experts / R + (cfg.num_shared > 0 ? 1 : 0);
-    for (int64_t r = 0; r < R; ++r) {
-      const auto told = [&](int64_t n) { on_weights(r * per_rank + n, R * per_rank); };
-      w.push_back(rank_weights(s_, layer, r, on_weights ? ExpertProgress(told) : ExpertProgress()));
-    }
+    std::vector<LayerWeights> w = all_rank_weights(s_, layer, on_weights);
     const std::vector<float> gate = w[0].gate, bias = w[0].gate_bias;
     const int64_t first = need_calibration ? 0 : int64_t(s_.calib_batches) * s_.batch_tokens();
     acts_ = layer_activations(s_, layer, first, s_.num_tokens() - first);

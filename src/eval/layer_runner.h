@@ -147,5 +147,9 @@ std::vector<bf16> layer_activations(const RunnerSetup& setup, int64_t layer, int
 // The layer's weights for rank r (its E/R experts, the shared expert, the router): synthetic or
 // from the checkpoint.
 LayerWeights rank_weights(const RunnerSetup& setup, int64_t layer, int64_t rank, const ExpertProgress& on_progress = {});
+// Every rank's rank_weights; on_weights (may be empty) hears the experts made so far over all ranks
+// and their number (LayerRunner::on_weights).
+std::vector<LayerWeights> all_rank_weights(const RunnerSetup& setup, int64_t layer,
+                                           const std::function<void(int64_t, int64_t)>& on_weights = {});
 
 }  // namespace moefq

@@ -273,8 +273,13 @@ MemoryPlan check_memory(const Prepared& p, const std::string& command) {
     std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(1ull << 30));
     return std::string(buf);
   };
+  const bool host_fits = plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available;
+  const bool device_fits = p.device != EvalDevice::kCuda || plan.device_available <= 0 ||
+                           plan.device_bytes <= kUsableFraction * plan.device_available;
+  if (host_fits && device_fits) return plan;
   // --device cuda only where it would help: a GPU evaluation in this build (its memory query
-  // registered), e4m3 weights, and a run that fits that GPU.
+  // registered), e4m3 weights, and a run that fits that GPU. Asked only for a refused run (the
+  // query starts the GPU).
   bool gpu_fits = false;
   if (p.device == EvalDevice::kCpu && p.runner.weight_format == WeightFormat::kE4m3) {
     const MemoryPlan gpu = plan_run_memory(p.runner, EvalDevice::kCuda);
@@ -284,12 +289,9 @@ MemoryPlan check_memory(const Prepared& p, const std::string& command) {
   const std::string advice =
       gpu_fits ? "use --device cuda (the layer then lives on the GPU), fewer --tokens or batches, or a smaller model"
                : "use fewer --ranks, --tokens or batches, or a smaller model";
-  MOEFQ_CHECK(plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available,
-              command, ": needs ", gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
+  MOEFQ_CHECK(host_fits, command, ": needs ", gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
               " available: ", advice, "\n", plan.describe());
-  MOEFQ_CHECK(p.device != EvalDevice::kCuda || plan.device_available <= 0 ||
-                  plan.device_bytes <= kUsableFraction * plan.device_available,
-              command, ": needs ", gib(plan.device_bytes), " of GPU memory, ", gib(plan.device_available),
+  MOEFQ_CHECK(device_fits, command, ": needs ", gib(plan.device_bytes), " of GPU memory, ", gib(plan.device_available),
               " available: ", advice, "\n", plan.describe());
   return plan;
 }

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint_test_util.h"
+#include "eval/layer_runner.h"
 #include "moefq/eval.h"
 #include "moefq/qdq.h"
 #include "test_util.h"
@@ -359,6 +360,28 @@ TEST_F(EvalLib, ClippingWarnsAboveAThreshold) {
   for (const std::string& w : c.warnings)
     worded = worded || w.find("calibrate on more data, or on data more like the evaluation's") != std::string::npos;
   EXPECT_TRUE(worded) << c.warnings[0];
+}
+
+// A run the host cannot hold is refused naming the running command; --device cuda is advised only
+// where a GPU evaluation is registered (its memory query) and the run would fit that GPU.
+TEST_F(EvalLib, MemoryRefusalAdvisesTheGpuOnlyWhereItFits) {
+  o_.layers = {0};
+  o_.tokens = int64_t(1) << 20;
+  o_.calib_batches = 1000;  // 2 ranks x 2^20 tokens x 1000 batches x H 256 x 2 bytes: 1 TiB of activations
+  set_device_memory_query({});
+  std::string msg = error_of([&] { run_calibration(o_); });
+  EXPECT_NE(msg.find("moefq calibrate: needs "), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("--device cuda"), std::string::npos) << "no GPU evaluation here\n" << msg;
+  set_device_memory_query([] { return std::pair<double, double>(1e9, 1e9); });  // too small a GPU
+  msg = error_of([&] { run_calibration(o_); });
+  EXPECT_EQ(msg.find("--device cuda"), std::string::npos) << msg;
+  set_device_memory_query([] { return std::pair<double, double>(1e16, 1e16); });  // one that holds it
+  msg = error_of([&] { run_calibration(o_); });
+  EXPECT_NE(msg.find("use --device cuda"), std::string::npos) << msg;
+  o_.eval_batches = 1;
+  msg = error_of([&] { run_eval(o_); });
+  EXPECT_NE(msg.find("moefq eval: needs "), std::string::npos) << msg;
+  set_device_memory_query({});
 }
 
 // Recipes that share a dispatch configuration share one engine call per batch (the others reuse

@@ -38,6 +38,9 @@ struct CalibrationFile {
   std::vector<std::pair<std::string, std::string>> setup;  // in order; integers are written as numbers
   std::map<std::string, CalibrationEntry> quantizers;
   const std::string* setup_value(const std::string& key) const;
+  // Whether setup[key] was a JSON integer in the file read (a string such as "4" is not).
+  bool setup_is_integer(const std::string& key) const;
+  std::vector<std::string> setup_integers;  // the keys read as JSON integers
 };
 
 // Writes through a temporary name and a rename: `path` is either untouched or complete.
@@ -49,7 +52,8 @@ inline constexpr size_t kMaxCalibrationFileBytes = size_t(64) << 20;
 // Reads and validates the whole file (errors name the file and the entry): not a regular file
 // (refused without opening it for a blocking read), over kMaxCalibrationFileBytes, malformed JSON, wrong
 // types, unknown keys, an unknown format, an amax that is negative or not finite, amax and
-// amax_bits that disagree, an amax on a format without a global amax.
+// amax_bits that disagree, an amax on a format without a global amax, a rank_amax list whose
+// largest entry is not the amax (the amax is the MAX reduction of the ranks' maxima).
 // `where` starts every message (default: the path), e.g. "--load-calibration calib.json".
 CalibrationFile read_calibration_file(const std::string& path, const std::string& where = "");
 

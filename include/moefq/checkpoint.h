@@ -41,13 +41,21 @@ std::vector<std::string> checkpoint_files(const std::string& dir);
 // load_checkpoint_layer's.
 WeightFormat checkpoint_weight_format(const std::string& dir, int64_t layer, const MoeConfig& cfg);
 
+// Checks every tensor load_checkpoint_layer reads for each of `layers` (all E routed experts, the
+// shared expert, the router and, with cfg.noaux_tc, its bias): present, with its dtype and shape,
+// and one expert-weight format over all of them; from the index and the shards' headers only (no
+// tensor data is read). Returns that format. Errors as load_checkpoint_layer's, prefixed with
+// "layer L: " for the first layer that fails.
+WeightFormat check_checkpoint_layers(const std::string& dir, const std::vector<int64_t>& layers, const MoeConfig& cfg);
+
 // Loads experts [first_expert, first_expert + num_local) of layer `layer`, opening each shard
 // once. The format is the checkpoint's: kE4m3 when the expert weights are F8_E4M3 (scale_inv
 // required), kBf16 when they are BF16; the router weight may be BF16 or F32; the correction bias is
 // required (and loaded) only with cfg.noaux_tc. Missing tensors or shard files, wrong shapes or
 // dtypes, a malformed index and an expert range outside [0, E) are moefq::Error (bad input)
 // naming the tensor and the file.
+// on_progress (may be empty) hears the experts read so far.
 LayerWeights load_checkpoint_layer(const std::string& dir, int64_t layer, const MoeConfig& cfg,
-                                   int64_t first_expert, int64_t num_local);
+                                   int64_t first_expert, int64_t num_local, const ExpertProgress& on_progress = {});
 
 }  // namespace moefq

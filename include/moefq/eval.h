@@ -67,8 +67,13 @@ struct EvalOptions {
   std::string load_calibration;   // eval: reuse this calibration file instead of calibrating
   // Rows whose rel_l2 exceeds this are over budget; the result names the cheapest recipe within it.
   std::optional<double> max_rel_l2;
-  // Progress lines (no newline), e.g. "[3/13] layer 0 dispatch_fp8 (eta 12 s)"; may be empty.
+  // Progress lines (no newline), e.g. "[3/13] layer 0 dispatch_fp8 (2.1 s, eta 12 s)", and within a
+  // layer's load on the host the experts' weights made ("      64/257 experts' weights (31.0 s,
+  // eta 95 s)"), at most one such line per progress_every_seconds; may be empty. The estimate
+  // measures each kind of step (loads, calibrations, recipe batches) on its own and is shown once
+  // every kind still ahead has been measured.
   std::function<void(const std::string&)> progress;
+  double progress_every_seconds = 5.0;
 };
 
 // A recipe with the name the reports use.

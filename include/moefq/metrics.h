@@ -1,6 +1,7 @@
 // Error metrics of docs/numerics.md for an output y against a reference r, in float64.
 // Positions where the reference is not finite are left out (and counted); a non-finite y where
-// the reference is finite makes the metrics non-finite (NaN), so it cannot go unnoticed.
+// the reference is finite makes the metrics non-finite (NaN), so it cannot go unnoticed; so does
+// having nothing to compare (count 0: every reference position non-finite, or no positions).
 // The metrics are finalised from sums (MetricSums) that any device can accumulate over any part
 // of the data and that add up: the eval reduces them per token on the CPU or the GPU.
 #pragma once
@@ -35,7 +36,8 @@ struct MetricSums {
   void merge(const MetricSums& o);
 };
 
-// rel_l2, cosine, calc_diff, SNR and max_abs from the sums; NaN when an output was not finite.
+// rel_l2, cosine, calc_diff, SNR and max_abs from the sums; NaN when an output was not finite or
+// when no position was compared (count 0), never the figures of a perfect match.
 ErrorMetrics finalize_metrics(const MetricSums& s);
 
 ErrorMetrics compute_metrics(const bf16* y, const bf16* r, int64_t n);

@@ -65,9 +65,10 @@ inline constexpr int64_t kEarlySyntheticLayers = 3;
 // Experts [first_expert, first_expert + num_local) of the layer (and the shared expert when the
 // config has one), the router weight and bias: e4m3 with 128 x 128 block scales = block max / 448,
 // or (kBf16) the bf16 rounding of the same dequantized weights. Throws for a range outside [0, E).
-// num_threads: 0 = all.
+// num_threads: 0 = all. on_progress (may be empty) hears the experts made so far.
 LayerWeights synthetic_layer_weights(const SyntheticLayer& layer, const MoeConfig& cfg, WeightFormat format,
-                                     int64_t first_expert, int64_t num_local, int num_threads = 0);
+                                     int64_t first_expert, int64_t num_local, int num_threads = 0,
+                                     const ExpertProgress& on_progress = {});
 
 // The router weight ([E, H] fp32 holding bf16 values) and, with noaux_tc, its correction bias ([E],
 // else empty) of the layer, as synthetic_layer_weights gives them.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,10 @@ struct ExpertWeights {
   std::vector<float> gate_up_f32() const;
   std::vector<float> down_f32() const;
 };
+
+// Progress of making a rank's layer weights: called on the calling thread with the number of
+// experts (routed, then the shared one) done so far, after each group of them.
+using ExpertProgress = std::function<void(int64_t num_done)>;
 
 struct LayerWeights {
   int64_t first_expert = 0;             // global id of experts[0]

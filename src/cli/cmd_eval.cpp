@@ -250,14 +250,14 @@ std::function<int()> add_eval_command(CLI::App& app) {
                   "mxfp4 for dispatch, combine and both)");
   sub->add_option("--recipe-root", o->eval.recipe_root,
                   "the directory holding configs/ that recipe imports (configs/numerics/nvfp4, ...) are looked up "
-                  "in first (then the recipe file's own tree, then the shipped recipes)");
+                  "in first (then the recipe file's own tree, then the shipped recipes)")->check(CLI::ExistingDirectory);
   sub->add_option("--load-calibration", o->eval.load_calibration,
                   "reuse the amax saved by 'moefq calibrate --save' instead of calibrating");
   sub->add_option("--out", o->out, "write report.json, report.csv and report.html into this directory");
   sub->add_option("--max-rel-l2", o->max_rel_l2,
                   "an accuracy budget: rows whose rel_l2 exceeds it are marked, and the answer names the recipe with "
                   "the fewest wire bytes within it on every layer")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   sub->footer(
       "Examples:\n"
       "  moefq eval                                    # the built-in default (tiny preset, 13 recipes)\n"

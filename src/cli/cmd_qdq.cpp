@@ -2,14 +2,17 @@
 // the error metrics of each.
 #include <CLI/CLI.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include "cli/commands.h"
 #include "cli/table.h"
@@ -43,35 +46,13 @@ struct Result {
   ErrorMetrics m;
 };
 
-// A decimal number only ("2688", "0.5", "1e3"): strtof alone would also take "0x10", "inf" and
-// leading spaces.
+// A decimal number only ("2688", "0.5", "1e3"; the command line's one parser, commands.h), finite,
+// > 0 and within the fp32 range.
 float parse_amax(const std::string& text) {
-  const auto decimal = [](const std::string& t) {
-    size_t i = 0, digits = 0;
-    const auto run = [&] {
-      size_t n = 0;
-      while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) ++i, ++n;
-      return n;
-    };
-    if (i < t.size() && t[i] == '+') ++i;
-    digits += run();
-    if (i < t.size() && t[i] == '.') {
-      ++i;
-      digits += run();
-    }
-    if (digits == 0) return false;
-    if (i < t.size() && (t[i] == 'e' || t[i] == 'E')) {
-      ++i;
-      if (i < t.size() && (t[i] == '+' || t[i] == '-')) ++i;
-      if (run() == 0) return false;
-    }
-    return i == t.size();
-  };
-  errno = 0;
-  const float v = decimal(text) ? std::strtof(text.c_str(), nullptr) : 0.0f;
-  MOEFQ_CHECK(decimal(text) && errno == 0 && std::isfinite(v) && v > 0,
+  const double v = decimal_error(text).empty() ? decimal_value(text) : 0.0;
+  MOEFQ_CHECK(v > 0 && v <= double(std::numeric_limits<float>::max()) && float(v) > 0,
               "--amax: expected a finite decimal number > 0 (such as 2688 or 1.5e3), got '", text, "'");
-  return v;
+  return float(v);
 }
 
 // Refuses a run whose estimated peak memory is more than the host can give, before allocating.
@@ -130,10 +111,12 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 void print_results(const std::vector<Result>& results) {
   Table t({"tensor", "dtype", "shape", "format", "amax", "rel_l2", "cosine", "calc_diff", "max_abs",
            "snr_db", "skipped"});
-  for (const Result& r : results)
+  for (const Result& r : results) {
+    const auto m = [&](const std::string& cell) { return r.m.count > 0 ? cell : std::string("-"); };  // "-": nothing compared
     t.add({r.tensor, r.dtype, shape_str(r.shape), r.format, r.amax_used ? fmt_num(r.amax, 6) : "-",
-           fmt_num(r.m.rel_l2), fmt_fixed(r.m.cosine, 6), fmt_num(r.m.calc_diff), fmt_num(r.m.max_abs),
-           fmt_fixed(r.m.snr_db, 2), std::to_string(r.m.skipped_nonfinite)});
+           m(fmt_num(r.m.rel_l2)), m(fmt_fixed(r.m.cosine, 6)), m(fmt_num(r.m.calc_diff)), m(fmt_num(r.m.max_abs)),
+           m(fmt_fixed(r.m.snr_db, 2)), std::to_string(r.m.skipped_nonfinite)});
+  }
   t.print();
 }
 
@@ -231,6 +214,8 @@ int run_qdq(const QdqOptions& o, const CLI::App* sub) {
       writer.add(std::string("sample.") + format_name(f), StDtype::kBF16, shape, as_bytes(y));
     }
   } else {
+    MOEFQ_CHECK(sub->get_option("--sample-rows")->count() + sub->get_option("--sample-cols")->count() == 0,
+                "--sample-rows and --sample-cols size the built-in sample; with --in they cannot be used");
     MOEFQ_CHECK(!o.out.empty(), "--out is required with --in (the fake-quantized copy is written there)");
     MOEFQ_CHECK(formats.size() == 1, "--format is required with --in (one of ", format_choices(), ")");
     const SafetensorsFile file = SafetensorsFile::open(o.in, "--in " + o.in);
@@ -248,8 +233,11 @@ int run_qdq(const QdqOptions& o, const CLI::App* sub) {
     for (const auto& [k, v] : file.header().metadata) writer.set_metadata(k, v);
     writer.set_metadata("moefq.qdq", std::string(format_name(formats[0])) + (amax ? " amax " + o.amax : " dynamic amax"));
     const auto& tensors = file.header().tensors;
+    const auto start = std::chrono::steady_clock::now();
+    uint64_t bytes_done = 0;  // of `data`, for the progress lines' estimate
     for (size_t i = 0; i < tensors.size(); ++i) {
       const TensorInfo& t = tensors[i];
+      const uint64_t before = std::exchange(bytes_done, bytes_done + (t.end - t.begin));
       const bool selected = wanted.empty() || wanted.count(t.name);
       const bool floating = t.dtype == StDtype::kBF16 || t.dtype == StDtype::kF32;
       if (!selected || !floating) {
@@ -259,8 +247,8 @@ int run_qdq(const QdqOptions& o, const CLI::App* sub) {
         writer.add(t.name, t.dtype, t.shape, file.read(t));
         continue;
       }
-      std::fprintf(stderr, "[%zu/%zu] %s %s %s\n", i + 1, tensors.size(), t.name.c_str(),
-                   st_dtype_name(t.dtype), shape_str(t.shape).c_str());
+      std::fprintf(stderr, "[%zu/%zu] %s %s %s%s\n", i + 1, tensors.size(), t.name.c_str(), st_dtype_name(t.dtype),
+                   shape_str(t.shape).c_str(), elapsed_and_eta(start, double(before), double(data)).c_str());
       if (t.dtype == StDtype::kBF16) {
         const auto x = read_elements<bf16>(file, t);
         std::vector<bf16> y;

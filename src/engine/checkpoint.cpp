@@ -192,35 +192,71 @@ WeightFormat format_of(const Checkpoint::Found& t, const std::string& name) {
   return t.info->dtype == StDtype::kF8E4M3 ? WeightFormat::kE4m3 : WeightFormat::kBf16;
 }
 
-// One expert (routed or shared) under `prefix` ("model.layers.3.mlp.experts.7."): gate and up
-// concatenated into gate_up, their scales likewise (I is a multiple of 128, so the up rows start
-// a new row of blocks).
-ExpertWeights load_expert(Checkpoint& ckpt, const LayerTensorNames& names, const std::string& prefix, int64_t hidden,
+// One expert's tensors (routed or shared, under `prefix`, e.g. "model.layers.3.mlp.experts.7."),
+// found and checked for dtype and shape from the headers: gate, up and down weights and, for
+// e4m3, their block scales.
+struct ExpertTensors {
+  std::vector<Checkpoint::Found> weights, scales;  // [gate, up, down]; scales empty for bf16
+};
+
+ExpertTensors find_expert(Checkpoint& ckpt, const LayerTensorNames& names, const std::string& prefix, int64_t hidden,
                           int64_t inter, std::optional<WeightFormat>& format) {
-  ExpertWeights w;
-  w.hidden = hidden;
-  w.intermediate = inter;
+  ExpertTensors t;
   for (const std::string* proj : {&names.gate_proj, &names.up_proj, &names.down_proj}) {
     const bool down = proj == &names.down_proj;
     const int64_t rows = down ? hidden : inter, cols = down ? inter : hidden;
     const std::string name = prefix + *proj + ".weight";
-    const auto t = ckpt.require(name, "expert weight");
+    const auto w = ckpt.require(name, "expert weight");
     // The first expert weight decides the format; every other one must agree.
-    if (!format.has_value()) format = format_of(t, name);
-    w.format = *format;
+    if (!format.has_value()) format = format_of(w, name);
     if (*format == WeightFormat::kE4m3) {
-      check_tensor(t, name, {StDtype::kF8E4M3}, {rows, cols});
+      check_tensor(w, name, {StDtype::kF8E4M3}, {rows, cols});
       const std::string sname = prefix + *proj + ".weight_scale_inv";
       const auto s = ckpt.require(sname, "block scales of an e4m3 expert weight");
       check_tensor(s, sname, {StDtype::kF32}, {ceil_div(rows, kBlock), ceil_div(cols, kBlock)});
-      append_tensor(down ? w.down_e4m3 : w.gate_up_e4m3, t);
-      append_tensor(down ? w.down_scale : w.gate_up_scale, s);
+      t.scales.push_back(s);
     } else {
-      check_tensor(t, name, {StDtype::kBF16}, {rows, cols});
-      append_tensor(down ? w.down_bf16 : w.gate_up_bf16, t);
+      check_tensor(w, name, {StDtype::kBF16}, {rows, cols});
+    }
+    t.weights.push_back(w);
+  }
+  return t;
+}
+
+// The expert's weights read: gate and up concatenated into gate_up, their scales likewise (I is a
+// multiple of 128, so the up rows start a new row of blocks).
+ExpertWeights load_expert(Checkpoint& ckpt, const LayerTensorNames& names, const std::string& prefix, int64_t hidden,
+                          int64_t inter, std::optional<WeightFormat>& format) {
+  const ExpertTensors t = find_expert(ckpt, names, prefix, hidden, inter, format);
+  ExpertWeights w;
+  w.hidden = hidden;
+  w.intermediate = inter;
+  w.format = *format;
+  for (size_t i = 0; i < 3; ++i) {
+    const bool down = i == 2;
+    if (w.format == WeightFormat::kE4m3) {
+      append_tensor(down ? w.down_e4m3 : w.gate_up_e4m3, t.weights[i]);
+      append_tensor(down ? w.down_scale : w.gate_up_scale, t.scales[i]);
+    } else {
+      append_tensor(down ? w.down_bf16 : w.gate_up_bf16, t.weights[i]);
     }
   }
   return w;
+}
+
+// The router weight and, under noaux_tc, its correction bias, checked (no bias without noaux_tc:
+// the router ignores it there).
+std::pair<Checkpoint::Found, std::optional<Checkpoint::Found>> find_router(Checkpoint& ckpt,
+                                                                          const LayerTensorNames& names,
+                                                                          const MoeConfig& cfg) {
+  const auto g = ckpt.require(names.router, "router weight");
+  check_tensor(g, names.router, {StDtype::kBF16, StDtype::kF32}, {cfg.num_experts, cfg.hidden});
+  if (!cfg.noaux_tc) return {g, std::nullopt};
+  const auto b = ckpt.find(names.bias);
+  MOEFQ_CHECK(b.has_value(), "missing tensor ", names.bias, " in checkpoint ", ckpt.where(),
+              ": the config uses noaux_tc routing, which needs the correction bias");
+  check_tensor(*b, names.bias, {StDtype::kF32}, {cfg.num_experts});
+  return {g, b};
 }
 
 }  // namespace
@@ -264,8 +300,29 @@ WeightFormat checkpoint_weight_format(const std::string& dir, int64_t layer, con
   return format_of(ckpt.require(name, "expert weight"), name);
 }
 
+WeightFormat check_checkpoint_layers(const std::string& dir, const std::vector<int64_t>& layers, const MoeConfig& cfg) {
+  check_shapes_and_range(cfg, 0, cfg.num_experts, dir);
+  MOEFQ_CHECK(!layers.empty(), dir, ": no layers to check");
+  Checkpoint ckpt(dir);
+  std::optional<WeightFormat> format;
+  for (const int64_t layer : layers) {
+    MOEFQ_CHECK(layer >= 0, dir, ": layer ", layer, " must be >= 0");
+    try {
+      const LayerTensorNames names = layer_tensor_names(cfg, layer);
+      for (int64_t e = 0; e < cfg.num_experts; ++e)
+        (void)find_expert(ckpt, names, names.experts + std::to_string(e) + ".", cfg.hidden, cfg.intermediate, format);
+      if (cfg.num_shared > 0)
+        (void)find_expert(ckpt, names, names.shared, cfg.hidden, cfg.intermediate * cfg.num_shared, format);
+      (void)find_router(ckpt, names, cfg);
+    } catch (const Error& e) {
+      throw Error(e.kind(), "layer " + std::to_string(layer) + ": " + e.what());
+    }
+  }
+  return *format;
+}
+
 LayerWeights load_checkpoint_layer(const std::string& dir, int64_t layer, const MoeConfig& cfg,
-                                   int64_t first_expert, int64_t num_local) {
+                                   int64_t first_expert, int64_t num_local, const ExpertProgress& on_progress) {
   check_shapes_and_range(cfg, first_expert, num_local, dir);
   MOEFQ_CHECK(layer >= 0, dir, ": layer ", layer, " must be >= 0");
   Checkpoint ckpt(dir);
@@ -275,14 +332,17 @@ LayerWeights load_checkpoint_layer(const std::string& dir, int64_t layer, const 
   lw.first_expert = first_expert;
   std::optional<WeightFormat> format;
   lw.experts.reserve(size_t(num_local));
-  for (int64_t e = first_expert; e < first_expert + num_local; ++e)
+  for (int64_t e = first_expert; e < first_expert + num_local; ++e) {
     lw.experts.push_back(load_expert(ckpt, names, names.experts + std::to_string(e) + ".", cfg.hidden,
                                      cfg.intermediate, format));
-  if (cfg.num_shared > 0)
+    if (on_progress) on_progress(e - first_expert + 1);
+  }
+  if (cfg.num_shared > 0) {
     lw.shared.push_back(load_expert(ckpt, names, names.shared, cfg.hidden, cfg.intermediate * cfg.num_shared, format));
+    if (on_progress) on_progress(num_local + 1);
+  }
 
-  const auto g = ckpt.require(names.router, "router weight");
-  check_tensor(g, names.router, {StDtype::kBF16, StDtype::kF32}, {cfg.num_experts, cfg.hidden});
+  const auto [g, b] = find_router(ckpt, names, cfg);
   if (g.info->dtype == StDtype::kF32) {
     append_tensor(lw.gate, g);
   } else {
@@ -291,15 +351,7 @@ LayerWeights load_checkpoint_layer(const std::string& dir, int64_t layer, const 
     lw.gate.resize(raw.size());
     for (size_t i = 0; i < raw.size(); ++i) lw.gate[i] = to_f32(raw[i]);
   }
-
-  // The correction bias only steers selection under noaux_tc; without it the router ignores it.
-  if (cfg.noaux_tc) {
-    const auto b = ckpt.find(names.bias);
-    MOEFQ_CHECK(b.has_value(), "missing tensor ", names.bias, " in checkpoint ", ckpt.where(),
-                ": the config uses noaux_tc routing, which needs the correction bias");
-    check_tensor(*b, names.bias, {StDtype::kF32}, {cfg.num_experts});
-    append_tensor(lw.gate_bias, *b);
-  }
+  if (b) append_tensor(lw.gate_bias, *b);
   return lw;
 }
 

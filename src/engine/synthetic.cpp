@@ -249,7 +249,8 @@ void synthetic_router(const SyntheticLayer& L, const MoeConfig& cfg, std::vector
 }
 
 LayerWeights synthetic_layer_weights(const SyntheticLayer& L, const MoeConfig& cfg, WeightFormat format,
-                                     int64_t first_expert, int64_t num_local, int num_threads) {
+                                     int64_t first_expert, int64_t num_local, int num_threads,
+                                     const ExpertProgress& on_progress) {
   const int64_t H = cfg.hidden, I = cfg.intermediate, E = cfg.num_experts;
   MOEFQ_CHECK(H > 0 && H % kBlock == 0 && I > 0 && I % kBlock == 0, "synthetic weights: hidden size ", H,
               " and intermediate size ", I, " must be positive multiples of 128");
@@ -264,10 +265,19 @@ LayerWeights synthetic_layer_weights(const SyntheticLayer& L, const MoeConfig& c
   lw.first_expert = first_expert;
   const bool shared = cfg.num_shared > 0;
   std::vector<ExpertWeights> all(size_t(num_local + (shared ? 1 : 0)));
-  parallel_for(int64_t(all.size()), resolve_threads(num_threads), [&](int64_t i) {
-    all[size_t(i)] = i < num_local ? generate_expert(L, first_expert + i, false, H, I, format)
-                                   : generate_expert(L, 0, true, H, I * cfg.num_shared, format);
-  });
+  // In groups of a few experts per thread, so that progress can be told between them; the experts
+  // cost the same, so a group that is a multiple of the threads keeps every thread busy.
+  const int threads = resolve_threads(num_threads);
+  const int64_t n = int64_t(all.size()), group = on_progress ? int64_t(threads) * 4 : n;
+  for (int64_t g = 0; g < n; g += group) {
+    const int64_t m = std::min(group, n - g);
+    parallel_for(m, threads, [&](int64_t j) {
+      const int64_t i = g + j;
+      all[size_t(i)] = i < num_local ? generate_expert(L, first_expert + i, false, H, I, format)
+                                     : generate_expert(L, 0, true, H, I * cfg.num_shared, format);
+    });
+    if (on_progress) on_progress(g + m);
+  }
   if (shared) {
     lw.shared.push_back(std::move(all.back()));
     all.pop_back();

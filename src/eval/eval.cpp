@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -40,6 +41,7 @@ struct Prepared {
   std::vector<std::map<std::string, QuantizerConfig>> recipe_configs;  // [recipe], over all layers
   std::optional<SafetensorsFile> acts;
   std::function<void(const std::string&)> progress;
+  double progress_every_seconds = 5.0;
   void say(const std::string& line) const {
     if (progress) progress(line);
   }
@@ -48,6 +50,35 @@ struct Prepared {
 std::string plural(int64_t n, const std::string& what) {
   if (n == 1) return "1 " + what;
   return std::to_string(n) + " " + what + (what.back() == 'h' ? "es" : "s");
+}
+
+// The rows of each activations tensor the run uses, as the layer gets them (bf16): a NaN or inf
+// there would only surface as a calibration error far from its cause, so it is named here: the
+// file, the tensor, the first row and column holding one, and how many there are.
+void check_activations_finite(const RunnerSetup& r, const std::string& path) {
+  const int64_t H = r.config.hidden, need = r.num_tokens(), chunk = std::max<int64_t>(1, (int64_t(1) << 22) / H);
+  std::set<std::string> checked;
+  for (const auto& [layer, name] : r.act_tensor) {
+    if (!checked.insert(name).second) continue;
+    int64_t bad = 0, first_row = -1, first_col = -1;
+    float first_value = 0;
+    for (int64_t row = 0; row < need; row += chunk) {
+      const int64_t n = std::min(chunk, need - row);
+      const std::vector<bf16> x = layer_activations(r, layer, row, n);
+      for (size_t i = 0; i < x.size(); ++i) {
+        const float v = to_f32(x[i]);
+        if (std::isfinite(v)) continue;
+        if (bad++ == 0) {
+          first_row = row + int64_t(i) / H;
+          first_col = int64_t(i) % H;
+          first_value = v;
+        }
+      }
+    }
+    MOEFQ_CHECK(bad == 0, "--activations ", path, ": tensor '", name, "' holds ", plural(bad, "NaN or inf value"),
+                " in the ", need, " rows the run uses, the first at row ", first_row, ", column ", first_col, " (",
+                first_value, "); the hidden states must be finite (an F32 value beyond the bf16 range is inf as bf16)");
+  }
 }
 
 void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
@@ -102,6 +133,7 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   s.max_rel_l2 = o.max_rel_l2;
   p.device = o.device;
   p.progress = o.progress;
+  p.progress_every_seconds = o.progress_every_seconds;
   if (o.device == EvalDevice::kCpu) {
     const auto kinds = expert_backend_kinds();
     if (std::find(kinds.begin(), kinds.end(), o.backend_kind) == kinds.end()) {
@@ -121,8 +153,15 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   }
   for (int64_t l : s.layers) MOEFQ_CHECK(l >= 0, "--layers: layer ", l, " must be >= 0");
   if (!p.runner.checkpoint_dir.empty()) {
-    // The format decides the memory plan, and whether the GPU evaluation can take the weights at all.
-    const WeightFormat f = checkpoint_weight_format(p.runner.checkpoint_dir, s.layers.front(), s.config);
+    // Every layer's tensors from the headers, before any work (a missing one would otherwise stop
+    // the run at its layer). The format decides the memory plan, and whether the GPU evaluation can
+    // take the weights at all.
+    WeightFormat f = WeightFormat::kE4m3;
+    try {
+      f = check_checkpoint_layers(p.runner.checkpoint_dir, s.layers, s.config);
+    } catch (const Error& e) {
+      throw Error(e.kind(), "--checkpoint " + p.runner.checkpoint_dir + ": " + e.what());
+    }
     MOEFQ_CHECK(o.device != EvalDevice::kCuda || f == WeightFormat::kE4m3, "--checkpoint ", p.runner.checkpoint_dir,
                 ": the expert weights are bf16; the GPU evaluation holds e4m3 weights with 128x128 block scales (the "
                 "DeepSeek-V3 checkpoint format), so a bf16 checkpoint runs with --device cpu");
@@ -169,12 +208,15 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
       p.runner.act_tensor[l] = name;
     }
     p.runner.acts = &*p.acts;
+    check_activations_finite(p.runner, o.activations_path);
     s.activations_source = o.activations_path;
   } else {
     s.activations_source = model ? "synthetic, model-shaped: RMSNorm gains, outlier channels, sink tokens " + seed
                                  : "synthetic, N(0, 1) " + seed;
   }
 
+  MOEFQ_CHECK(o.recipe_root.empty() || fs::is_directory(o.recipe_root), "--recipe-root ", o.recipe_root,
+              ": not a directory (it holds the configs/ tree recipe imports are looked up in)");
   // Recipes, resolved against the quantizers of every evaluated layer (so a recipe may name one
   // layer's quantizer).
   if (with_recipes) {
@@ -183,7 +225,8 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
     } else {
       std::set<std::string> names;
       for (const std::string& r : o.recipes) {
-        NamedRecipe nr{"", load_recipe(r, o.recipe_root)};
+        // "none" is the default sweep's unquantized baseline (a file of that name: ./none).
+        NamedRecipe nr = r == "none" ? default_sweep().front() : NamedRecipe{"", load_recipe(r, o.recipe_root)};
         nr.name = nr.recipe.name;
         if (!nr.recipe.ignored.empty()) p.say(ignored_entries_notice(nr.recipe));
         MOEFQ_CHECK(names.insert(nr.name).second, "--recipe: two recipes are named '", nr.name,
@@ -221,24 +264,34 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   p.runner.combine_weighting = s.combine_weighting;
 }
 
-// The memory plan, refused with the figures when the run does not fit.
-MemoryPlan check_memory(const Prepared& p) {
+// The memory plan, refused with the figures when the run does not fit; `command` ("moefq eval")
+// starts the message.
+MemoryPlan check_memory(const Prepared& p, const std::string& command) {
   MemoryPlan plan = plan_run_memory(p.runner, p.device);
   const auto gib = [](double b) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(1ull << 30));
     return std::string(buf);
   };
+  const bool host_fits = plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available;
+  const bool device_fits = p.device != EvalDevice::kCuda || plan.device_available <= 0 ||
+                           plan.device_bytes <= kUsableFraction * plan.device_available;
+  if (host_fits && device_fits) return plan;
+  // --device cuda only where it would help: a GPU evaluation in this build (its memory query
+  // registered), e4m3 weights, and a run that fits that GPU. Asked only for a refused run (the
+  // query starts the GPU).
+  bool gpu_fits = false;
+  if (p.device == EvalDevice::kCpu && p.runner.weight_format == WeightFormat::kE4m3) {
+    const MemoryPlan gpu = plan_run_memory(p.runner, EvalDevice::kCuda);
+    gpu_fits = gpu.device_available > 0 && gpu.device_bytes <= kUsableFraction * gpu.device_available &&
+               gpu.host_bytes <= kUsableFraction * plan.host_available;
+  }
   const std::string advice =
-      p.device == EvalDevice::kCpu && p.runner.weight_format == WeightFormat::kE4m3
-          ? "use --device cuda (the layer then lives on the GPU), fewer --tokens or batches, or a smaller model"
-          : "use fewer --ranks, --tokens or batches, or a smaller model";
-  MOEFQ_CHECK(plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available,
-              "moefq eval: needs ", gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
+      gpu_fits ? "use --device cuda (the layer then lives on the GPU), fewer --tokens or batches, or a smaller model"
+               : "use fewer --ranks, --tokens or batches, or a smaller model";
+  MOEFQ_CHECK(host_fits, command, ": needs ", gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
               " available: ", advice, "\n", plan.describe());
-  MOEFQ_CHECK(p.device != EvalDevice::kCuda || plan.device_available <= 0 ||
-                  plan.device_bytes <= kUsableFraction * plan.device_available,
-              "moefq eval: needs ", gib(plan.device_bytes), " of GPU memory, ", gib(plan.device_available),
+  MOEFQ_CHECK(device_fits, command, ": needs ", gib(plan.device_bytes), " of GPU memory, ", gib(plan.device_available),
               " available: ", advice, "\n", plan.describe());
   return plan;
 }
@@ -298,31 +351,99 @@ std::optional<float> global_amax(const QuantizerConfig& c, float calibrated) {
   return std::nullopt;
 }
 
+// The clipped fraction above which a warning is given: held-out data exceeds a max calibration's
+// amax now and then (a few elements of millions, which the clip_* columns show); one element in
+// ten thousand saturating is a calibration that does not represent the data.
+constexpr double kClipWarnFraction = 1e-4;
+
 std::string pct(double f) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.3g%%", 100.0 * f);
   return buf;
 }
 
-// Progress lines with the elapsed time and an estimate of what is left.
+// Progress lines with the elapsed time and an estimate of what is left. The steps are of three
+// kinds whose durations differ by orders of magnitude (a layer's weights for a large model take
+// minutes, a batch of a recipe a fraction of a second), so each kind has its own measured time per
+// step and the estimate is given once every kind still ahead has been measured. Within a layer's
+// load the weights' progress (experts made) is told at most every progress_every_seconds, with
+// the load's own estimate from its rate so far while the other kinds are not measured yet.
 class Progress {
  public:
-  Progress(const Prepared& p, int64_t total) : p_(p), total_(total), t0_(Clock::now()) {}
-  void step(const std::string& what) {
-    const double el = seconds_since(t0_);
-    std::string line = "[" + std::to_string(++done_) + "/" + std::to_string(total_) + "] " + what;
-    char buf[64];
-    if (done_ > 1 && el > 0) {
-      std::snprintf(buf, sizeof buf, " (%.1f s, eta %.0f s)", el, el / double(done_ - 1) * double(total_ - done_ + 1));
-      line += buf;
-    }
-    p_.say(line);
+  enum Kind { kLoad, kCalibrate, kEval, kNumKinds };
+
+  Progress(const Prepared& p, int64_t loads, int64_t calibrations, int64_t evals)
+      : p_(p), total_{loads, calibrations, evals}, t0_(Clock::now()) {}
+
+  void step(Kind kind, const std::string& what) {
+    finish();
+    current_ = kind;
+    step_t0_ = last_told_ = Clock::now();
+    ++steps_;
+    p_.say("[" + std::to_string(steps_) + "/" + std::to_string(total_[0] + total_[1] + total_[2]) + "] " + what +
+           times(estimate(0)));
+  }
+
+  // Within the current step: `done` of `total` units (e.g. experts) made.
+  void within(int64_t done, int64_t total, const std::string& units) {
+    if (done <= 0 || done >= total || seconds_since(last_told_) < p_.progress_every_seconds) return;
+    last_told_ = Clock::now();
+    const double in_step = seconds_since(step_t0_);
+    const double step_left = in_step * double(total - done) / double(done);
+    const std::optional<double> left = estimate(step_left);
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f s", seconds_since(t0_));
+    p_.say("      " + std::to_string(done) + "/" + std::to_string(total) + " " + units + " (" + buf + ", " +
+           (left ? "eta " + fmt_seconds(*left) : "this step's eta " + fmt_seconds(step_left)) + ")");
   }
 
  private:
+  // The step under way is over: its time goes to its kind.
+  void finish() {
+    if (current_ == kNumKinds) return;
+    seconds_[current_] += seconds_since(step_t0_);
+    ++done_[current_];
+  }
+
+  // Seconds left: what the current step has left (current_left, or by its kind's rate when
+  // current_left is 0), then every later step by its kind's rate; nullopt while a kind ahead has
+  // not been measured.
+  std::optional<double> estimate(double current_left) const {
+    double left = 0;
+    for (int k = 0; k < kNumKinds; ++k) {
+      int64_t ahead = total_[k] - done_[k];
+      if (k == current_ && current_left > 0) {
+        left += current_left;
+        --ahead;
+      }
+      if (ahead <= 0) continue;
+      if (done_[k] == 0) return std::nullopt;
+      left += double(ahead) * seconds_[k] / double(done_[k]);
+    }
+    return left;
+  }
+
+  static std::string fmt_seconds(double s) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.0f s", s);
+    return buf;
+  }
+
+  std::string times(std::optional<double> left) const {
+    const double el = seconds_since(t0_);
+    if (steps_ <= 1 && el < 0.05) return "";
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " (%.1f s", el);
+    return buf + (left ? ", eta " + fmt_seconds(*left) : std::string()) + ")";
+  }
+
   const Prepared& p_;
-  int64_t total_, done_ = 0;
-  Clock::time_point t0_;
+  int64_t total_[kNumKinds];
+  int64_t done_[kNumKinds] = {0, 0, 0};
+  double seconds_[kNumKinds] = {0, 0, 0};
+  int current_ = kNumKinds;
+  int64_t steps_ = 0;
+  Clock::time_point t0_, step_t0_, last_told_;
 };
 
 std::string calib_source(const EvalSetup& s) {
@@ -440,19 +561,23 @@ MemoryPlan plan_eval_memory(const EvalOptions& options) {
 CalibrationState run_calibration(const EvalOptions& options, EvalSetup* setup) {
   Prepared p;
   prepare(options, false, p);
-  const MemoryPlan plan = check_memory(p);
+  const MemoryPlan plan = check_memory(p, "moefq calibrate");
   p.runner.prefetch = plan.streaming;
   const std::unique_ptr<LayerRunner> runner = make_layer_runner(p.device, p.runner);
   CalibrationState state;
   state.source = calib_source(p.setup);
-  Progress progress(p, int64_t(p.setup.layers.size()) * 2);
+  const int64_t num_layers = int64_t(p.setup.layers.size());
+  Progress progress(p, num_layers, num_layers, 0);
+  runner->on_weights = [&](int64_t done, int64_t total) { progress.within(done, total, "experts' weights"); };
   for (size_t li = 0; li < p.setup.layers.size(); ++li) {
     const int64_t layer = p.setup.layers[li];
-    progress.step("layer " + std::to_string(layer) + ": " + (p.runner.checkpoint_dir.empty() ? "generating" : "loading") +
-                  " weights and " + plural(p.runner.num_tokens(), "token") + " of activations");
+    progress.step(Progress::kLoad, "layer " + std::to_string(layer) + ": " +
+                                       (p.runner.checkpoint_dir.empty() ? "generating" : "loading") + " weights and " +
+                                       plural(p.runner.num_tokens(), "token") + " of activations");
     runner->load(layer, true);
     if (li + 1 < p.setup.layers.size()) runner->prefetch(p.setup.layers[li + 1]);
-    progress.step("layer " + std::to_string(layer) + ": calibrating on " + plural(p.setup.calib_batches, "batch"));
+    progress.step(Progress::kCalibrate,
+                  "layer " + std::to_string(layer) + ": calibrating on " + plural(p.setup.calib_batches, "batch"));
     state.layers.push_back(calibrate_layer(*runner, layer));
   }
   if (setup) *setup = p.setup;
@@ -466,7 +591,7 @@ EvalResult run_eval(const EvalOptions& options) {
   const EvalSetup& s = p.setup;
   EvalResult result;
   result.setup = s;
-  result.memory = check_memory(p);
+  result.memory = check_memory(p, "moefq eval");
   p.runner.prefetch = result.memory.streaming;
   const bool loaded = !options.load_calibration.empty();
   if (loaded) {
@@ -477,15 +602,18 @@ EvalResult run_eval(const EvalOptions& options) {
   const std::unique_ptr<LayerRunner> runner = make_layer_runner(p.device, p.runner);
   const size_t num_recipes = p.recipes.size();
   const int64_t H = s.config.hidden, R = s.ranks;
-  Progress progress(p, int64_t(s.layers.size()) * ((loaded ? 1 : 2) + int64_t(s.eval_batches) * int64_t(num_recipes + 1)));
+  const int64_t num_layers = int64_t(s.layers.size());
+  Progress progress(p, num_layers, loaded ? 0 : num_layers,
+                    num_layers * int64_t(s.eval_batches) * int64_t(num_recipes + 1));
+  runner->on_weights = [&](int64_t done, int64_t total) { progress.within(done, total, "experts' weights"); };
   for (size_t li = 0; li < s.layers.size(); ++li) {
     const int64_t layer = s.layers[li];
     const std::string L = "layer " + std::to_string(layer);
     StageTimes times;
     times.layer = layer;
     auto t = Clock::now();
-    progress.step(L + ": " + (p.runner.checkpoint_dir.empty() ? "generating" : "loading") + " weights and " +
-                  plural(p.runner.num_tokens(), "token") + " of activations");
+    progress.step(Progress::kLoad, L + ": " + (p.runner.checkpoint_dir.empty() ? "generating" : "loading") +
+                                       " weights and " + plural(p.runner.num_tokens(), "token") + " of activations");
     runner->load(layer, !loaded);
     if (li + 1 < s.layers.size()) runner->prefetch(s.layers[li + 1]);
     // Configuration errors of any recipe (a dynamic combine amax, ...) before the first forward.
@@ -493,7 +621,8 @@ EvalResult run_eval(const EvalOptions& options) {
     times.load = seconds_since(t);
     if (!loaded) {
       t = Clock::now();
-      progress.step(L + ": calibrating on " + plural(s.calib_batches, "batch") + " (once for all recipes)");
+      progress.step(Progress::kCalibrate, L + ": calibrating on " + plural(s.calib_batches, "batch") +
+                                              " (once for all recipes)");
       result.calibration.layers.push_back(calibrate_layer(*runner, layer));
       times.calibrate = seconds_since(t);
     }
@@ -525,7 +654,7 @@ EvalResult run_eval(const EvalOptions& options) {
       }
     }
     const EvalPassStats pass = runner->evaluate(steps, cal.dispatch_amax, cal.combine_amax,
-                                                [&](const std::string& what) { progress.step(L + " " + what); });
+                                                [&](const std::string& what) { progress.step(Progress::kEval, L + " " + what); });
     times.reference = pass.reference_seconds;
     times.recipes = pass.recipes_seconds;
     t = Clock::now();
@@ -587,14 +716,14 @@ EvalResult run_eval(const EvalOptions& options) {
       std::string names;
       for (const EvalRow& r : rows) {
         const auto& f = which == 0 ? r.dispatch_clipped_fraction : r.combine_clipped_fraction;
-        if (!f || *f <= 0) continue;
+        if (!f || *f <= kClipWarnFraction) continue;
         worst = std::max(worst, *f);
         names += (names.empty() ? "" : ", ") + r.recipe;
       }
-      if (worst > 0)
+      if (worst > kClipWarnFraction)
         result.warnings.push_back(L + ": up to " + pct(worst) + " of the " + (which == 0 ? "dispatch" : "combine") +
                                   " elements lie beyond the calibrated amax and saturate (" + names +
-                                  "); calibrate on more or more representative data");
+                                  "); calibrate on more data, or on data more like the evaluation's");
     }
     std::stable_sort(rows.begin(), rows.end(), [](const EvalRow& a, const EvalRow& b) {
       return less_rel_l2(a.metrics.rel_l2, b.metrics.rel_l2);

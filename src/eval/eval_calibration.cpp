@@ -14,7 +14,10 @@ namespace {
 
 std::string layer_list(const std::vector<int64_t>& layers) {
   std::string s;
-  for (int64_t l : layers) s += (s.empty() ? "" : ",") + std::to_string(l);
+  for (int64_t l : layers) {
+    if (!s.empty()) s += ',';
+    s += std::to_string(l);
+  }
   return s;
 }
 
@@ -57,18 +60,37 @@ CalibrationState load_eval_calibration(const std::string& path, const EvalSetup&
                                        std::vector<std::string>* warnings) {
   const std::string where = "--load-calibration " + path;
   const CalibrationFile f = read_calibration_file(path, where);
-  // The model's shape must match: an amax of another model is meaningless.
+  // The setup keys the amax's use depends on must be there, integers as JSON integers; the model's
+  // shape first, as an amax of another model is meaningless.
+  const auto value = [&](const std::string& key, bool integer) {
+    const std::string* v = f.setup_value(key);
+    MOEFQ_CHECK(v != nullptr, where, ": the setup has no '", key,
+                "' (a file of 'moefq calibrate --save' records it); calibrate again");
+    MOEFQ_CHECK(!integer || f.setup_is_integer(key), where, ": setup.", key, " must be a JSON integer, got the string \"",
+                *v, "\"");
+    return *v;
+  };
   for (const auto& [key, want] : {std::pair<const char*, int64_t>{"hidden", setup.config.hidden},
                                   {"num_experts", setup.config.num_experts},
                                   {"top_k", setup.config.top_k}}) {
-    const std::string* v = f.setup_value(key);
-    MOEFQ_CHECK(v == nullptr || *v == std::to_string(want), where, ": the file was made for a model with ", key, " ",
-                v ? *v : "", ", but this run's model (", setup.config.name, ") has ", want);
+    const std::string v = value(key, true);
+    MOEFQ_CHECK(v == std::to_string(want), where, ": the file was made for a model with ", key, " ", v,
+                ", but this run's model (", setup.config.name, ") has ", want);
   }
+  const std::string ranks_text = value("ranks", true);
+  for (const char* key : {"tokens_per_rank", "calib_batches", "seed"})
+    if (f.setup_value(key)) (void)value(key, true);
+  // The combine rows, and so their amax, depend on where the router weight is applied.
+  const std::string mode = combine_weighting_name(setup.combine_weighting);
+  const std::string file_mode = value("combine_weighting", false);
+  MOEFQ_CHECK(file_mode == mode, where, ": the file was calibrated with combine_weighting ", file_mode,
+              ", but this run applies the router weight ", mode, " the combine (--combine-weighting or the recipes); the combine amax of one mode is wrong for the "
+              "other: calibrate with --combine-weighting ", mode);
   // The rest may differ (a calibration reused on other data is a choice), but never silently.
   std::vector<std::string> differ;
   for (const auto& [key, mine] : setup_fields(setup)) {
-    if (key == "hidden" || key == "num_experts" || key == "top_k" || key == "layers") continue;
+    if (key == "hidden" || key == "num_experts" || key == "top_k" || key == "layers" || key == "combine_weighting")
+      continue;
     const std::string* theirs = f.setup_value(key);
     if (theirs && *theirs != mine) differ.push_back(key + " '" + *theirs + "' (this run: '" + mine + "')");
   }
@@ -77,7 +99,6 @@ CalibrationState load_eval_calibration(const std::string& path, const EvalSetup&
     for (const std::string& d : differ) list += (list.empty() ? "" : "; ") + d;
     warnings->push_back(where + " was made with a different setup: " + list);
   }
-  const std::string* ranks_text = f.setup_value("ranks");
   CalibrationState state;
   state.source = "loaded from " + path + (f.source.empty() ? "" : " (" + f.source + ")");
   for (int64_t l : setup.layers) {
@@ -93,9 +114,9 @@ CalibrationState load_eval_calibration(const std::string& path, const EvalSetup&
                   " holds no calibrated amax");
       MOEFQ_CHECK(*e.amax > 0 && std::isfinite(*e.amax), where, ": ", name, " has amax ", *e.amax,
                   "; a calibrated amax must be finite and > 0 (calibrate again)");
-      MOEFQ_CHECK(!ranks_text || e.rank_amax.empty() || std::to_string(e.rank_amax.size()) == *ranks_text, where, ": ",
+      MOEFQ_CHECK(e.rank_amax.empty() || std::to_string(e.rank_amax.size()) == ranks_text, where, ": ",
                   name, " has ", e.rank_amax.size(), " per-rank maxima but the file's setup has ",
-                  ranks_text ? *ranks_text : "", " ranks");
+                  ranks_text, " ranks");
       (which == 0 ? c.dispatch_amax : c.combine_amax) = *e.amax;
       (which == 0 ? c.dispatch_rank_amax : c.combine_rank_amax) = e.rank_amax;
     }

@@ -44,11 +44,23 @@ std::vector<bf16> layer_activations(const RunnerSetup& s, int64_t layer, int64_t
   return out;
 }
 
-LayerWeights rank_weights(const RunnerSetup& s, int64_t layer, int64_t rank) {
+LayerWeights rank_weights(const RunnerSetup& s, int64_t layer, int64_t rank, const ExpertProgress& on_progress) {
   const int64_t el = s.config.num_experts / s.ranks;
-  if (!s.checkpoint_dir.empty()) return load_checkpoint_layer(s.checkpoint_dir, layer, s.config, rank * el, el);
+  if (!s.checkpoint_dir.empty())
+    return load_checkpoint_layer(s.checkpoint_dir, layer, s.config, rank * el, el, on_progress);
   return synthetic_layer_weights(s.synthetic_layer(layer), s.config, WeightFormat::kE4m3, rank * el, el,
-                                 s.num_threads);
+                                 s.num_threads, on_progress);
+}
+
+std::vector<LayerWeights> all_rank_weights(const RunnerSetup& s, int64_t layer,
+                                           const std::function<void(int64_t, int64_t)>& on_weights) {
+  const int64_t R = s.ranks, per_rank = s.config.num_experts / R + (s.config.num_shared > 0 ? 1 : 0);
+  std::vector<LayerWeights> w;
+  for (int64_t r = 0; r < R; ++r) {
+    const auto told = [&](int64_t n) { on_weights(r * per_rank + n, R * per_rank); };
+    w.push_back(rank_weights(s, layer, r, on_weights ? ExpertProgress(told) : ExpertProgress()));
+  }
+  return w;
 }
 
 namespace {
@@ -90,8 +102,7 @@ class HostRunner final : public LayerRunner {
     fq_.reset();  // the previous layer's weights go before the next one's arrive
     calib_.clear();
     eval_.clear();
-    std::vector<LayerWeights> w;
-    for (int64_t r = 0; r < R; ++r) w.push_back(rank_weights(s_, layer, r));
+    std::vector<LayerWeights> w = all_rank_weights(s_, layer, on_weights);
     const std::vector<float> gate = w[0].gate, bias = w[0].gate_bias;
     const int64_t first = need_calibration ? 0 : int64_t(s_.calib_batches) * s_.batch_tokens();
     acts_ = layer_activations(s_, layer, first, s_.num_tokens() - first);

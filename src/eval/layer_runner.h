@@ -97,6 +97,10 @@ class LayerRunner {
   // before each.
   virtual EvalPassStats evaluate(const std::vector<RecipeStep>& steps, float dispatch_amax, float combine_amax,
                                  const std::function<void(const std::string&)>& on_step) = 0;
+
+  // Progress of load() making the layer's weights on the host (may be empty): the experts made so
+  // far and in all, over every rank. A runner that makes them otherwise (on the GPU) need not call it.
+  std::function<void(int64_t num_done, int64_t num_total)> on_weights;
 };
 
 // The bytes a run needs on the host and the device, by item, against what is available (the
@@ -142,6 +146,10 @@ std::vector<bf16> layer_activations(const RunnerSetup& setup, int64_t layer, int
 
 // The layer's weights for rank r (its E/R experts, the shared expert, the router): synthetic or
 // from the checkpoint.
-LayerWeights rank_weights(const RunnerSetup& setup, int64_t layer, int64_t rank);
+LayerWeights rank_weights(const RunnerSetup& setup, int64_t layer, int64_t rank, const ExpertProgress& on_progress = {});
+// Every rank's rank_weights; on_weights (may be empty) hears the experts made so far over all ranks
+// and their number (LayerRunner::on_weights).
+std::vector<LayerWeights> all_rank_weights(const RunnerSetup& setup, int64_t layer,
+                                           const std::function<void(int64_t, int64_t)>& on_weights = {});
 
 }  // namespace moefq

@@ -42,9 +42,9 @@ ErrorMetrics finalize_metrics(const MetricSums& s) {
   m.skipped_nonfinite = s.skipped;
   m.max_abs = s.max_abs;
   const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
-  if (s.count == 0) return m;
-  if (s.nonfinite_out > 0) {
-    // An output that is not finite where the reference is: no figure may look perfect.
+  if (s.count == 0 || s.nonfinite_out > 0) {
+    // Nothing compared, or an output that is not finite where the reference is: no figure may
+    // look perfect.
     m.rel_l2 = m.cosine = m.calc_diff = m.snr_db = m.max_abs = nan;
     return m;
   }

@@ -1,5 +1,6 @@
 #include "moefq/calibration_file.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -108,6 +109,14 @@ CalibrationEntry parse_entry(const std::string& path, const std::string& name, c
     MOEFQ_CHECK(e["rank_amax"].is_array(), where, ": 'rank_amax' must be an array of numbers");
     for (const json& v : e["rank_amax"]) entry.rank_amax.push_back(amax_number(v, where + ": 'rank_amax' entries"));
   }
+  // The amax is the MAX reduction of the ranks' own maxima: a file where they disagree was edited.
+  if (!entry.rank_amax.empty()) {
+    MOEFQ_CHECK(entry.amax.has_value(), where, ": 'rank_amax' without an amax");
+    const float most = *std::max_element(entry.rank_amax.begin(), entry.rank_amax.end());
+    MOEFQ_CHECK(f32_bits(most) == f32_bits(*entry.amax), where, ": amax ", *entry.amax,
+                " is not the largest of its rank_amax (", most,
+                "); the amax is the maximum over the ranks: fix the file or calibrate again");
+  }
   return entry;
 }
 
@@ -117,6 +126,10 @@ const std::string* CalibrationFile::setup_value(const std::string& key) const {
   for (const auto& [k, v] : setup)
     if (k == key) return &v;
   return nullptr;
+}
+
+bool CalibrationFile::setup_is_integer(const std::string& key) const {
+  return std::find(setup_integers.begin(), setup_integers.end(), key) != setup_integers.end();
 }
 
 void write_calibration_file(const std::string& path, const CalibrationFile& file) {
@@ -185,6 +198,7 @@ CalibrationFile read_calibration_file(const std::string& path_arg, const std::st
       for (const auto& [k, v] : root["setup"].items()) {
         MOEFQ_CHECK(v.is_string() || v.is_number_integer(), path, ": setup.", k, " must be a string or an integer");
         f.setup.emplace_back(k, v.is_string() ? v.get<std::string>() : v.dump());  // an integer as written (2^64 - 1 too)
+        if (v.is_number_integer()) f.setup_integers.push_back(k);
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -99,6 +100,20 @@ class WorkDirTest : public ::testing::Test {
 
   std::filesystem::path path(const std::string& name) const { return work_ / name; }
 
+  // Every path under work_, relative, sorted.
+  std::vector<std::string> listing() const {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(work_))
+      names.push_back(std::filesystem::relative(e.path(), work_).string());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  // A run refused as bad input: exit 2, "moefq: error: " and every needle on stderr, no table
+  // (no "rel_l2") on stdout, and work_ as `before` (its listing() before the run) held.
+  void expect_bad_input(const RunResult& r, const std::vector<std::string>& before,
+                        const std::vector<std::string>& needles) const;
+
   std::filesystem::path root_, work_;
 
  private:
@@ -108,6 +123,16 @@ class WorkDirTest : public ::testing::Test {
 // A failure message: the exit status and both captured streams.
 inline std::string describe(const RunResult& r) {
   return "exit " + std::to_string(r.status) + "\n--- stdout ---\n" + r.out + "--- stderr ---\n" + r.err;
+}
+
+inline void WorkDirTest::expect_bad_input(const RunResult& r, const std::vector<std::string>& before,
+                                         const std::vector<std::string>& needles) const {
+  EXPECT_EQ(r.status, 2) << describe(r);
+  EXPECT_NE(r.err.find("moefq: error: "), std::string::npos) << describe(r);
+  for (const auto& n : needles)
+    EXPECT_NE(r.err.find(n), std::string::npos) << "the message lacks \"" << n << "\"\n" << describe(r);
+  EXPECT_EQ(r.out.find("rel_l2"), std::string::npos) << "no table on bad input\n" << describe(r);
+  EXPECT_EQ(listing(), before) << "bad input must leave the directory as it was";
 }
 
 inline std::vector<std::string> split_lines(const std::string& text) {

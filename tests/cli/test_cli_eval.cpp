@@ -50,14 +50,6 @@ class EvalCli : public test::WorkDirTest {
     return run_in_work(env + " " + test::moefq_command(args));
   }
 
-  // Every path under work_, relative, sorted.
-  std::vector<std::string> listing() const {
-    std::vector<std::string> names;
-    for (const auto& e : fs::recursive_directory_iterator(work_)) names.push_back(fs::relative(e.path(), work_).string());
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
   json report(const std::string& dir) const { return json::parse(read_text(path(dir) / "report.json")); }
 };
 
@@ -420,13 +412,7 @@ class EvalBadInput : public EvalCli {
   void expect_rejected(const std::string& args, const std::vector<std::string>& needles) {
     SCOPED_TRACE("moefq " + args);
     const auto before = listing();
-    const RunResult r = moefq(args);
-    EXPECT_EQ(r.status, 2) << describe(r);
-    EXPECT_NE(r.err.find("moefq: error: "), std::string::npos) << describe(r);
-    for (const auto& n : needles)
-      EXPECT_NE(r.err.find(n), std::string::npos) << "the message lacks \"" << n << "\"\n" << describe(r);
-    EXPECT_EQ(r.out.find("rel_l2"), std::string::npos) << "no table on bad input\n" << describe(r);
-    EXPECT_EQ(listing(), before) << "bad input must leave the directory as it was";
+    expect_bad_input(moefq(args), before, needles);
   }
 };
 

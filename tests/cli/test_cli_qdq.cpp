@@ -360,7 +360,7 @@ TEST_F(CliBadInput, UnknownDeviceOrOption) {
   expect_rejected("qdq --device cpu --sample-rows 0 --out b.safetensors", {"--sample-rows"});
   expect_rejected(io_ + "--format fp8 extra_word", {"extra_word"});
   // An unknown command: CLI11 says only "A subcommand is required" (it does not name the word).
-  expect_rejected("frobnicate", {"subcommand"});
+  expect_rejected("frobnicate", {"unknown command 'frobnicate'", "eval, calibrate, qdq"});
 }
 
 // The report is bad input too when it cannot be written: both outputs are checked before any work,

@@ -165,6 +165,28 @@ TEST(EvalCuda, CheckpointLayersThroughPinnedStagingEqualTheHostPath) {
   std::filesystem::remove_all(dir);
 }
 
+// A checkpoint layer read for the GPU on the calling thread tells its progress like the host
+// runner's: the experts read so far of the 2 ranks x (4 routed + the shared one).
+TEST(EvalCuda, CheckpointReadTellsTheExpertsRead) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path dir = test::unique_temp_path("moefq_ckpt_cuda_");
+  test::write_checkpoint(dir, {{1, 7}});
+  EvalOptions o = small_run(EvalDevice::kCuda, "mega_moe");
+  o.checkpoint_dir = dir.string();
+  o.layers = {1};
+  o.ranks = 2;
+  o.tokens = 32;
+  o.recipes = {"moe_combine_fp8"};
+  o.progress_every_seconds = 0;
+  std::vector<std::string> lines;
+  o.progress = [&](const std::string& l) { lines.push_back(l); };
+  (void)run_eval(o);
+  int told = 0;
+  for (const std::string& l : lines) told += l.find("/10 experts' weights") != std::string::npos;
+  EXPECT_EQ(told, 9) << "1..9 of 10 experts read (10 ends the load)";
+  std::filesystem::remove_all(dir);
+}
+
 TEST(EvalCuda, MemoryPlanRefusesARunThatDoesNotFit) {
   SKIP_WITHOUT_GPU();
   EvalOptions o = small_run(EvalDevice::kCuda, "mega_moe");

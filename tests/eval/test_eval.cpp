@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint_test_util.h"
+#include "eval/layer_runner.h"
 #include "moefq/eval.h"
 #include "moefq/qdq.h"
 #include "test_util.h"
@@ -81,6 +83,16 @@ class EvalLib : public ::testing::Test {
     o_.layers = {0, 5};
   }
   void TearDown() override { fs::remove_all(root_); }
+
+  // Layer 0 calibrated alone and saved to ROOT/cal.json (returned); its setup in `setup`.
+  std::string saved_calibration(EvalSetup& setup) {
+    o_.layers = {0};
+    const CalibrationState cal = run_calibration(o_, &setup);
+    const std::string file = (root_ / "cal.json").string();
+    save_eval_calibration(file, cal, setup);
+    return file;
+  }
+
   fs::path root_;
   EvalOptions o_;
 };
@@ -190,11 +202,8 @@ TEST_F(EvalLib, CalibrationIsSharedAndTheFileRoundTrips) {
 // A calibration file made for another setup is used, with a warning naming each difference; an
 // amax of 0, negative or not finite, or per-rank lists of the wrong length, are errors.
 TEST_F(EvalLib, CalibrationFilesMatchTheirUse) {
-  o_.layers = {0};
   EvalSetup setup;
-  const CalibrationState cal = run_calibration(o_, &setup);
-  const std::string file = (root_ / "cal.json").string();
-  save_eval_calibration(file, cal, setup);
+  const std::string file = saved_calibration(setup);
   EvalSetup changed = setup;
   changed.seed = 7;
   changed.tokens = 32;
@@ -218,6 +227,7 @@ TEST_F(EvalLib, CalibrationFilesMatchTheirUse) {
                 load_eval_calibration(with([&](nlohmann::json& e) {
                                         e["amax"] = bad;
                                         e.erase("amax_bits");
+                                        e.erase("rank_amax");
                                       }),
                                       setup);
               }).find(bad == 0.0 ? "finite and > 0" : ">= 0"),
@@ -226,6 +236,152 @@ TEST_F(EvalLib, CalibrationFilesMatchTheirUse) {
   EXPECT_NE(error_of([&] { load_eval_calibration(with([](nlohmann::json& e) { e["rank_amax"].push_back(1.0); }), setup); })
                 .find("per-rank maxima"),
             std::string::npos);
+}
+
+// What a calibration file's use depends on is checked, not warned about: the combine weighting it
+// was measured with (the combine rows differ), each rank_amax list against its amax (their max),
+// the setup's integers as JSON integers, and the keys the check needs.
+TEST_F(EvalLib, CalibrationFilesFromAnotherModeOrEditedAreRefused) {
+  EvalSetup setup;
+  const std::string file = saved_calibration(setup);
+  EvalSetup after = setup;
+  after.combine_weighting = CombineWeighting::kAfter;
+  std::vector<std::string> warnings;
+  std::string msg = error_of([&] { load_eval_calibration(file, after, &warnings); });
+  for (const char* part : {"cal.json", "combine_weighting before", "after"})
+    EXPECT_NE(msg.find(part), std::string::npos) << msg;
+  EXPECT_TRUE(warnings.empty());
+
+  const auto edited = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = nlohmann::json::parse(read_text_of(file));
+    edit(j);
+    const std::string path = (root_ / "edited.json").string();
+    std::ofstream(path) << j.dump(2);
+    return path;
+  };
+  // A rank's max above the amax, then all below it: the amax is not their max either way.
+  for (const double scale : {2.0, 0.5}) {
+    msg = error_of([&] {
+      load_eval_calibration(edited([&](nlohmann::json& j) {
+                              nlohmann::json& r = j["quantizers"].begin().value()["rank_amax"];
+                              for (nlohmann::json& v : r) v = v.get<double>() * scale;
+                            }),
+                            setup);
+    });
+    EXPECT_NE(msg.find("rank_amax"), std::string::npos) << scale << ": " << msg;
+  }
+  msg = error_of([&] { load_eval_calibration(edited([](nlohmann::json& j) { j["setup"]["ranks"] = "2"; }), setup); });
+  EXPECT_NE(msg.find("setup.ranks must be a JSON integer"), std::string::npos) << msg;
+  for (const char* key : {"hidden", "ranks", "combine_weighting"}) {
+    msg = error_of([&] { load_eval_calibration(edited([&](nlohmann::json& j) { j["setup"].erase(key); }), setup); });
+    EXPECT_NE(msg.find("the setup has no '" + std::string(key) + "'"), std::string::npos) << msg;
+  }
+  // The file as saved still loads.
+  EXPECT_EQ(load_eval_calibration(file, setup).layers.size(), 1u);
+}
+
+// Progress: within a layer's load the experts' weights made so far; the estimate waits until each
+// kind of step still ahead (loads, calibrations, recipe batches) has been measured, as their
+// durations differ by orders of magnitude.
+TEST_F(EvalLib, ProgressToldWithinTheWeightsAndEstimatedByStepKind) {
+  o_.recipes = {"moe_combine_fp8"};
+  o_.num_threads = 1;  // groups of 4 experts: 2 ranks x (4 routed + the shared one) = 10 per layer
+  o_.progress_every_seconds = 0;
+  std::vector<std::string> lines;
+  o_.progress = [&](const std::string& l) { lines.push_back(l); };
+  (void)run_eval(o_);
+  std::vector<std::string> steps, within;
+  for (const std::string& l : lines) (l.rfind("[", 0) == 0 ? steps : within).push_back(l);
+  // 2 layers x (load, calibration, 1 batch x (reference + 1 recipe)).
+  ASSERT_EQ(steps.size(), 8u);
+  EXPECT_EQ(steps[0].find('('), std::string::npos) << steps[0];
+  for (size_t i : {size_t(1), size_t(2)}) {  // calibration, then the first batch: their kinds not yet measured
+    EXPECT_NE(steps[i].find(" s)"), std::string::npos) << steps[i];
+    EXPECT_EQ(steps[i].find("eta"), std::string::npos) << steps[i];
+  }
+  for (size_t i = 3; i < steps.size(); ++i) EXPECT_NE(steps[i].find(", eta "), std::string::npos) << steps[i];
+  // 4, 5 and 9 of 10 experts per layer (10 of 10 ends the load, whose step line follows).
+  ASSERT_EQ(within.size(), 6u) << (within.empty() ? "" : within[0]);
+  for (size_t i = 0; i < within.size(); ++i) {
+    const char* count = i % 3 == 0 ? "4/10 experts' weights" : i % 3 == 1 ? "5/10 experts' weights" : "9/10 experts' weights";
+    EXPECT_NE(within[i].find(count), std::string::npos) << within[i];
+    // Layer 0's load: only its own estimate; layer 5's: the whole run's.
+    EXPECT_NE(within[i].find(i < 3 ? "this step's eta" : ", eta "), std::string::npos) << within[i];
+  }
+}
+
+// The clipping warning: only where the clipped fraction is more than one element in ten thousand
+// (held-out data exceeds a max calibration now and then), worded plainly.
+TEST_F(EvalLib, ClippingWarnsAboveAThreshold) {
+  o_.layers = {0};
+  o_.tokens = 64;  // 2 x 64 x 256 dispatch elements: one of them is 3.1e-5
+  o_.recipes = {"moe_combine_fp8", "moe_dispatch_fp8"};
+  const EvalResult r = run_eval(o_);
+  const auto max_fraction = [&](const EvalResult& res, bool dispatch) {
+    double worst = 0;
+    for (const EvalRow& row : res.rows)
+      worst = std::max(worst, (dispatch ? row.dispatch_clipped_fraction : row.combine_clipped_fraction).value_or(0.0));
+    return worst;
+  };
+  const auto warned = [&](const EvalResult& res, const std::string& side) {
+    for (const std::string& w : res.warnings)
+      if (w.find(side + " elements lie beyond") != std::string::npos) return true;
+    return false;
+  };
+  for (const bool dispatch : {true, false}) {
+    const double f = max_fraction(r, dispatch);
+    EXPECT_EQ(warned(r, dispatch ? "dispatch" : "combine"), f > 1e-4) << f;
+  }
+  // Calibrations below the data's range (the dispatch amax scaled down): a few elements clip, which
+  // is no warning, or many, which is one, worded plainly.
+  EvalSetup setup;
+  const CalibrationState cal = run_calibration(o_, &setup);
+  const std::string file = (root_ / "cal.json").string();
+  const auto scaled = [&](double scale) {
+    save_eval_calibration(file, cal, setup);
+    nlohmann::json j = nlohmann::json::parse(read_text_of(file));
+    nlohmann::json& e = j["quantizers"]["layers.0.mlp.experts.dispatch_quantizer"];
+    e.erase("amax_bits");
+    e["amax"] = e["amax"].get<double>() * scale;
+    for (nlohmann::json& v : e["rank_amax"]) v = v.get<double>() * scale;
+    std::ofstream(file) << j.dump(2);
+    EvalOptions low = o_;
+    low.load_calibration = file;
+    return run_eval(low);
+  };
+  const EvalResult few = scaled(0.97);
+  EXPECT_GT(max_fraction(few, true), 0.0) << "the test data must clip a few elements";
+  EXPECT_LE(max_fraction(few, true), 1e-4);
+  EXPECT_FALSE(warned(few, "dispatch")) << few.warnings[0];
+  const EvalResult c = scaled(1.0 / 64);
+  EXPECT_GT(max_fraction(c, true), 1e-4);
+  ASSERT_TRUE(warned(c, "dispatch"));
+  bool worded = false;
+  for (const std::string& w : c.warnings)
+    worded = worded || w.find("calibrate on more data, or on data more like the evaluation's") != std::string::npos;
+  EXPECT_TRUE(worded) << c.warnings[0];
+}
+
+// A run the host cannot hold is refused naming the running command; --device cuda is advised only
+// where a GPU evaluation is registered (its memory query) and the run would fit that GPU.
+TEST_F(EvalLib, MemoryRefusalAdvisesTheGpuOnlyWhereItFits) {
+  o_.layers = {0};
+  o_.tokens = int64_t(1) << 20;
+  o_.calib_batches = 1000;  // 2 ranks x 2^20 tokens x 1000 batches x H 256 x 2 bytes: 1 TiB of activations
+  set_device_memory_query({});
+  std::string msg = error_of([&] { run_calibration(o_); });
+  EXPECT_NE(msg.find("moefq calibrate: needs "), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("--device cuda"), std::string::npos) << "no GPU evaluation here\n" << msg;
+  set_device_memory_query([] { return std::pair<double, double>(1e9, 1e9); });  // too small a GPU
+  msg = error_of([&] { run_calibration(o_); });
+  EXPECT_EQ(msg.find("--device cuda"), std::string::npos) << msg;
+  set_device_memory_query([] { return std::pair<double, double>(1e16, 1e16); });  // one that holds it
+  msg = error_of([&] { run_calibration(o_); });
+  EXPECT_NE(msg.find("use --device cuda"), std::string::npos) << msg;
+  o_.eval_batches = 1;
+  msg = error_of([&] { run_eval(o_); });
+  EXPECT_NE(msg.find("moefq eval: needs "), std::string::npos) << msg;
+  set_device_memory_query({});
 }
 
 // Recipes that share a dispatch configuration share one engine call per batch (the others reuse

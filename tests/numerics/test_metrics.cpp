@@ -42,6 +42,22 @@ TEST(Metrics, NonFiniteReferenceSkippedNonFiniteOutputPoisons) {
   EXPECT_FALSE(std::isfinite(m.max_abs));
 }
 
+// Nothing compared (every reference position NaN or inf, or no positions): NaN figures, not the
+// 0 / 1 of a perfect match.
+TEST(Metrics, NothingComparedIsNanNotPerfect) {
+  const std::vector<float> r = {NAN, INFINITY, -INFINITY}, y = {1, 2, 3};
+  for (const int64_t n : {int64_t(3), int64_t(0)}) {
+    const ErrorMetrics m = compute_metrics(y.data(), r.data(), n);
+    EXPECT_EQ(m.count, 0);
+    EXPECT_EQ(m.skipped_nonfinite, n);
+    EXPECT_TRUE(std::isnan(m.rel_l2)) << n;
+    EXPECT_TRUE(std::isnan(m.cosine)) << n;
+    EXPECT_TRUE(std::isnan(m.calc_diff)) << n;
+    EXPECT_TRUE(std::isnan(m.snr_db)) << n;
+    EXPECT_TRUE(std::isnan(m.max_abs)) << n;
+  }
+}
+
 // docs/numerics.md: a non-finite output where the reference is finite makes the metrics non-finite.
 // Every metric, not only rel_l2: NaN sums would turn calc_diff into 0 and snr_db into +inf (a
 // perfect score) through comparisons that are false for NaN.

@@ -168,7 +168,7 @@ class DeviceRunner final : public LayerRunner {
       return;
     }
     next_host_layer_ = layer;
-    next_host_ = std::async(std::launch::async, [this, layer] { return read_layer(layer); });
+    next_host_ = std::async(std::launch::async, [this, layer] { return all_rank_weights(s_, layer); });
   }
 
   void configure(const std::map<std::string, QuantizerConfig>& configs) override { fq_->configure(configs); }
@@ -289,7 +289,7 @@ class DeviceRunner final : public LayerRunner {
         w = next_host_.get();
       } else {
         if (next_host_.valid()) next_host_.wait();
-        w = read_layer(layer);
+        w = all_rank_weights(s_, layer, on_weights);  // on this thread: its progress can be told
       }
       le->gate = w[0].gate;
       le->bias = w[0].gate_bias;
@@ -305,13 +305,6 @@ class DeviceRunner final : public LayerRunner {
     }
     MOEFQ_CUDA_CHECK(cudaEventRecord(le->ready, stream));
     return le;
-  }
-
-  // Every rank's weights of a checkpoint layer, on the host.
-  std::vector<LayerWeights> read_layer(int64_t layer) const {
-    std::vector<LayerWeights> w;
-    for (int64_t r = 0; r < s_.ranks; ++r) w.push_back(rank_weights(s_, layer, r));
-    return w;
   }
 
   RunnerSetup s_;

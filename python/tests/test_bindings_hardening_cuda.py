@@ -5,18 +5,12 @@ refused CUDA tensor released. Skipped without torch, a GPU or a CUDA build of mo
 import numpy as np
 import pytest
 
-try:
-    import torch
-except ImportError:
-    pytest.skip("torch is not installed for this interpreter", allow_module_level=True)
-
 import moefq
 from conftest import first_mismatch, special_data, to_bf16_bits
 
-if not torch.cuda.is_available():
-    pytest.skip("no GPU visible to torch", allow_module_level=True)
-if not moefq.built_with_cuda or moefq.cuda_device_count() == 0:
-    pytest.skip("this moefq was built without CUDA, or sees no GPU", allow_module_level=True)
+torch = pytest.importorskip("torch")
+if not (torch.cuda.is_available() and moefq.built_with_cuda and moefq.cuda_device_count() > 0):
+    pytest.skip("needs a GPU visible to torch and a moefq built with CUDA", allow_module_level=True)
 
 RANKS, TOKENS, H = 2, 16, 1024  # the tiny preset's hidden size
 
@@ -50,13 +44,11 @@ def test_cuda_forward_refuses_in_place():
     L = cuda_layer()
     x = tokens(61, 8)
     idx, w = L.route(x)
-    with pytest.raises(ValueError, match="MoeLayer.forward: out overlaps x"):
-        L.forward(x, idx, w, out=x)
     buf = torch.zeros(8 * H, dtype=torch.bfloat16, device="cuda")
-    alias = buf[: 8 * 8 * 2].view(torch.int32).view(8, 8)
-    alias.copy_(idx)
-    with pytest.raises(ValueError, match="out overlaps topk_idx"):
-        L.forward(x, alias, w, out=buf.view(8, H))
+    out = buf.view(8, H)  # also seen as x, then as the routing
+    for args, name in (((out, idx, w), "x"), ((x, buf[: 8 * 8 * 2].view(torch.int32).view(8, 8), w), "topk_idx")):
+        with pytest.raises(ValueError, match=f"MoeLayer.forward: out overlaps {name}"):
+            L.forward(*args, out=out)
 
 
 def test_cuda_abort_calibration_restores_the_device_amax():

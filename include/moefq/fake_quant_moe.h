@@ -41,12 +41,17 @@ class FakeQuantMoe {
   // data is an error naming the quantizer and the rank.
   void start_calibration();
   void finish_calibration();
+  // Leaves a calibration that did not finish (an error, an interrupt): both quantizers as they
+  // were at start_calibration. Nothing happens outside a calibration.
+  void abort_calibration();
   // Each rank's own max of the last calibration, before the reduction (which 0: dispatch, 1:
   // combine).
   const std::vector<float>& rank_amax(int which) const;
 
   // One call of every rank; batches[r].y receives rank r's output. A dynamic dispatch amax is the
-  // max |x| over the rank's tokens that have an active routed slot (the tokens that are sent).
+  // max |x| over the rank's tokens that have an active routed slot (the tokens that are sent). An
+  // enabled quantizer that needs a calibrated amax and has none (and is not calibrating) is an
+  // error naming it, before any work.
   void forward(std::span<const RankBatch> batches);
   // The quantizers' work in forward() alone, on the combine rows the last call left (the engine is
   // not called): a combine quantizer configured since re-sums those rows into y.

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,10 @@ class MoeQuantizers {
   void start_calibration();
   // MAX over the ranks (the NCCL all-reduce on real ranks), then every replica finishes.
   void finish_calibration();
+  // Leaves a calibration that did not finish (an error, an interrupt): every replica is back as
+  // it was at start_calibration, also when finish_calibration failed half-way. Nothing happens
+  // outside a calibration.
+  void abort_calibration() noexcept;
 
   Quantizer& dispatch(int64_t rank) { return dispatch_[size_t(rank)]; }
   Quantizer& combine(int64_t rank) { return combine_[size_t(rank)]; }
@@ -59,6 +64,11 @@ class MoeQuantizers {
  private:
   int64_t layer_;
   std::vector<Quantizer> dispatch_, combine_;
+  // The replicas as they were at start_calibration, until the calibration finishes or aborts.
+  struct Snapshot {
+    std::vector<Quantizer> dispatch, combine;
+  };
+  std::optional<Snapshot> before_calibration_;
 };
 
 }  // namespace moefq

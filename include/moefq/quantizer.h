@@ -1,10 +1,13 @@
 // A named fake quantizer: a QuantSpec plus its state (enabled, max calibration, the global amax),
 // and the calibration file that stores calibrated amax values between runs.
 // Invariants: a stored amax is finite and >= 0; no QDQ is applied while disabled or calibrating;
-// a failed call (bad data, a bad file) leaves the quantizer's state as it was. Not thread-safe.
+// a failed call (bad data, a bad file) leaves the quantizer's state as it was. collect and
+// collect_max may run concurrently on one quantizer (their fold is locked); the rest is not
+// thread-safe.
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -31,9 +34,15 @@ class Quantizer {
   // ---- Max calibration: start, collect (any number of calls), [reduce across ranks], finish.
   // Clears the collected max and the seen flag; a stored amax is kept until finish replaces it.
   void start_calibration();
+  // Leaves a calibration without finishing it: the quantizer is back as it was before
+  // start_calibration (the amax it held then, nothing collected, not calibrating). Nothing
+  // happens when it is not calibrating. For error paths: it never throws.
+  void abort_calibration() noexcept;
   bool calibrating() const { return calibrating_; }
   // Folds max |x| over n elements into the collected max. NaN or +-inf is an error naming the
   // quantizer and the element index (the collected state is then unchanged). n == 0 sees nothing.
+  // Several threads may collect into one quantizer at once: each computes its max on its own and
+  // folds it in under a lock.
   void collect(const bf16* x, int64_t n);   // x: [n] bf16
   void collect(const float* x, int64_t n);  // x: [n] fp32
   // Folds a max |x| computed elsewhere (e.g. on the GPU) over at least one element: it counts as
@@ -84,6 +93,16 @@ class Quantizer {
   float collected_max_ = 0.0f;
   bool seen_ = false;
   std::optional<float> calibrated_amax_;
+  // The stored amax when calibration started, which abort_calibration restores.
+  std::optional<float> amax_before_calibration_;
+  // Serialises the fold of collect and collect_max. A copy of the quantizer gets a mutex of its own.
+  struct FoldMutex {
+    std::mutex m;
+    FoldMutex() = default;
+    FoldMutex(const FoldMutex&) {}
+    FoldMutex& operator=(const FoldMutex&) { return *this; }
+  };
+  FoldMutex fold_;
 
   friend void reduce_calibration_max(std::span<Quantizer* const> replicas);
 };

@@ -3,6 +3,8 @@
 // `moefq eval --activations`), and numerics.md's error metrics on tensors.
 #include <pybind11/functional.h>
 
+#include <limits>
+#include <memory>
 #include <thread>
 
 #include "bindings.h"
@@ -32,9 +34,92 @@ T option(const pb::handle& value, const std::string& key, const char* expected) 
   }
 }
 
+// An integer option (a Python int or anything with __index__, not a float) that fits T, else bad
+// input naming the keyword: the type, or the value and T's range.
+template <typename T>
+T integer_option(const pb::handle& value, const std::string& key) {
+  pb::object index;
+  if (!PyFloat_Check(value.ptr())) index = pb::reinterpret_steal<pb::object>(PyNumber_Index(value.ptr()));
+  if (!index) {
+    PyErr_Clear();
+    MOEFQ_FAIL(ErrorKind::kBadInput, key, ": expected an integer, got ", std::string(pb::str(value.get_type())));
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  constexpr long long lo = std::numeric_limits<T>::min(), hi = std::numeric_limits<T>::max();
+  MOEFQ_CHECK(overflow == 0 && v >= lo && v <= hi, key, "=", std::string(pb::str(index)), " is out of range (",
+              overflow < 0 || (overflow == 0 && v < lo) ? "at least " + std::to_string(lo)
+                                                        : "at most " + std::to_string(hi),
+              ")");
+  return T(v);
+}
+
+// The keywords and the `moefq eval` flags they stand for: the library's messages name the flags
+// ("--ranks must be >= 1"); a Python caller reads the keyword ("ranks must be >= 1", and
+// "ranks=3 must divide ..." where the flag is followed by its value).
+constexpr const char* kKeywords[] = {"preset", "config", "checkpoint", "layers", "activations", "synthetic",
+                                     "recipes", "ranks", "tokens", "calib_batches", "eval_batches", "seed",
+                                     "device", "pipeline", "threads", "combine_weighting", "load_calibration",
+                                     "max_rel_l2"};
+
+std::string flag_of(const std::string& keyword) {
+  if (keyword == "recipes") return "--recipe";  // the CLI's flag is repeated, one recipe each
+  std::string f = "--" + keyword;
+  for (char& c : f)
+    if (c == '_') c = '-';
+  return f;
+}
+
+std::string with_keywords(std::string message) {
+  const auto flag_char = [](char c) { return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-'; };
+  // Words that follow a flag named on its own ("--ranks must be ..."); anything else after it is
+  // its value ("--ranks 3 must divide ...").
+  const auto is_word = [](const std::string& w) {
+    for (const char* s : {"and", "or", "must", "cannot", "needs", "is"})
+      if (w == s) return true;
+    return false;
+  };
+  for (const char* keyword : kKeywords) {
+    const std::string flag = flag_of(keyword);
+    for (size_t at = message.find(flag); at != std::string::npos; at = message.find(flag, at + 1)) {
+      const size_t end = at + flag.size();
+      if (end < message.size() && flag_char(message[end])) continue;  // a longer flag (--recipe-root)
+      std::string replacement = keyword;
+      if (end + 1 < message.size() && message[end] == ' ') {
+        const size_t word_end = message.find_first_of(" :,()", end + 1);
+        if (!is_word(message.substr(end + 1, word_end == std::string::npos ? std::string::npos : word_end - end - 1))) {
+          message.replace(at, flag.size() + 1, replacement + "=");
+          continue;
+        }
+      }
+      message.replace(at, flag.size(), replacement);
+    }
+  }
+  return message;
+}
+
+// Runs f, the library's errors with keywords for flags (the same kind).
+template <typename F>
+auto keyword_errors(F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    throw Error(e.kind(), with_keywords(e.what()));
+  }
+}
+
+// Stops a run on Ctrl-C: Python's handler runs (its KeyboardInterrupt, or what the caller's own
+// handler raises) and the exception unwinds the run. The GIL is released during the run; this
+// takes it for the check.
+void check_signals() {
+  pb::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) throw pb::error_already_set();
+}
+
 EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
   EvalOptions o;
   std::string device = "auto", pipeline = "device";
+  std::shared_ptr<pb::function> progress;
   for (const auto& [key, value] : kw) {
     const std::string k = pb::str(key);
     if (value.is_none()) continue;
@@ -56,15 +141,15 @@ EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
     } else if (k == "recipes" && with_recipes) {
       o.recipes = option<std::vector<std::string>>(value, k, "a list of strings");
     } else if (k == "ranks") {
-      o.ranks = option<int64_t>(value, k, "an integer");
+      o.ranks = integer_option<int64_t>(value, k);
     } else if (k == "tokens") {
-      o.tokens = option<int64_t>(value, k, "an integer");
+      o.tokens = integer_option<int64_t>(value, k);
     } else if (k == "calib_batches") {
-      o.calib_batches = option<int>(value, k, "an integer");
+      o.calib_batches = integer_option<int>(value, k);
     } else if (k == "eval_batches" && with_recipes) {
-      o.eval_batches = option<int>(value, k, "an integer");
+      o.eval_batches = integer_option<int>(value, k);
     } else if (k == "seed") {
-      const int64_t seed = option<int64_t>(value, k, "an integer");
+      const int64_t seed = integer_option<int64_t>(value, k);
       MOEFQ_CHECK(seed >= 0, "seed must be >= 0, got ", seed);
       o.seed = uint64_t(seed);
     } else if (k == "device") {
@@ -72,7 +157,7 @@ EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
     } else if (k == "pipeline") {
       pipeline = option<std::string>(value, k, "a string");
     } else if (k == "threads") {
-      o.num_threads = option<int>(value, k, "an integer");
+      o.num_threads = integer_option<int>(value, k);
     } else if (k == "combine_weighting") {
       o.combine_weighting = combine_weighting_option(option<std::string>(value, k, "a string"), k);
     } else if (k == "load_calibration" && with_recipes) {
@@ -80,15 +165,21 @@ EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
     } else if (k == "max_rel_l2" && with_recipes) {
       o.max_rel_l2 = option<double>(value, k, "a number");
     } else if (k == "progress") {
-      auto f = option<std::function<void(const std::string&)>>(value, k, "a callable");
-      o.progress = [f](const std::string& line) {
-        pb::gil_scoped_acquire gil;
-        f(line);
-      };
+      MOEFQ_CHECK(PyCallable_Check(value.ptr()), k, ": expected a callable, got ", std::string(pb::str(value.get_type())));
+      // Shared: the run copies the hook with the GIL released; only the options' copy, destroyed
+      // with the GIL held, owns a reference of the Python object.
+      progress = std::make_shared<pb::function>(pb::reinterpret_borrow<pb::function>(value));
     } else {
       MOEFQ_FAIL(ErrorKind::kBadInput, with_recipes ? "eval" : "calibrate", ": unknown option '", k, "'");
     }
   }
+  // Every progress step (each stage of a layer, each batch and recipe) checks for Ctrl-C first.
+  o.progress = [progress](const std::string& line) {
+    check_signals();
+    if (!progress) return;
+    pb::gil_scoped_acquire gil;
+    (*progress)(line);
+  };
   MOEFQ_CHECK(device == "auto" || device == "cpu" || device == "cuda", "device: unknown device '", device,
               "' (expected auto, cpu or cuda)");
   const bool gpu = cuda_device_count() > 0;
@@ -124,24 +215,26 @@ std::string eval_json(const pb::kwargs& kw) {
       options[key] = value;
     }
   }
-  const EvalOptions o = make_options(options, true);
+  const EvalOptions o = keyword_errors([&] { return make_options(options, true); });
   if (!out.empty()) check_output_dir(out, "out", kEvalReportFiles);  // before any work, as the CLI
   pb::gil_scoped_release release;
-  const EvalResult r = run_eval(o);
+  const EvalResult r = keyword_errors([&] { return run_eval(o); });
+  check_signals();  // a Ctrl-C during the last step: nothing written
   if (!out.empty()) write_eval_reports(r, out);
   return eval_report_json(r);
 }
 
 // calibrate(save, **options) -> [{layer, dispatch_amax, combine_amax, *_rank_amax}]; writes `save`.
 pb::list calibrate(const std::string& save, const pb::kwargs& kw) {
-  const EvalOptions o = make_options(kw, false);
+  const EvalOptions o = keyword_errors([&] { return make_options(kw, false); });
   const NamedPath inputs[] = {{"config", o.config_path}, {"activations", o.activations_path}};
   check_output_path(save, "save", inputs);  // before any work, as the CLI
   CalibrationState state;
   {
     pb::gil_scoped_release release;
     EvalSetup setup;
-    state = run_calibration(o, &setup);
+    state = keyword_errors([&] { return run_calibration(o, &setup); });
+    check_signals();  // a Ctrl-C during the last step: nothing written
     save_eval_calibration(save, state, setup);
   }
   pb::list layers;

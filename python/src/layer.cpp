@@ -4,6 +4,7 @@
 // computed on the unquantized x, in fp32 with one bf16 rounding, as the eval does). The caller's
 // tokens [N, H] are cut into R consecutive parts, one per rank.
 
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -39,6 +40,40 @@ struct LayerOptions {
   int num_threads = 0;
   std::string combine_weighting = "before";
 };
+
+// The largest max_tokens a layer takes: below it the buffer sizes (integers) cannot overflow.
+constexpr int64_t kMaxLayerTokens = (int64_t{1} << 31) - 1;
+
+std::string gib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f GiB", bytes / double(1ull << 30));
+  return buf;
+}
+
+// Refuses a layer whose engine would not fit in memory, before anything is allocated, with the
+// sizes (the eval's memory plan for one layer and no batches).
+void check_layer_memory(const RunnerSetup& s, bool cuda) {
+  const std::string sizes = "ranks=" + std::to_string(s.ranks) + " x max_tokens=" + std::to_string(s.tokens) +
+                            " of " + s.config.name;
+  // Its combine rows alone, [top_k + 1][max_tokens][hidden] bf16 per rank.
+  const double rows = double(s.ranks) * double(s.config.top_k + 1) * double(s.tokens) * double(s.config.hidden) * 2;
+  MOEFQ_CHECK(s.tokens <= kMaxLayerTokens, "MoeLayer: max_tokens must be at most ", kMaxLayerTokens, "; ", sizes,
+              " would need more than ", gib(rows), " for the combine rows alone");
+  const MemoryPlan plan = plan_run_memory(s, cuda ? EvalDevice::kCuda : EvalDevice::kCpu);
+  MOEFQ_CHECK(plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available, "MoeLayer: ",
+              sizes, " needs ", gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
+              " available; use a smaller max_tokens or fewer ranks\n", plan.describe());
+  MOEFQ_CHECK(!cuda || plan.device_available <= 0 || plan.device_bytes <= kUsableFraction * plan.device_available,
+              "MoeLayer: ", sizes, " needs ", gib(plan.device_bytes), " of GPU memory, ", gib(plan.device_available),
+              " available; use a smaller max_tokens or fewer ranks\n", plan.describe());
+}
+
+// "dispatch" or "combine" (the quantizer index 0 or 1), else bad input naming `who`.
+int quantizer_index(const std::string& which, const char* who) {
+  if (which == "dispatch") return 0;
+  if (which == "combine") return 1;
+  MOEFQ_FAIL(ErrorKind::kBadInput, who, ": which must be 'dispatch' or 'combine', got '", which, "'");
+}
 
 MoeConfig resolve_config(const LayerOptions& o, std::string* source) {
   const int given = int(!o.preset.empty()) + int(!o.config_path.empty()) + int(!o.checkpoint.empty());
@@ -83,6 +118,7 @@ class MoeLayer {
     s.synthetic = *kind;
     s.checkpoint_dir = o.checkpoint;
     s.num_threads = o.num_threads;
+    check_layer_memory(s, cuda_);
     cfg_ = s.config;
     ranks_ = o.ranks;
     max_tokens_ = o.max_tokens;
@@ -139,7 +175,12 @@ class MoeLayer {
     if (cuda_) return device_q().finish_calibration();
     host_->finish_calibration();
   }
+  void abort_calibration() {
+    if (cuda_) return device_q().abort_calibration();
+    host_->abort_calibration();
+  }
   std::vector<float> rank_amax(int which) const {
+    MOEFQ_CHECK(which == 0 || which == 1, "MoeLayer.rank_amax: which must be 0 (dispatch) or 1 (combine), got ", which);
     return cuda_ ? device_q().rank_amax(which) : host_->rank_amax(which);
   }
   void set_calibrated_amax(float dispatch_amax, float combine_amax) {
@@ -172,6 +213,12 @@ class MoeLayer {
     w.expect_shape({n, K});
     y.expect_like(x);
     for (const Tensor* t : {&idx, &w, &y}) t->expect_same_device(x);
+    // The layer reads x (the shared expert, after the routed output is written) and the routing
+    // while it writes out: in place is not possible.
+    const std::pair<const Tensor*, const char*> inputs[] = {{&x, "x"}, {&idx, "topk_idx"}, {&w, "topk_weights"}};
+    for (const auto& [t, name] : inputs)
+      MOEFQ_CHECK(!y.overlaps(*t), "MoeLayer.forward: out overlaps ", name,
+                  "; pass a separate out tensor (the layer cannot run in place)");
     const std::optional<Tensor> scratch = optional_tensor(scratch_c, "MoeLayer.forward: shared scratch");
     const bool add_shared = include_shared && has_shared();
     std::vector<RankBatch> batches = split(x, idx, w, y, n);
@@ -362,7 +409,15 @@ void init_layer(pybind11::module_& m) {
       .def("configure", &MoeLayer::configure, py::arg("configs"))
       .def("start_calibration", &MoeLayer::start_calibration)
       .def("finish_calibration", &MoeLayer::finish_calibration)
+      .def("abort_calibration", &MoeLayer::abort_calibration,
+           "Leaves a calibration that did not finish: both quantizers as start_calibration found them.")
       .def("rank_amax", &MoeLayer::rank_amax, py::arg("which"))
+      .def(
+          "rank_amax",
+          [](const MoeLayer& l, const std::string& which) {
+            return l.rank_amax(quantizer_index(which, "MoeLayer.rank_amax"));
+          },
+          py::arg("which"))
       .def("set_calibrated_amax", &MoeLayer::set_calibrated_amax, py::arg("dispatch_amax"), py::arg("combine_amax"))
       .def("save_calibration", &MoeLayer::save, py::arg("path"))
       .def("load_calibration", &MoeLayer::load, py::arg("path"))

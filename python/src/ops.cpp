@@ -17,13 +17,6 @@ namespace {
 
 namespace pb = pybind11;
 
-bool overlap(const Tensor& a, const Tensor& b) {
-  if (a.cuda() != b.cuda() || a.bytes() == 0 || b.bytes() == 0) return false;
-  const auto* pa = static_cast<const char*>(a.data());
-  const auto* pb_ = static_cast<const char*>(b.data());
-  return pa < pb_ + b.bytes() && pb_ < pa + a.bytes();
-}
-
 #ifdef MOEFQ_HAS_CUDA
 // The device amax: a 1-element float32 tensor on x's device.
 const float* device_amax(const std::optional<Tensor>& amax, const Tensor& x, const char* who) {
@@ -45,7 +38,7 @@ pb::object qdq(const pb::capsule& xc, const pb::capsule& yc, const std::string& 
   Tensor x(xc, "qdq: x"), y(yc, "qdq: out");
   x.expect_elem({Elem::kBF16, Elem::kF32}, "bfloat16 or float32 (or uint16 holding bf16 bits)");
   y.expect_like(x);
-  MOEFQ_CHECK(y.data() == x.data() || !overlap(x, y), "qdq: out overlaps x without being x");
+  MOEFQ_CHECK(y.data() == x.data() || !x.overlaps(y), "qdq: out overlaps x without being x");
   const auto [rows, cols] = x.as_matrix();
   const DType dt = x.elem() == Elem::kBF16 ? DType::kBF16 : DType::kF32;
   const bool global = format_has_global_amax(f);
@@ -108,12 +101,12 @@ void combine(const pb::capsule& rows_c, const pb::capsule& y_c, std::optional<st
   y.expect_elem({Elem::kBF16}, "bfloat16 (or uint16 holding bf16 bits)");
   y.expect_shape({T, H});
   y.expect_same_device(rows);
-  MOEFQ_CHECK(!overlap(y, rows), kWho, ": out overlaps rows");
+  MOEFQ_CHECK(!y.overlaps(rows), kWho, ": out overlaps rows");
   if (shared) {
     shared->expect_elem({Elem::kBF16}, "bfloat16 (or uint16 holding bf16 bits)");
     shared->expect_shape({T, H});
     shared->expect_same_device(rows);
-    MOEFQ_CHECK(!overlap(y, *shared), kWho, ": out overlaps shared");
+    MOEFQ_CHECK(!y.overlaps(*shared), kWho, ": out overlaps shared");
   }
   if (topk) {
     topk->expect_elem({Elem::kI32}, "int32 (negative: an inactive slot)");

@@ -110,6 +110,8 @@ void init_quantizer(pybind11::module_& m) {
       .def("collect", &collect, py::arg("x"), py::arg("stream"))
       .def("collect_max", &Quantizer::collect_max, py::arg("partial_max"))
       .def("finish_calibration", &Quantizer::finish_calibration)
+      .def("abort_calibration", &Quantizer::abort_calibration,
+           "Leaves a calibration without finishing it: the amax as before start_calibration, not calibrating.")
       .def("reset", &Quantizer::reset);
 
   py::class_<QuantizerConfig>(m, "QuantizerConfig", "One quantizer's configuration after a recipe.")

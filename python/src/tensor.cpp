@@ -49,7 +49,7 @@ Tensor::Tensor(const pybind11::capsule& capsule, std::string what) : what_(std::
     PyErr_Clear();
     MOEFQ_FAIL(ErrorKind::kInternal, what_, ": could not take over the DLPack capsule");
   }
-  managed_ = m;
+  managed_.reset(m);
   const DLTensor& t = m->dl_tensor;
   const int32_t dev = t.device.device_type;
   MOEFQ_CHECK(dev == kDLCPU || dev == kDLCUDAHost || dev == kDLCUDA || dev == kDLCUDAManaged, what_,
@@ -75,21 +75,6 @@ Tensor::Tensor(const pybind11::capsule& capsule, std::string what) : what_(std::
   }
   data_ = static_cast<char*>(t.data) + t.byte_offset;
 }
-
-Tensor::~Tensor() {
-  if (managed_ && managed_->deleter) managed_->deleter(managed_);
-}
-
-Tensor::Tensor(Tensor&& o) noexcept
-    : managed_(std::exchange(o.managed_, nullptr)),
-      what_(std::move(o.what_)),
-      data_(o.data_),
-      cuda_(o.cuda_),
-      device_id_(o.device_id_),
-      elem_(o.elem_),
-      dtype_(o.dtype_),
-      shape_(std::move(o.shape_)),
-      numel_(o.numel_) {}
 
 std::string Tensor::device_name() const { return cuda_ ? "cuda:" + std::to_string(device_id_) : "cpu"; }
 std::string Tensor::dtype_name() const { return describe(dtype_); }
@@ -138,6 +123,13 @@ void Tensor::expect_shape(std::initializer_list<int64_t> shape) const {
 void Tensor::expect_same_device(const Tensor& o) const {
   MOEFQ_CHECK(cuda_ == o.cuda_ && device_id_ == o.device_id_, what_, " is on ", device_name(), " but ", o.what_,
               " is on ", o.device_name());
+}
+
+bool Tensor::overlaps(const Tensor& o) const {
+  if (cuda_ != o.cuda_ || bytes() == 0 || o.bytes() == 0) return false;
+  const auto* a = static_cast<const char*>(data_);
+  const auto* b = static_cast<const char*>(o.data_);
+  return a < b + o.bytes() && b < a + bytes();
 }
 
 void Tensor::expect_like(const Tensor& o) const {

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,10 +27,10 @@ class Tensor {
  public:
   // Takes over the tensor of a "dltensor" capsule. `what` names it in messages ("qdq: x").
   // Requires a C-contiguous tensor with one lane per element, on the CPU (or pinned host memory)
-  // or a CUDA device.
+  // or a CUDA device. A tensor it refuses is released at once (its deleter runs, as for any
+  // Tensor that goes).
   Tensor(const pybind11::capsule& capsule, std::string what);
-  ~Tensor();
-  Tensor(Tensor&& other) noexcept;
+  Tensor(Tensor&& other) noexcept = default;
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
   Tensor& operator=(Tensor&&) = delete;
@@ -62,9 +63,18 @@ class Tensor {
   // Same device as `other`, same element type, same shape.
   void expect_same_device(const Tensor& other) const;
   void expect_like(const Tensor& other) const;
+  // Whether the two tensors share a byte of memory (on the same kind of device).
+  bool overlaps(const Tensor& other) const;
 
  private:
-  DLManagedTensor* managed_ = nullptr;
+  // Calls the producer's deleter: the owner of the tensor from the moment the capsule is taken
+  // over, so that every way out of the constructor, a throw included, releases it.
+  struct Release {
+    void operator()(DLManagedTensor* m) const {
+      if (m->deleter) m->deleter(m);
+    }
+  };
+  std::unique_ptr<DLManagedTensor, Release> managed_;
   std::string what_;
   void* data_ = nullptr;
   bool cuda_ = false;

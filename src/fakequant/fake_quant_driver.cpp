@@ -54,6 +54,11 @@ void FakeQuantDriver::finish_calibration() {
   upload_amax();
 }
 
+void FakeQuantDriver::abort_calibration() {
+  q_.abort_calibration();
+  upload_amax();
+}
+
 void FakeQuantDriver::load_calibration_file(const std::string& path) {
   q_.load_calibration_file(path);
   upload_amax();
@@ -68,6 +73,13 @@ void FakeQuantDriver::forward(std::span<const RankBatch> batches, bool with_engi
   const int64_t R = ops_->num_local_ranks(), T = ops_->max_tokens(), K = ops_->config().top_k;
   const int64_t H = ops_->config().hidden;
   MOEFQ_CHECK(int64_t(batches.size()) == R, "forward: ", batches.size(), " batches for ", R, " ranks");
+  // A quantizer that needs a calibrated amax and has none would QDQ with the placeholder 0 that
+  // upload_amax() sends for it: refuse before any work.
+  for (int64_t r = 0; r < R; ++r)
+    for (const Quantizer* q : {&q_.dispatch(r), &q_.combine(r)})
+      MOEFQ_CHECK(!q->enabled() || q->calibrating() || !q->needs_calibration() || q->has_amax(), q->name(),
+                  ": no amax yet: calibrate it (start_calibration, forward on calibration batches, "
+                  "finish_calibration), load a calibration file or set the calibrated amax");
   // The rows the combine quantizer reads must lie inside the buffer (the last one: the last slot
   // of the last token).
   const int64_t slots = K + (ops_->fused_shared() ? 1 : 0);

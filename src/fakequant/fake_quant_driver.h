@@ -116,6 +116,9 @@ class FakeQuantDriver {
   // the quantizer when no rank saw data or the data held NaN or inf). Both synchronise.
   void start_calibration();
   void finish_calibration();
+  // Leaves a calibration that did not finish: both quantizers as they were at start (their amax
+  // back on the device too). Nothing happens outside a calibration.
+  void abort_calibration();
   // Each local rank's own max of the last calibration, before the reduction ([R]).
   const std::vector<float>& rank_amax(int which) const { return rank_amax_[size_t(which)]; }
   void load_calibration_file(const std::string& path);
@@ -129,7 +132,8 @@ class FakeQuantDriver {
   // except the eager layout check (once per buffer, on its first call with routed rows). Once a
   // rank's buffer passed it, the combine quantizer's re-sum is y's only writer and the engine's
   // combine is skipped. with_engine = false: the quantizers' work alone, on the rows the last call
-  // left (what the benchmarks time).
+  // left (what the benchmarks time). A quantizer that QDQs with a calibrated amax it does not
+  // have yet (configured, never calibrated, loaded or set) is an error naming it, before any work.
   void forward(std::span<const RankBatch> batches, bool with_engine = true);
   // Synchronises; raises a barrier timeout, then the first mismatch a check recorded in a graph.
   void synchronize();

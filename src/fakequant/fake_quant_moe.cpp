@@ -174,6 +174,7 @@ std::vector<std::string> FakeQuantMoe::quantizer_names() const { return driver_-
 void FakeQuantMoe::configure(const std::map<std::string, QuantizerConfig>& configs) { driver_->configure(configs); }
 void FakeQuantMoe::start_calibration() { driver_->start_calibration(); }
 void FakeQuantMoe::finish_calibration() { driver_->finish_calibration(); }
+void FakeQuantMoe::abort_calibration() { driver_->abort_calibration(); }
 const std::vector<float>& FakeQuantMoe::rank_amax(int which) const { return driver_->rank_amax(which); }
 void FakeQuantMoe::forward(std::span<const RankBatch> batches) { driver_->forward(batches); }
 void FakeQuantMoe::quantizers_only(std::span<const RankBatch> batches) { driver_->forward(batches, false); }

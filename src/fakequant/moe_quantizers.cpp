@@ -57,9 +57,12 @@ void MoeQuantizers::configure(const std::map<std::string, QuantizerConfig>& conf
     dispatch_[r] = Quantizer(dispatch_name(layer_), d.spec, d.enable);
     combine_[r] = Quantizer(combine_name(layer_), c.spec, c.enable);
   }
+  before_calibration_.reset();  // a calibration under the old configuration has nothing to go back to
 }
 
 void MoeQuantizers::start_calibration() {
+  // A calibration started again before it finished keeps the state of its first start.
+  if (!before_calibration_) before_calibration_ = Snapshot{dispatch_, combine_};
   for (auto* qs : {&dispatch_, &combine_})
     for (Quantizer& q : *qs)
       if (q.enabled()) q.start_calibration();
@@ -73,6 +76,14 @@ void MoeQuantizers::finish_calibration() {
     reduce_calibration_max(replicas);
     for (Quantizer& q : *qs) q.finish_calibration();
   }
+  before_calibration_.reset();
+}
+
+void MoeQuantizers::abort_calibration() noexcept {
+  if (!before_calibration_) return;
+  dispatch_.swap(before_calibration_->dispatch);
+  combine_.swap(before_calibration_->combine);
+  before_calibration_.reset();
 }
 
 std::vector<const Quantizer*> MoeQuantizers::calibration_state() const { return {&dispatch_[0], &combine_[0]}; }

@@ -24,21 +24,33 @@ void Quantizer::start_calibration() {
   calibrating_ = true;
   collected_max_ = 0.0f;
   seen_ = false;
+  amax_before_calibration_ = calibrated_amax_;
+}
+
+void Quantizer::abort_calibration() noexcept {
+  if (!calibrating_) return;
+  calibrating_ = false;
+  collected_max_ = 0.0f;
+  seen_ = false;
+  calibrated_amax_ = amax_before_calibration_;
 }
 
 template <typename T>
 void Quantizer::collect_impl(const T* x, int64_t n) {
   MOEFQ_ASSERT(calibrating_, name_, ": collect called outside calibration");
   MOEFQ_ASSERT(n >= 0 && (n == 0 || x != nullptr), name_, ": collect with n = ", n);
-  float m = collected_max_;
+  // The partial max outside the lock: concurrent collects only serialise their fold.
+  float m = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
     const float v = to_f32(x[i]);
     MOEFQ_CHECK(is_finite(v), name_, ": calibration data contains NaN/inf at element ", i,
                 " (value ", v, ")");
     m = max_ignore_nan(m, abs_f32(v));
   }
-  collected_max_ = m;
-  seen_ = seen_ || n > 0;
+  if (n == 0) return;
+  const std::lock_guard<std::mutex> lock(fold_.m);
+  collected_max_ = max_ignore_nan(collected_max_, m);
+  seen_ = true;
 }
 
 void Quantizer::collect(const bf16* x, int64_t n) { collect_impl(x, n); }
@@ -50,6 +62,7 @@ void Quantizer::collect_max(float partial_max) {
               partial_max, ")");
   MOEFQ_CHECK(!(partial_max < 0.0f), name_, ": a partial max |x| cannot be negative, got ",
               partial_max);
+  const std::lock_guard<std::mutex> lock(fold_.m);
   collected_max_ = max_ignore_nan(collected_max_, abs_f32(partial_max));  // -0 counts as +0
   seen_ = true;
 }
@@ -69,6 +82,7 @@ void Quantizer::reset() {
   collected_max_ = 0.0f;
   seen_ = false;
   calibrated_amax_.reset();
+  amax_before_calibration_.reset();
 }
 
 void reduce_calibration_max(std::span<Quantizer* const> replicas) {

@@ -900,5 +900,37 @@ TEST(FakeQuantMoe, MixedCombineWeightingFailsTheLayoutCheck) {
   }
 }
 
+// A finish that fails half-way (dispatch finished, combine saw no data) and is then aborted: every
+// replica of both quantizers is back as start_calibration found it.
+TEST(MoeQuantizers, AbortAfterAFinishThatFailedHalfWayRestoresEveryReplica) {
+  const int64_t R = 2;
+  MoeQuantizers q(0, R);
+  q.configure(apply_recipe(parse_recipe_text(kCalibrateBoth, "test.yaml"), q.names()), false, true, "mega_moe");
+  q.set_calibrated_amax(2.0f, 3.0f);
+  q.abort_calibration();  // outside a calibration: nothing happens
+  EXPECT_EQ(*q.dispatch(0).amax(), 2.0f);
+  q.start_calibration();
+  for (int64_t r = 0; r < R; ++r) q.dispatch(r).collect_max(9.0f);
+  expect_error([&] { q.finish_calibration(); }, {MoeQuantizers::combine_name(0)});
+  ASSERT_EQ(*q.dispatch(0).amax(), 9.0f) << "precondition: dispatch finished before combine failed";
+  ASSERT_TRUE(q.combine(0).calibrating());
+  q.abort_calibration();
+  for (int64_t r = 0; r < R; ++r) {
+    EXPECT_FALSE(q.dispatch(r).calibrating() || q.combine(r).calibrating()) << "rank " << r;
+    EXPECT_EQ(*q.dispatch(r).amax(), 2.0f) << "rank " << r;
+    EXPECT_EQ(*q.combine(r).amax(), 3.0f) << "rank " << r;
+  }
+  // A calibration that finishes leaves nothing to abort.
+  q.start_calibration();
+  for (int64_t r = 0; r < R; ++r) {
+    q.dispatch(r).collect_max(5.0f);
+    q.combine(r).collect_max(7.0f);
+  }
+  q.finish_calibration();
+  q.abort_calibration();
+  EXPECT_EQ(*q.dispatch(1).amax(), 5.0f);
+  EXPECT_EQ(*q.combine(1).amax(), 7.0f);
+}
+
 }  // namespace
 }  // namespace moefq

@@ -240,6 +240,7 @@ std::vector<std::string> CudaFakeQuantMoe::quantizer_names() const { return driv
 void CudaFakeQuantMoe::configure(const std::map<std::string, QuantizerConfig>& configs) { driver_->configure(configs); }
 void CudaFakeQuantMoe::start_calibration() { driver_->start_calibration(); }
 void CudaFakeQuantMoe::finish_calibration() { driver_->finish_calibration(); }
+void CudaFakeQuantMoe::abort_calibration() { driver_->abort_calibration(); }
 const std::vector<float>& CudaFakeQuantMoe::rank_amax(int which) const { return driver_->rank_amax(which); }
 void CudaFakeQuantMoe::load_calibration_file(const std::string& path) { driver_->load_calibration_file(path); }
 void CudaFakeQuantMoe::set_calibrated_amax(float dispatch_amax, float combine_amax) {

@@ -42,6 +42,8 @@ class CudaFakeQuantMoe {
   // between collect on the device. Real ranks: finish_calibration is collective.
   void start_calibration();
   void finish_calibration();
+  // Leaves a calibration that did not finish: as FakeQuantMoe::abort_calibration.
+  void abort_calibration();
   // Each local rank's own max of the last calibration, before the reduction (which 0: dispatch).
   const std::vector<float>& rank_amax(int which) const;
   void load_calibration_file(const std::string& path);

@@ -46,12 +46,12 @@ if _os.path.isdir(_RECIPES):
 
 
 def qdq(x, format, amax=None, *, out=None, stream=None):
-    """Fake-quantizes x (quantize, then dequantize) in `format` ("fp8", "nvfp4", "mxfp8", "mxfp4",
-    "int8"), exactly as `moefq qdq` does: blocks run along the last dimension; bf16 or float32 in,
-    the same dtype out (numpy: float32, or uint16 holding bf16 bits).
+    """Fake-quantizes x (quantize, then dequantize) in `format` (one of moefq.formats), exactly as
+    `moefq qdq` does: blocks run along the last dimension; bf16 or float32 in, the same dtype out
+    (numpy: float32, or uint16 holding bf16 bits).
 
     amax: the global amax of fp8, nvfp4 and int8 (a number, or a 1-element float32 tensor on x's
-    device); None: dynamic, max |x| over the whole tensor. mxfp8/mxfp4 ignore it.
+    device); None: dynamic, max |x| over the whole tensor. The other formats ignore it.
     out: where the result goes (x itself for in place; same dtype, shape and device); default a new
     tensor of x's kind. Returns out. No autograd: the result of a torch x that requires grad does
     not (moefq.torch.DispatchQuantizer has the straight-through gradient), and an `out` that requires
@@ -471,11 +471,12 @@ def _eval_options(options):
 
 def eval(**options):
     """`moefq eval` in-process: the report as a dict, the same JSON `moefq eval --out DIR` writes to
-    DIR/report.json. Options are the CLI's, as keywords: preset, config, checkpoint, layers ("3-10"
-    or a list), activations, synthetic, recipes (a list of files or unit names), ranks, tokens,
-    calib_batches, eval_batches, seed, device ("auto", "cpu", "cuda"), pipeline, threads,
-    load_calibration, max_rel_l2; out (also write report.json/.csv/.html there); progress (True:
-    progress lines on stderr, or a callable taking each line)."""
+    DIR/report.json. Keywords (the CLI's options but --recipe-root; None: left out): preset,
+    config, checkpoint, layers ("3-10", an int or a list), activations, synthetic, recipes (a file
+    or unit name, or a list of them), ranks, tokens, calib_batches, eval_batches, seed, device
+    ("auto", "cpu", "cuda"), pipeline, threads, combine_weighting, load_calibration, max_rel_l2;
+    out (also write report.json/.csv/.html there); progress (True: progress lines on stderr, or a
+    callable taking each line). Any other keyword is a ValueError."""
     return _json.loads(_C.eval_json(**_eval_options(options)))
 
 

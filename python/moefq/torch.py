@@ -70,10 +70,6 @@ class _CombineResum(torch.autograd.Function):
         return grad_rows, grad_shared, grad_weights, None, None, None
 
 
-def _amax_tensor(value, like):
-    return torch.tensor(value, dtype=torch.float32, device=like.device if like is not None else "cpu")
-
-
 class _QuantizerModule(torch.nn.Module):
     """What both modules share: the moefq.Quantizer and its controls. A calibrated amax is also the
     float32 buffer `_amax` (absent while there is none), so state_dict()/load_state_dict() carry it;
@@ -83,13 +79,22 @@ class _QuantizerModule(torch.nn.Module):
     def __init__(self, name, format, amax, amax_source, constant_amax):
         super().__init__()
         self.quantizer = Quantizer(name, format, amax_source=amax_source, constant_amax=constant_amax, amax=amax)
+        # Where the module lives (.to()/.cuda() move it): an amax that appears later goes there.
+        self._amax_device = torch.device("cpu")
         self.register_buffer("_amax", None)
         self._sync_amax()
 
     def _sync_amax(self):
         q = self.quantizer
         value = q.amax if q.needs_calibration else None
-        self._amax = None if value is None else _amax_tensor(value, self._buffers.get("_amax"))
+        held = self._buffers.get("_amax")
+        device = held.device if held is not None else self._amax_device
+        self._amax = None if value is None else torch.tensor(value, dtype=torch.float32, device=device)
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        self._amax_device = fn(torch.empty(0, device=self._amax_device)).device
+        return self
 
     @property
     def amax(self):

@@ -353,3 +353,13 @@ def test_qdq_does_not_track_gradients():
     with torch.no_grad():
         assert moefq.qdq(g, "fp8", 3.0, out=g) is g  # as torch allows in-place work under no_grad
     assert not torch.equal(g.detach(), before)
+
+
+def test_amax_buffer_lives_where_the_module_does():
+    # An amax that appears after .to(device) is made on that device (meta stands in for a GPU).
+    m = mt.CombineQuantizer("nvfp4").to("meta")
+    m.amax = 3.0
+    assert m._amax.device.type == "meta" and m.amax == 3.0
+    m = mt.DispatchQuantizer("fp8").half()
+    m.amax = 2.0
+    assert m._amax.dtype == torch.float32 and m._amax.device.type == "cpu"

@@ -7,18 +7,13 @@ import copy
 
 import pytest
 
-try:
-    import torch
-except ImportError:
-    pytest.skip("torch is not installed for this interpreter", allow_module_level=True)
-
 import moefq
-import moefq.torch as mt
 
-if not torch.cuda.is_available():
-    pytest.skip("no GPU visible to torch", allow_module_level=True)
-if not moefq.built_with_cuda or moefq.cuda_device_count() == 0:
-    pytest.skip("this moefq was built without CUDA, or sees no GPU", allow_module_level=True)
+torch = pytest.importorskip("torch")
+import moefq.torch as mt  # noqa: E402 (needs torch)
+
+if not (torch.cuda.is_available() and moefq.built_with_cuda and moefq.cuda_device_count() > 0):
+    pytest.skip("no GPU visible to torch, or this moefq was built without CUDA", allow_module_level=True)
 
 K, T, H = 4, 9, 128
 

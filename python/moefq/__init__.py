@@ -7,18 +7,18 @@ the CPU or CUDA, numpy arrays), CUDA work goes on torch's current stream with no
 messages (ValueError for bad input, RuntimeError otherwise). See docs/python.md.
 """
 
-import contextlib
-import json
-import os
+import contextlib as _contextlib
+import json as _json
+import os as _os
 
 from . import _moefq as _C
-from ._tensors import (amax_args, as_int32, capsule, check_tensor, empty, empty_like, is_cuda, is_numpy, is_torch,
-                       optional_capsule, stream_of)
+from . import _tensors as _t
 
 __all__ = [
     "qdq", "combine_qdq_resum", "Quantizer", "QuantSpec", "load_recipe", "apply_recipe", "list_recipe_units",
     "save_calibration", "load_calibration", "MoeLayer", "eval", "calibrate", "metrics", "save_safetensors",
-    "load_safetensors", "formats", "built_with_cuda", "cuda_device_count", "__version__",
+    "load_safetensors", "formats", "built_with_cuda", "cuda_device_count", "preset_names", "Recipe", "QuantizerConfig",
+    "__version__",
 ]
 
 __version__ = _C.version
@@ -38,30 +38,33 @@ def cuda_device_count():
 
 # The shipped recipe units travel inside an installed package (pip install): make them findable
 # by name after any MOEFQ_RECIPE_PATH the user set.
-_RECIPES = os.path.join(os.path.dirname(__file__), "recipes")
-if os.path.isdir(_RECIPES):
-    _path = os.environ.get("MOEFQ_RECIPE_PATH", "")
-    if _RECIPES not in _path.split(os.pathsep):
-        os.environ["MOEFQ_RECIPE_PATH"] = _path + os.pathsep + _RECIPES if _path else _RECIPES
+_RECIPES = _os.path.join(_os.path.dirname(__file__), "recipes")
+if _os.path.isdir(_RECIPES):
+    _path = _os.environ.get("MOEFQ_RECIPE_PATH", "")
+    if _RECIPES not in _path.split(_os.pathsep):
+        _os.environ["MOEFQ_RECIPE_PATH"] = _path + _os.pathsep + _RECIPES if _path else _RECIPES
 
 
 def qdq(x, format, amax=None, *, out=None, stream=None):
-    """Fake-quantizes x (quantize, then dequantize) in `format` ("fp8", "nvfp4", "mxfp8", "mxfp4",
-    "int8"), exactly as `moefq qdq` does: blocks run along the last dimension; bf16 or float32 in,
-    the same dtype out (numpy: float32, or uint16 holding bf16 bits).
+    """Fake-quantizes x (quantize, then dequantize) in `format` (one of moefq.formats), exactly as
+    `moefq qdq` does: blocks run along the last dimension; bf16 or float32 in, the same dtype out
+    (numpy: float32, or uint16 holding bf16 bits).
 
     amax: the global amax of fp8, nvfp4 and int8 (a number, or a 1-element float32 tensor on x's
-    device); None: dynamic, max |x| over the whole tensor. mxfp8/mxfp4 ignore it.
+    device); None: dynamic, max |x| over the whole tensor. The other formats ignore it.
     out: where the result goes (x itself for in place; same dtype, shape and device); default a new
-    tensor of x's kind. Returns out.
+    tensor of x's kind. Returns out. No autograd: the result of a torch x that requires grad does
+    not (moefq.torch.DispatchQuantizer has the straight-through gradient), and an `out` that requires
+    grad is refused while grad mode is on.
     """
-    check_tensor(x, "qdq: x")
+    _t.check_tensor(x, "qdq: x")
     block, global_amax = _C.format_info(format, "qdq: format")
-    s = stream_of(x, stream)
+    s = _t.stream_of(x, stream)
     if out is None:
-        out = empty_like(x)
-    number, tensor, dynamic = amax_args(x, amax, global_amax, "qdq")
-    _C.qdq(capsule(x, "qdq: x", s), capsule(out, "qdq: out", s), format, number, tensor, dynamic, s)
+        out = _t.empty_like(x)
+    _t.check_out(out, "qdq: out")
+    number, tensor, dynamic = _t.amax_args(x, amax, global_amax, "qdq")
+    _C.qdq(_t.capsule(x, "qdq: x", s), _t.capsule(out, "qdq: out", s), format, number, tensor, dynamic, s)
     return out
 
 
@@ -83,8 +86,8 @@ def combine_qdq_resum(rows, format, amax=None, *, shared=None, topk_idx=None, to
     added; None: the rows are already weighted (combine_weighting before).
     Returns out, [T, H] bf16 (numpy: uint16 bf16 bits).
     """
-    check_tensor(rows, "combine_qdq_resum: rows")
-    s = stream_of(rows, stream)
+    _t.check_tensor(rows, "combine_qdq_resum: rows")
+    s = _t.stream_of(rows, stream)
     global_amax = False
     if format is not None:
         _, global_amax = _C.format_info(format, "combine_qdq_resum: format")
@@ -95,18 +98,19 @@ def combine_qdq_resum(rows, format, amax=None, *, shared=None, topk_idx=None, to
         raise ValueError(f"combine_qdq_resum: rows has shape {list(shape)}; expected [K, T, H]")
     K, T, H = shape
     if topk_idx is not None:
-        topk_idx = as_int32(topk_idx, "combine_qdq_resum: topk_idx")
-    elif is_cuda(rows):
-        if not is_torch(rows):
+        topk_idx = _t.as_int32(topk_idx, "combine_qdq_resum: topk_idx")
+    elif _t.is_cuda(rows):
+        if not _t.is_torch(rows):
             raise ValueError("combine_qdq_resum: CUDA rows that are not torch tensors need topk_idx (int32 [T, K])")
         topk_idx = _all_active(rows, T, K)
     if out is None:
-        out = empty(rows, (T, H))
-    number, tensor, _ = amax_args(rows, amax, global_amax, "combine_qdq_resum")
-    _C.combine(capsule(rows, "combine_qdq_resum: rows", s), capsule(out, "combine_qdq_resum: out", s), format,
-               number, tensor, optional_capsule(shared, "combine_qdq_resum: shared", s),
-               optional_capsule(topk_idx, "combine_qdq_resum: topk_idx", s),
-               optional_capsule(topk_weights, "combine_qdq_resum: topk_weights", s), s)
+        out = _t.empty(rows, (T, H))
+    _t.check_out(out, "combine_qdq_resum: out")
+    number, tensor, _ = _t.amax_args(rows, amax, global_amax, "combine_qdq_resum")
+    _C.combine(_t.capsule(rows, "combine_qdq_resum: rows", s), _t.capsule(out, "combine_qdq_resum: out", s), format,
+               number, tensor, _t.optional_capsule(shared, "combine_qdq_resum: shared", s),
+               _t.optional_capsule(topk_idx, "combine_qdq_resum: topk_idx", s),
+               _t.optional_capsule(topk_weights, "combine_qdq_resum: topk_weights", s), s)
     return out
 
 
@@ -161,15 +165,28 @@ class Quantizer(_C.Quantizer):
     def collect(self, x, *, stream=None):
         """Folds max |x| into the calibration (CUDA tensors are copied to the host, in order on the
         current stream: calibration is an eager step). NaN or inf is an error naming the quantizer."""
-        s = stream_of(x, stream)
-        _C.Quantizer.collect(self, capsule(x, f"{self.name}: collect: x", s), s)
+        s = _t.stream_of(x, stream)
+        _C.Quantizer.collect(self, _t.capsule(x, f"{self.name}: collect: x", s), s)
 
-    @contextlib.contextmanager
+    @_contextlib.contextmanager
     def calibrate(self):
-        """with q.calibrate(): q.collect(x) ... -- start, then finish (storing the max) on success."""
+        """with q.calibrate(): q.collect(x) ... -- start, then finish (storing the max) on success.
+        Any exception inside the block (bad data, KeyboardInterrupt) or from the finish (no data
+        reached a quantizer that needs it) aborts the calibration: the quantizer is as before the
+        block (its previous amax, not calibrating) and the exception propagates."""
+        before = self.amax if self.needs_calibration else None
         self.start_calibration()
-        yield self
-        self.finish_calibration()
+        try:
+            yield self
+            self.finish_calibration()
+        except BaseException:
+            _abort_calibration(self, before)
+            raise
+
+    def abort_calibration(self):
+        """Leaves a calibration without storing anything: not calibrating, the amax as it was before
+        start_calibration."""
+        _abort_calibration(self, self.amax if self.needs_calibration else None)
 
     def qdq(self, x, *, out=None, stream=None):
         """x through this quantizer: QDQ with its amax (stored, constant or dynamic) while enabled
@@ -197,11 +214,39 @@ class Quantizer(_C.Quantizer):
         state = "enabled" if self.enabled else "disabled"
         return f"Quantizer({self.name!r}, {self.spec.describe()}, {state}, amax={self.amax})"
 
+    def __reduce__(self):
+        # copy.deepcopy, pickle and torch.save rebuild the quantizer from its spec, switch and amax.
+        if self.calibrating:
+            raise TypeError(f"{self.name}: cannot copy or pickle a quantizer while it calibrates; finish or abort "
+                            "the calibration first")
+        s = self.spec
+        amax = self.amax if self.needs_calibration else None
+        return (_rebuild_quantizer, (self.name, s.format, s.block_size, s.amax_source, s.constant_amax, self.enabled,
+                                     amax))
+
+
+def _rebuild_quantizer(name, format, block_size, amax_source, constant_amax, enabled, amax):
+    return Quantizer(name, spec=_C.QuantSpec(format, block_size, amax_source, constant_amax), enabled=enabled,
+                     amax=amax)
+
+
+def _abort_calibration(q, before):
+    """q (a moefq.Quantizer) out of calibration with `before` as its amax (None: no stored amax).
+    The binding's abort_calibration when it has one; else reset (which also drops the stored amax)
+    and the amax set back."""
+    native = getattr(_C.Quantizer, "abort_calibration", None)
+    if native is not None:
+        native(q)
+        return
+    q.reset()
+    if before is not None:
+        q.set_amax(before)
+
 
 def _copy_into(out, x):
-    if is_torch(out):
+    if _t.is_torch(out):
         out.copy_(x)
-    elif is_numpy(out):
+    elif _t.is_numpy(out):
         out[...] = x
     else:
         raise TypeError(f"cannot copy into {type(out).__name__}")
@@ -211,7 +256,7 @@ def _copy_into(out, x):
 def load_recipe(path_or_unit_name, recipe_root=""):
     """A recipe file in Model Optimizer's layout (unit, preset or complete recipe) or a shipped unit
     by name, imports expanded; recipe_root: where `imports:` paths are looked for first."""
-    return _C.load_recipe(os.fspath(path_or_unit_name), os.fspath(recipe_root))
+    return _C.load_recipe(_os.fspath(path_or_unit_name), _os.fspath(recipe_root))
 
 
 def _as_recipe(recipe):
@@ -225,12 +270,12 @@ def apply_recipe(recipe, quantizer_names):
 
 def save_calibration(path, quantizers):
     """Writes the quantizers' amax to a calibration file (written atomically)."""
-    _C.save_calibration(os.fspath(path), list(quantizers))
+    _C.save_calibration(_os.fspath(path), list(quantizers))
 
 
 def load_calibration(path, quantizers):
     """Sets the amax of every quantizer that needs calibration from a calibration file; all or nothing."""
-    _C.load_calibration(os.fspath(path), list(quantizers))
+    _C.load_calibration(_os.fspath(path), list(quantizers))
 
 
 class MoeLayer:
@@ -246,9 +291,11 @@ class MoeLayer:
 
     def __init__(self, preset=None, *, config=None, checkpoint=None, layer=0, ranks=1, max_tokens=256,
                  device="cpu", seed=1, synthetic="model", threads=0, recipe=None, combine_weighting="before"):
-        self._layer = _C.MoeLayer(preset or "", os.fspath(config) if config else "",
-                                  os.fspath(checkpoint) if checkpoint else "", layer, ranks, max_tokens, device, seed,
+        self._layer = _C.MoeLayer(preset or "", _os.fspath(config) if config else "",
+                                  _os.fspath(checkpoint) if checkpoint else "", layer, ranks, max_tokens, device, seed,
                                   synthetic, threads, combine_weighting)
+        self._configs = {}  # the last configuration, which abort_calibration restores
+        self._before_calibration = None  # both quantizers as start_calibration found them
         if recipe is not None:
             self.configure(recipe)
 
@@ -274,6 +321,7 @@ class MoeLayer:
                                  f"{self.combine_weighting} the combine (MoeLayer(combine_weighting=...))")
             configs = apply_recipe(recipe, self.quantizer_names)
         self._layer.configure(configs)
+        self._configs = configs
 
     def dispatch_quantizer(self, rank=0):
         """A snapshot of rank `rank`'s dispatch quantizer (after calibration every rank holds the same amax)."""
@@ -296,62 +344,90 @@ class MoeLayer:
 
     def route(self, x, *, stream=None):
         """The layer's own router: (topk_idx [N, K] int32, topk_weights [N, K] float32)."""
-        s = stream_of(x, stream)
+        s = _t.stream_of(x, stream)
         n, k = int(x.shape[0]), self.config["top_k"]
-        idx, w = empty(x, (n, k), "int32"), empty(x, (n, k), "float32")
+        idx, w = _t.empty(x, (n, k), "int32"), _t.empty(x, (n, k), "float32")
         ws = None
-        if is_cuda(x):
+        if _t.is_cuda(x):
             ws = _scratch(x, self._layer.route_workspace_bytes(n))
-        self._layer.route(capsule(x, "route: x", s), capsule(idx, "route: topk_idx", s),
-                          capsule(w, "route: topk_weights", s), optional_capsule(ws, "route: workspace", s), s)
+        self._layer.route(_t.capsule(x, "route: x", s), _t.capsule(idx, "route: topk_idx", s),
+                          _t.capsule(w, "route: topk_weights", s), _t.optional_capsule(ws, "route: workspace", s), s)
         return idx, w
 
     def forward(self, x, topk_idx=None, topk_weights=None, *, out=None, include_shared=True, stream=None):
         """The layer's output for x [N, H] bf16 routed by (topk_idx, topk_weights) ([N, K] global
         expert ids, -1 inactive; router weights with the scaling folded in); None: the layer's own
         router. include_shared=False: the routed part alone."""
-        s = stream_of(x, stream)
+        s = _t.stream_of(x, stream)
         if topk_idx is None or topk_weights is None:
             topk_idx, topk_weights = self.route(x, stream=stream)
-        topk_idx = as_int32(topk_idx, "forward: topk_idx")
+        topk_idx = _t.as_int32(topk_idx, "forward: topk_idx")
         if out is None:
-            out = empty_like(x)
+            out = _t.empty_like(x)
+        _t.check_out(out, "MoeLayer.forward: out")
         scratch = None
-        if is_cuda(x) and include_shared and self._layer.has_shared:
-            scratch = empty_like(x)
-        self._layer.forward(capsule(x, "forward: x", s), capsule(topk_idx, "forward: topk_idx", s),
-                            capsule(topk_weights, "forward: topk_weights", s), capsule(out, "forward: out", s),
-                            optional_capsule(scratch, "forward: scratch", s), include_shared, s)
+        if _t.is_cuda(x) and include_shared and self._layer.has_shared:
+            scratch = _t.empty_like(x)
+        self._layer.forward(_t.capsule(x, "forward: x", s), _t.capsule(topk_idx, "forward: topk_idx", s),
+                            _t.capsule(topk_weights, "forward: topk_weights", s), _t.capsule(out, "forward: out", s),
+                            _t.optional_capsule(scratch, "forward: scratch", s), include_shared, s)
         return out
 
     __call__ = forward
 
     def start_calibration(self):
+        self._before_calibration = (self.dispatch_quantizer(), self.combine_quantizer())
         self._layer.start_calibration()
 
     def finish_calibration(self):
+        """MAX over the ranks, then each quantizer stores its amax. An error (no data reached an
+        enabled quantizer that needs calibration; NaN or inf in the data) leaves the layer
+        calibrating: collect more, or abort_calibration()."""
         self._layer.finish_calibration()
+
+    def abort_calibration(self):
+        """Leaves a calibration without storing anything: both quantizers as start_calibration found
+        them (their amax, not calibrating)."""
+        native = getattr(self._layer, "abort_calibration", None)
+        if native is not None:
+            native()
+            return
+        # Without the binding's abort: configure again (fresh quantizers, not calibrating, no amax),
+        # then put the amax back. Both or neither enabled quantizer that needs one held an amax
+        # (set_calibrated_amax, a calibration file and calibration all set both).
+        before = self._before_calibration or (self.dispatch_quantizer(), self.combine_quantizer())
+        self._layer.configure(self._configs)
+        needed = [q for q in before if q.enabled and q.needs_calibration]
+        if needed and all(q.amax is not None for q in needed):
+            d, c = (q.amax if q.enabled and q.needs_calibration else 0.0 for q in before)
+            self._layer.set_calibrated_amax(d, c)
 
     def calibrate(self, batches):
         """Max calibration over the batches (each x, or a tuple (x, topk_idx, topk_weights)); both
-        quantizers' amax are then MAX-reduced over the ranks. Returns (dispatch_amax, combine_amax)."""
+        quantizers' amax are then MAX-reduced over the ranks. Returns (dispatch_amax, combine_amax).
+        On any error (a bad batch, NaN or inf, no batches at all, KeyboardInterrupt) the calibration is
+        aborted, the layer is as before the call, and the error propagates."""
         self.start_calibration()
-        for b in batches:
-            if isinstance(b, (tuple, list)):
-                self.forward(*b)
-            else:
-                self.forward(b)
-        self.finish_calibration()
+        try:
+            for b in batches:
+                if isinstance(b, (tuple, list)):
+                    self.forward(*b)
+                else:
+                    self.forward(b)
+            self.finish_calibration()
+        except BaseException:
+            self.abort_calibration()
+            raise
         return self.dispatch_amax, self.combine_amax
 
     def set_calibrated_amax(self, dispatch_amax, combine_amax):
         self._layer.set_calibrated_amax(float(dispatch_amax), float(combine_amax))
 
     def save_calibration(self, path):
-        self._layer.save_calibration(os.fspath(path))
+        self._layer.save_calibration(_os.fspath(path))
 
     def load_calibration(self, path):
-        self._layer.load_calibration(os.fspath(path))
+        self._layer.load_calibration(_os.fspath(path))
 
     def layout_checked(self, rank=0):
         """Whether rank's buffer passed the layout check (the combine quantizer read the right rows)."""
@@ -378,13 +454,13 @@ def _eval_options(options):
     if layers is not None and not isinstance(layers, str):
         o["layers"] = ",".join(str(int(i)) for i in ([layers] if isinstance(layers, int) else layers))
     recipes = o.get("recipes")
-    if isinstance(recipes, (str, os.PathLike)):
-        o["recipes"] = [os.fspath(recipes)]
+    if isinstance(recipes, (str, _os.PathLike)):
+        o["recipes"] = [_os.fspath(recipes)]
     elif recipes is not None:
-        o["recipes"] = [os.fspath(r) for r in recipes]
+        o["recipes"] = [_os.fspath(r) for r in recipes]
     for key in ("config", "checkpoint", "activations", "load_calibration", "out"):
         if o.get(key) is not None:
-            o[key] = os.fspath(o[key])
+            o[key] = _os.fspath(o[key])
     if o.get("progress") is True:
         import sys
         o["progress"] = lambda line: print("  " + line, file=sys.stderr)
@@ -395,23 +471,24 @@ def _eval_options(options):
 
 def eval(**options):
     """`moefq eval` in-process: the report as a dict, the same JSON `moefq eval --out DIR` writes to
-    DIR/report.json. Options are the CLI's, as keywords: preset, config, checkpoint, layers ("3-10"
-    or a list), activations, synthetic, recipes (a list of files or unit names), ranks, tokens,
-    calib_batches, eval_batches, seed, device ("auto", "cpu", "cuda"), pipeline, threads,
-    load_calibration, max_rel_l2; out (also write report.json/.csv/.html there); progress (True:
-    progress lines on stderr, or a callable taking each line)."""
-    return json.loads(_C.eval_json(**_eval_options(options)))
+    DIR/report.json. Keywords (the CLI's options but --recipe-root; None: left out): preset,
+    config, checkpoint, layers ("3-10", an int or a list), activations, synthetic, recipes (a file
+    or unit name, or a list of them), ranks, tokens, calib_batches, eval_batches, seed, device
+    ("auto", "cpu", "cuda"), pipeline, threads, combine_weighting, load_calibration, max_rel_l2;
+    out (also write report.json/.csv/.html there); progress (True: progress lines on stderr, or a
+    callable taking each line). Any other keyword is a ValueError."""
+    return _json.loads(_C.eval_json(**_eval_options(options)))
 
 
 def calibrate(save, **options):
     """`moefq calibrate --save FILE` in-process (eval's model options); returns each layer's amax."""
-    return _C.calibrate(os.fspath(save), **_eval_options(options))
+    return _C.calibrate(_os.fspath(save), **_eval_options(options))
 
 
 def metrics(y, ref):
     """numerics.md's error metrics of y against ref (CPU tensors of one dtype and shape): rel_l2,
     cosine, calc_diff, max_abs, snr_db, count, skipped_nonfinite."""
-    return _C.metrics(capsule(y, "metrics: y"), capsule(ref, "metrics: ref"))
+    return _C.metrics(_t.capsule(y, "metrics: y"), _t.capsule(ref, "metrics: ref"))
 
 
 _ST_NUMPY = {"BF16": "uint16", "F32": "float32", "I32": "int32", "I64": "int64"}
@@ -420,15 +497,15 @@ _ST_NUMPY = {"BF16": "uint16", "F32": "float32", "I32": "int32", "I64": "int64"}
 def save_safetensors(path, tensors, metadata=None):
     """Writes CPU tensors {name: tensor} (bf16, float32, int32, int64; numpy uint16 is bf16) to a
     safetensors file, atomically (a temporary file renamed)."""
-    items = [(str(name), capsule(t, f"save_safetensors: tensor '{name}'")) for name, t in tensors.items()]
-    _C.save_safetensors(os.fspath(path), items, {str(k): str(v) for k, v in (metadata or {}).items()})
+    items = [(str(name), _t.capsule(t, f"save_safetensors: tensor '{name}'")) for name, t in tensors.items()]
+    _C.save_safetensors(_os.fspath(path), items, {str(k): str(v) for k, v in (metadata or {}).items()})
 
 
 def load_safetensors(path, framework="numpy"):
     """{name: array} of a safetensors file (copies): numpy arrays (BF16 as uint16 bit patterns), or
     torch tensors with framework="torch" (BF16 as torch.bfloat16). Other dtypes come back as bytes."""
     import numpy as np
-    tensors, _ = _C.load_safetensors(os.fspath(path))
+    tensors, _ = _C.load_safetensors(_os.fspath(path))
     out = {}
     for name, dtype, shape, data in tensors:
         if dtype not in _ST_NUMPY:

@@ -35,6 +35,16 @@ def check_tensor(x, what):
                         f"got {type(x).__name__}")
 
 
+def check_out(out, what):
+    """moefq writes `out` outside autograd, which never learns of the change: refuse a torch tensor
+    that requires grad (while grad mode is on), as torch refuses an in-place op on a leaf that
+    requires grad, rather than leave a graph that silently computes wrong gradients."""
+    if is_torch(out) and out.requires_grad and _torch().is_grad_enabled():
+        raise ValueError(f"{what} requires grad, and moefq writes it outside autograd; pass a tensor that does "
+                         "not require grad, work under torch.no_grad(), or use moefq.torch's modules for a "
+                         "straight-through gradient")
+
+
 def is_cuda(x):
     if is_torch(x):
         return x.is_cuda

@@ -9,11 +9,12 @@ the QDQ (the straight-through estimator), so a model keeps training with them in
 """
 
 import contextlib
+import inspect
 import os
 
 import torch
 
-from . import Quantizer, combine_qdq_resum, save_safetensors
+from . import Quantizer, combine_qdq_resum, qdq, save_safetensors
 
 __all__ = ["DispatchQuantizer", "CombineQuantizer", "capture_moe_inputs", "find_moe_blocks"]
 
@@ -30,12 +31,70 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+class _CombineResum(torch.autograd.Function):
+    """y[t] = bf16(sum over active k of w[t, k] * QDQ(rows[k, t]) + shared[t]) (w = 1 when the rows
+    come weighted), with QDQ taken as the identity backward (the straight-through estimator):
+    d rows[k, t] = w[t, k] * dy[t] on active slots and 0 on the others (their rows are never read),
+    d shared[t] = dy[t], d w[t, k] = <dy[t], QDQ(rows[k, t])>, the row as the forward summed it.
+    The sums run in fp32; each gradient comes back in its input's dtype."""
+
+    @staticmethod
+    def forward(ctx, rows, shared, topk_weights, topk_idx, fmt, amax):
+        ctx.fmt, ctx.amax, ctx.rows_shape, ctx.rows_dtype = fmt, amax, rows.shape, rows.dtype
+        # The rows only for the weights' gradient, which needs them QDQ'd again.
+        ctx.save_for_backward(rows if ctx.needs_input_grad[2] else None, topk_weights, topk_idx)
+        return combine_qdq_resum(rows, fmt, amax, shared=shared, topk_idx=topk_idx, topk_weights=topk_weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weights, idx = ctx.saved_tensors
+        K, T, H = ctx.rows_shape
+        g = grad.float()
+        active = None if idx is None else (idx >= 0).t().unsqueeze(-1)  # [K, T, 1]
+        grad_rows = grad_shared = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            gr = g.unsqueeze(0).expand(K, T, H)
+            if weights is not None:
+                gr = gr * weights.float().t().unsqueeze(-1)
+            if active is not None:
+                gr = torch.where(active, gr, gr.new_zeros(()))
+            grad_rows = gr.to(ctx.rows_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_shared = grad
+        if ctx.needs_input_grad[2]:
+            sent = rows if ctx.fmt is None else qdq(rows.reshape(K * T, H), ctx.fmt, ctx.amax).reshape(K, T, H)
+            sent = sent.float()
+            if active is not None:
+                sent = torch.where(active, sent, sent.new_zeros(()))  # an unread row may hold NaN
+            grad_weights = torch.einsum("th,kth->tk", g, sent).to(weights.dtype)
+        return grad_rows, grad_shared, grad_weights, None, None, None
+
+
 class _QuantizerModule(torch.nn.Module):
-    """What both modules share: the moefq.Quantizer and its controls."""
+    """What both modules share: the moefq.Quantizer and its controls. A calibrated amax is also the
+    float32 buffer `_amax` (absent while there is none), so state_dict()/load_state_dict() carry it;
+    the quantizer holds the value that counts, and the buffer follows it. copy.deepcopy, pickle and
+    torch.save rebuild the quantizer from its spec, switch and amax."""
 
     def __init__(self, name, format, amax, amax_source, constant_amax):
         super().__init__()
         self.quantizer = Quantizer(name, format, amax_source=amax_source, constant_amax=constant_amax, amax=amax)
+        # Where the module lives (.to()/.cuda() move it): an amax that appears later goes there.
+        self._amax_device = torch.device("cpu")
+        self.register_buffer("_amax", None)
+        self._sync_amax()
+
+    def _sync_amax(self):
+        q = self.quantizer
+        value = q.amax if q.needs_calibration else None
+        held = self._buffers.get("_amax")
+        device = held.device if held is not None else self._amax_device
+        self._amax = None if value is None else torch.tensor(value, dtype=torch.float32, device=device)
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        self._amax_device = fn(torch.empty(0, device=self._amax_device)).device
+        return self
 
     @property
     def amax(self):
@@ -44,6 +103,7 @@ class _QuantizerModule(torch.nn.Module):
     @amax.setter
     def amax(self, value):
         self.quantizer.amax = value
+        self._sync_amax()
 
     @property
     def enabled(self):
@@ -63,15 +123,55 @@ class _QuantizerModule(torch.nn.Module):
     @contextlib.contextmanager
     def calibrate(self):
         """with m.calibrate(): model(batch) ... -- inputs pass unquantized, their max |x| is
-        collected; the amax is stored when the block ends without an error."""
-        with self.quantizer.calibrate():
-            yield self
+        collected; the amax is stored when the block ends without an error. On an error (NaN or
+        inf in the data, KeyboardInterrupt, no data at all) the quantizer is as before the block
+        (its previous amax, not calibrating) and the error propagates."""
+        try:
+            with self.quantizer.calibrate():
+                yield self
+        finally:
+            self._sync_amax()
+
+    def abort_calibration(self):
+        self.quantizer.abort_calibration()
+        self._sync_amax()
 
     def save(self, path):
         self.quantizer.save(path)
 
     def load(self, path):
         self.quantizer.load(path)
+        self._sync_amax()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self._sync_amax()  # also after changes made on self.quantizer directly
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "_amax"
+        held = self._buffers["_amax"]
+        self._buffers["_amax"] = None  # loaded here, into the quantizer, not copied into the buffer
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            self._buffers["_amax"] = held
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        q = self.quantizer
+        if key in state_dict:
+            value = state_dict[key]
+            try:
+                if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                    raise ValueError(f"expected a 1-element tensor, got {type(value).__name__} "
+                                     f"{list(getattr(value, 'shape', []))}")
+                q.set_amax(float(value))
+            except ValueError as e:
+                error_msgs.append(f"{key}: {e}")
+        elif q.needs_calibration and q.amax is not None:
+            missing_keys.append(key)
+        self._sync_amax()
 
     def extra_repr(self):
         return f"{self.quantizer.spec.describe()}, {'enabled' if self.enabled else 'disabled'}, amax={self.amax}"
@@ -79,7 +179,8 @@ class _QuantizerModule(torch.nn.Module):
 
 class DispatchQuantizer(_QuantizerModule):
     """x [..., H] (bf16 or float32) -> QDQ(x) in `format`, as the dispatch quantizer does to the
-    tokens sent to the experts. While calibrating: collects max |x| and returns x; disabled: x."""
+    tokens sent to the experts. While calibrating: collects max |x| and returns x; disabled: x.
+    Backward: the gradient passes straight through (dy/dx = 1)."""
 
     def __init__(self, format, *, amax=None, amax_source=None, constant_amax=None,
                  name="layers.0.mlp.experts.dispatch_quantizer"):
@@ -87,7 +188,7 @@ class DispatchQuantizer(_QuantizerModule):
 
     def forward(self, x):
         if self.calibrating:
-            self.quantizer.collect(x)
+            self.quantizer.collect(x.contiguous())
             return x
         if not self.enabled:
             return x
@@ -98,11 +199,13 @@ class CombineQuantizer(_QuantizerModule):
     """rows [K, T, H] bf16 (slot k of token t: the expert's output times its router weight, zero
     where the slot is not routed) -> [T, H] bf16: each row QDQ'd in `format`, summed in ascending
     slot order in fp32 from 0, `shared` [T, H] added last unquantized, one rounding to bf16
-    (moefq.combine_qdq_resum). While calibrating: collects max |rows| and returns the plain sum;
-    disabled: the plain sum. topk_idx [T, K]: negative marks a slot whose row is not read.
-    topk_weights [T, K] float32 (combine_weighting after): the rows are the unweighted expert
-    outputs, and each (QDQ'd) row is multiplied by its router weight in fp32 before it is added;
-    calibration then sees the unweighted rows, as the quantizer does."""
+    (moefq.combine_qdq_resum). While calibrating: collects max |rows| over the active slots and
+    returns the plain sum; disabled: the plain sum. topk_idx [T, K]: negative marks a slot whose
+    row is not read (nor collected). topk_weights [T, K] float32 (combine_weighting after): the rows
+    are the unweighted expert outputs, and each (QDQ'd) row is multiplied by its router weight in
+    fp32 before it is added; calibration then sees the unweighted rows, as the quantizer does.
+    Backward (rows, shared and topk_weights, whichever requires grad): straight through the QDQ,
+    the derivative of that sum (_CombineResum)."""
 
     def __init__(self, format, *, amax=None, amax_source=None, constant_amax=None,
                  name="layers.0.mlp.experts.combine_quantizer"):
@@ -112,20 +215,33 @@ class CombineQuantizer(_QuantizerModule):
         super().__init__(name, format, amax, amax_source, constant_amax)
 
     def forward(self, rows, shared=None, topk_idx=None, topk_weights=None):
+        if rows.dim() != 3:
+            raise ValueError(f"{self.quantizer.name}: rows has shape {list(rows.shape)}; expected [K, T, H]")
+        if topk_idx is not None:
+            topk_idx = torch.as_tensor(topk_idx, device=rows.device)
+            K, T, _ = rows.shape
+            if tuple(topk_idx.shape) != (T, K):
+                raise ValueError(f"{self.quantizer.name}: topk_idx has shape {list(topk_idx.shape)}; expected "
+                                 f"[T, K] = [{T}, {K}] for rows {list(rows.shape)}")
         fmt, amax = None, None
         if self.calibrating:
-            self.quantizer.collect(rows)
+            self.quantizer.collect(_active_rows(rows, topk_idx))
         elif self.enabled:
             fmt = self.quantizer.format
             amax = self.quantizer.amax
             if amax is None and self.quantizer.needs_calibration:
                 raise ValueError(f"{self.quantizer.name}: no amax yet: calibrate it (with m.calibrate(): ...), load "
                                  "a calibration file or set amax")
+        rows, shared, topk_weights = (None if t is None else t.contiguous() for t in (rows, shared, topk_weights))
+        return _CombineResum.apply(rows, shared, topk_weights, topk_idx, fmt, amax)
 
-        def resum(r):
-            return combine_qdq_resum(r, fmt, amax, shared=shared, topk_idx=topk_idx, topk_weights=topk_weights)
 
-        return _StraightThrough.apply(rows.contiguous(), resum) if rows.requires_grad else resum(rows.contiguous())
+def _active_rows(rows, topk_idx):
+    """The rows [n, H] of the active slots (all K x T without topk_idx): what calibration collects."""
+    rows = rows.detach()
+    if topk_idx is None:
+        return rows.contiguous()
+    return rows[(topk_idx >= 0).t()]
 
 
 # Hugging Face MoE blocks by class name: DeepSeek-V3 (DeepseekV3MoE), Qwen3-MoE
@@ -159,19 +275,44 @@ def find_moe_blocks(model):
     return blocks
 
 
+# torch >= 2.0 shows forward pre-hooks the keyword arguments too (with_kwargs=True); torch 1.x does not.
+_HOOKS_SEE_KWARGS = "with_kwargs" in inspect.signature(torch.nn.Module.register_forward_pre_hook).parameters
+
+
+def _check_output_file(path, who):
+    """Refuses, before any work, a path that cannot become the output file: a directory or another
+    non-regular file, or a folder that does not exist or cannot be written."""
+    if os.path.isdir(path):
+        example = os.path.join(path, "acts.safetensors")
+        raise ValueError(f"{who}: path {path} is a directory; give a file name (e.g. {example})")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise ValueError(f"{who}: path {path} exists and is not a regular file; outputs only replace regular files")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{who}: path {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{who}: path {path}: the folder {folder} is not writable")
+
+
 def capture_moe_inputs(model, layers, batches, path, *, max_tokens=None):
     """Runs the model on `batches` (each a tensor of input ids, or a dict of keyword arguments) and
-    writes the inputs of the MoE blocks of `layers` (indices of decoder layers) to `path`: a
-    safetensors file with one tensor `layers.{i}` [tokens, H] bf16 per layer, the tokens in batch
-    order, which `moefq eval --activations path --layers ...` reads. max_tokens: stop keeping rows
-    after that many per layer. Returns {layer: number of rows}."""
-    blocks = find_moe_blocks(model)
+    writes the inputs of the MoE blocks of `layers` (indices of decoder layers, each once) to
+    `path`: a safetensors file with one tensor `layers.{i}` [tokens, H] bf16 per layer, the tokens
+    in batch order, which `moefq eval --activations path --layers ...` reads. max_tokens: stop
+    keeping rows after that many per layer. Returns {layer: number of rows}. The path is checked
+    before the model runs; nothing is written on an error."""
+    path = os.fspath(path)
     layers = [int(i) for i in ([layers] if isinstance(layers, int) else layers)]
     if not layers:
         raise ValueError("capture_moe_inputs: no layers given")
+    repeated = sorted({i for i in layers if layers.count(i) > 1})
+    if repeated:
+        raise ValueError(f"capture_moe_inputs: layers {repeated} given more than once")
+    blocks = find_moe_blocks(model)
     missing = [i for i in layers if i not in blocks]
     if missing:
         raise ValueError(f"capture_moe_inputs: layers {missing} have no MoE block (MoE layers: {sorted(blocks)})")
+    _check_output_file(path, "capture_moe_inputs")
     captured = {i: [] for i in layers}
     counts = {i: 0 for i in layers}
 
@@ -179,7 +320,13 @@ def capture_moe_inputs(model, layers, batches, path, *, max_tokens=None):
         def hook(module, args, kwargs=None):
             x = args[0] if args else (kwargs or {}).get("hidden_states")
             if x is None:
-                raise ValueError(f"capture_moe_inputs: layer {i}'s MoE block got no hidden_states")
+                if _HOOKS_SEE_KWARGS:
+                    raise ValueError(f"capture_moe_inputs: layer {i}'s MoE block got no hidden_states (neither "
+                                     "positional nor as the keyword hidden_states)")
+                raise ValueError(f"capture_moe_inputs: layer {i}'s MoE block was called without a positional "
+                                 f"argument (e.g. mlp(hidden_states=h)); forward hooks of torch {torch.__version__} "
+                                 "do not see keyword arguments (torch >= 2.0 does): call the block with "
+                                 "hidden_states positionally, mlp(h)")
             rows = x.detach().reshape(-1, x.shape[-1])
             if max_tokens is not None:
                 rows = rows[:max(0, int(max_tokens) - counts[i])]
@@ -188,7 +335,8 @@ def capture_moe_inputs(model, layers, batches, path, *, max_tokens=None):
                 counts[i] += rows.shape[0]
         return hook
 
-    handles = [blocks[i].register_forward_pre_hook(hook_for(i)) for i in layers]
+    kwargs = {"with_kwargs": True} if _HOOKS_SEE_KWARGS else {}
+    handles = [blocks[i].register_forward_pre_hook(hook_for(i), **kwargs) for i in layers]
     try:
         with torch.no_grad():
             for batch in batches:
@@ -203,5 +351,5 @@ def capture_moe_inputs(model, layers, batches, path, *, max_tokens=None):
     if empty:
         raise ValueError(f"capture_moe_inputs: no tokens reached layers {empty} (no batches?)")
     tensors = {f"layers.{i}": torch.cat(captured[i]).contiguous() for i in layers}
-    save_safetensors(os.fspath(path), tensors, {"source": type(model).__name__, "layers": ",".join(map(str, layers))})
+    save_safetensors(path, tensors, {"source": type(model).__name__, "layers": ",".join(map(str, layers))})
     return {i: int(t.shape[0]) for i, t in zip(layers, tensors.values())}

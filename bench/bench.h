@@ -3,12 +3,21 @@
 #pragma once
 
 #include <cstdint>
+#include <ctime>
 #include <string>
 #include <vector>
 
 #include "moefq/weights.h"
 
 namespace moefq::bench {
+
+// Today's date (UTC), YYYY-MM-DD: the `date` of every benchmark's JSON.
+inline std::string today() {
+  const std::time_t now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
+  return buf;
+}
 
 struct QdqBenchOptions {
   std::vector<int64_t> rows = {128, 4096, 32768};

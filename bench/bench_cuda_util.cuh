@@ -5,11 +5,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <ctime>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "bench/bench.h"
 #include "cuda/cuda_check.h"
 
 namespace moefq::bench {
@@ -111,14 +111,6 @@ inline double copy_gbs(size_t bytes, int per_graph = 10, int reps = 11) {
   cudaFree(a);
   cudaFree(b);
   return 2.0 * double(bytes) / std::min(us[0], us[1]) * 1e-3;
-}
-
-// Today's date (UTC), YYYY-MM-DD.
-inline std::string today() {
-  const std::time_t now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
-  return buf;
 }
 
 }  // namespace moefq::bench

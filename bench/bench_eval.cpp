@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <thread>
 
 #include "bench/bench.h"
 #include "cli/commands.h"
@@ -27,15 +26,17 @@ int run_bench_eval(const EvalBenchOptions& o) {
   e.tokens = o.tokens;
   e.calib_batches = o.calib_batches;
   e.eval_batches = o.eval_batches;
+#ifdef MOEFQ_HAS_CUDA
+  register_cuda_layer_runner();  // a refused CPU run's plan asks the GPU's free memory, as eval's
+#endif
   if (cli::use_cuda(o.device)) {
 #ifdef MOEFQ_HAS_CUDA
     cuda::register_cuda_backends();
-    register_cuda_layer_runner();
     e.device = EvalDevice::kCuda;
     e.device_name = cuda::device_description();
 #endif
   } else {
-    e.device_name = "cpu (" + std::to_string(std::max(1u, std::thread::hardware_concurrency())) + " threads)";
+    e.device_name = cli::cpu_device_name(0);
   }
   e.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
   const EvalResult r = run_eval(e);
@@ -65,7 +66,7 @@ int run_bench_eval(const EvalBenchOptions& o) {
   if (!o.json.empty()) {
     nlohmann::json j = {{"benchmark", "eval"},        {"preset", o.preset},       {"layers", r.setup.layers},
                         {"ranks", o.ranks},           {"tokens", o.tokens},       {"calib_batches", o.calib_batches},
-                        {"eval_batches", o.eval_batches}, {"device", r.setup.device}, {"recipes", r.setup.recipe_names.size()},
+                        {"eval_batches", o.eval_batches}, {"device", r.setup.device}, {"date", today()}, {"recipes", r.setup.recipe_names.size()},
                         {"wall_seconds", r.wall_seconds}, {"streaming", r.memory.streaming}};
     for (const StageTimes& t : r.stage_times)
       j["layers_seconds"].push_back({{"layer", t.layer}, {"load", t.load}, {"calibrate", t.calibrate},

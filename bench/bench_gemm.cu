@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <ctime>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -88,11 +87,9 @@ int run_bench_gemm(const GemmBenchOptions& o) {
   const int64_t max_rows = *std::max_element(o.tokens.begin(), o.tokens.end()) * o.top_k;
   cudaDeviceProp prop;
   MOEFQ_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
+  const std::string date = today();
   std::printf("moefq bench gemm: %s (%d SMs), %s; H=%lld I=%lld, %lld local experts, top-%lld\n", prop.name,
-              prop.multiProcessorCount, date, (long long)H, (long long)I, (long long)G, (long long)o.top_k);
+              prop.multiProcessorCount, date.c_str(), (long long)H, (long long)I, (long long)G, (long long)o.top_k);
 
   // Weights of all local experts (contiguous per kind) and activations, filled on the device.
   const int64_t gu_elems = 2 * I * H, dn_elems = H * I, gu_sc = 2 * ib * hb, dn_sc = hb * ib;

@@ -8,7 +8,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
-#include <thread>
 
 #include "cli/commands.h"
 #include "cli/table.h"
@@ -81,11 +80,15 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
   if (!o.layers.empty() || sub->get_option("--layers")->count() > 0) o.eval.layers = parse_layers(o.layers);
   if (sub->get_option("--combine-weighting")->count() > 0)
     o.eval.combine_weighting = combine_weighting_option(o.combine_weighting, "--combine-weighting");
+#ifdef MOEFQ_HAS_CUDA
+  // The GPU runner and its memory query, for a CPU run too: the plan of a refused CPU run asks the
+  // GPU's free memory (only then) to say whether --device cuda would fit.
+  register_cuda_layer_runner();
+#endif
   const bool cuda = use_cuda(o.device);
   if (cuda) {
 #ifdef MOEFQ_HAS_CUDA
     cuda::register_cuda_backends();
-    register_cuda_layer_runner();
     MOEFQ_CHECK(o.pipeline == "device" || o.pipeline == "host", "--pipeline: unknown pipeline '", o.pipeline,
                 "' (expected device or host)");
     o.eval.device = o.pipeline == "device" ? EvalDevice::kCuda : EvalDevice::kCpu;
@@ -96,9 +99,7 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
     MOEFQ_CHECK(o.pipeline == "device", "--pipeline ", o.pipeline, " needs a GPU (--device cuda)");
     o.eval.device = EvalDevice::kCpu;
     o.eval.backend_kind = "mega_moe";
-    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-    const unsigned n = o.eval.num_threads > 0 ? unsigned(o.eval.num_threads) : hw;
-    o.eval.device_name = "cpu (" + std::to_string(n) + (n == 1 ? " thread)" : " threads)");
+    o.eval.device_name = cpu_device_name(o.eval.num_threads);
   }
   o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
 }

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include "moefq/errors.h"
@@ -36,6 +37,11 @@ bool use_cuda(const std::string& device) {
 #endif
   );
   return gpu;
+}
+
+std::string cpu_device_name(int num_threads) {
+  const unsigned n = num_threads > 0 ? unsigned(num_threads) : std::max(1u, std::thread::hardware_concurrency());
+  return "cpu (" + std::to_string(n) + (n == 1 ? " thread)" : " threads)");
 }
 
 std::string elapsed_and_eta(std::chrono::steady_clock::time_point start, double done, double total) {

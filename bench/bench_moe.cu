@@ -88,11 +88,6 @@ LayerReference layer_reference(const std::string& preset, int64_t tokens) {
 
 }  // namespace
 
-std::vector<std::string> moe_bench_configs() {
-  return {"none",       "dispatch-fp8",   "combine-fp8", "both-fp8", "dispatch-nvfp4", "combine-nvfp4",
-          "both-nvfp4", "both-nvfp4-gs1", "both-mxfp8"};
-}
-
 int run_bench_moe(const MoeBenchOptions& o) {
   MOEFQ_CHECK(cuda::device_count() > 0, "moefq bench moe: no CUDA device is visible");
   std::vector<std::string> configs = o.configs.empty() ? moe_bench_configs() : o.configs;

@@ -35,7 +35,11 @@ int run_bench_moe(const MoeBenchOptions& options);
 // slowest rank's figures) and writes the JSON.
 int run_bench_moe_ranks(const MoeBenchOptions& options);
 
-// The quantizer configurations run_bench_moe knows, in its order.
-std::vector<std::string> moe_bench_configs();
+// The quantizer configurations run_bench_moe knows, in its order (in every build: the CLI's help
+// lists them).
+inline std::vector<std::string> moe_bench_configs() {
+  return {"none",       "dispatch-fp8",   "combine-fp8", "both-fp8", "dispatch-nvfp4", "combine-nvfp4",
+          "both-nvfp4", "both-nvfp4-gs1", "both-mxfp8"};
+}
 
 }  // namespace moefq::bench

@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "cli/commands.h"
 #include "moefq/dist_env.h"
 #include "moefq/fileio.h"
+#include "moefq/qdq.h"
 
 namespace moefq::cli {
 namespace {
@@ -38,6 +40,15 @@ CLI::Validator block_multiple(int64_t max) {
         return "expected a positive multiple of 128 up to " + std::to_string(max) + ", got '" + text + "'";
       },
       "a multiple of 128 in [128, " + std::to_string(max) + "]");
+}
+
+// " (default 15)": a help string's default, from the options' own initial value.
+std::string default_is(int64_t value) { return " (default " + std::to_string(value) + ")"; }
+
+std::string joined(const std::vector<std::string>& names, const char* sep) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "" : sep) + n;
+  return s;
 }
 
 // A subcommand, the file its --json names (empty when not given) and its action.
@@ -87,9 +98,13 @@ std::function<int()> add_bench_command(CLI::App& app) {
   auto qo = std::make_shared<bench::QdqBenchOptions>();
   qdq->add_option("--rows", qo->rows, "row counts (default 128 4096 32768)")->check(rows_range());
   qdq->add_option("--cols", qo->cols, "hidden size, a multiple of 128 (default 7168)")->check(block_multiple(kMaxHidden));
-  qdq->add_option("--formats", qo->formats, "subset of fp8 nvfp4 mxfp8 mxfp4 int8 stage_e4m3 (default all)");
-  qdq->add_option("--reps", qo->reps, "timed graph replays; the median is reported")->check(CLI::Range(1, 10000));
-  qdq->add_option("--launches", qo->launches_per_graph, "launches captured per graph")->check(CLI::Range(1, 1000));
+  qdq->add_option("--formats", qo->formats,
+                  "any of " + format_choices() + " or stage_e4m3 (the engine's staging cast); default: every format, "
+                  "stage_e4m3, fp8+amax (with the dynamic-amax pass) and nvfp4-sat (an amax 500x below the data's)");
+  qdq->add_option("--reps", qo->reps, "timed graph replays; the median is reported" + default_is(qo->reps))
+      ->check(CLI::Range(1, 10000));
+  qdq->add_option("--launches", qo->launches_per_graph, "launches captured per graph" + default_is(qo->launches_per_graph))
+      ->check(CLI::Range(1, 1000));
   qdq->add_option("--json", qo->json, "also write the results as JSON to this file");
   qdq->footer("Example:\n  moefq bench qdq --rows 32768 --json bench_qdq.json");
   actions->push_back({qdq, &qo->json, [qo] { return bench::run_bench_qdq(*qo); }});
@@ -102,7 +117,8 @@ std::function<int()> add_bench_command(CLI::App& app) {
   moe->add_option("--ep", mo->ep, "expert-parallel degree whose per-GPU share runs (default 8)")->check(CLI::Range(1, 1024));
   moe->add_option("--tokens", mo->tokens, "tokens per rank (default 8 128 512 1024 4096 8192)")->check(rows_range());
   moe->add_option("--configs", mo->configs,
-                  "quantizer configurations (default all: none dispatch-fp8 combine-fp8 both-fp8 both-nvfp4 both-mxfp8)");
+                  "quantizer configurations, any of " + joined(bench::moe_bench_configs(), "|") +
+                      " (default all); none always runs, first");
   moe->add_option("--calls", mo->calls_per_graph, "layer calls captured per graph (default 3)")->check(CLI::Range(1, 100));
   moe->add_option("--reps", mo->reps, "timed graph replays; the median is reported (default 7)")->check(CLI::Range(1, 1000));
   moe->add_option("--json", mo->json, "also write the results as JSON to this file");
@@ -141,11 +157,14 @@ std::function<int()> add_bench_command(CLI::App& app) {
   comb->add_option("--tokens", co->tokens, "T = num_tokens (default 4096)")->check(rows_range());
   comb->add_option("--top-k", co->top_k, "K (default 8)")->check(CLI::Range(1, 32));
   comb->add_option("--hidden", co->hidden, "H, a multiple of 128 (default 7168)")->check(block_multiple(kMaxHidden));
-  comb->add_option("--formats", co->formats, "subset of combine fp8 nvfp4 mxfp8 mxfp4 int8 (default all)");
+  comb->add_option("--formats", co->formats,
+                   "combine (the plain combine) or any of " + format_choices() + "; default: combine and every format");
   comb->add_option("--combine-weighting", co->combine_weighting,
                    "before (default: the rows are already weighted) or after (the kernels weight each routed row)");
-  comb->add_option("--reps", co->reps, "timed graph replays; the median is reported")->check(CLI::Range(1, 10000));
-  comb->add_option("--launches", co->launches_per_graph, "launches captured per graph")->check(CLI::Range(1, 1000));
+  comb->add_option("--reps", co->reps, "timed graph replays; the median is reported" + default_is(co->reps))
+      ->check(CLI::Range(1, 10000));
+  comb->add_option("--launches", co->launches_per_graph, "launches captured per graph" + default_is(co->launches_per_graph))
+      ->check(CLI::Range(1, 1000));
   comb->add_option("--json", co->json, "also write the results as JSON to this file");
   comb->footer("Example:\n  moefq bench combine --formats combine fp8 nvfp4 --json bench_combine.json");
   actions->push_back({comb, &co->json, [co] { return bench::run_bench_combine(*co); }});

@@ -1,6 +1,6 @@
 // moefq command-line entry: dispatches subcommands, maps errors to exit codes
 // (0 success, 1 a failed check, 2 bad input, 3 a bug) and removes temporary files on SIGINT,
-// SIGTERM, SIGHUP and SIGPIPE (docs/cli.md).
+// SIGTERM and SIGHUP; SIGPIPE ends nothing (docs/cli.md).
 #include <cstdio>
 #include <exception>
 #include <new>

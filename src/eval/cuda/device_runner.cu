@@ -10,6 +10,7 @@
 #include <future>
 
 #include "cuda/cuda_check.h"
+#include "cuda/host_api.h"
 #include "cuda/cuda_engine.cuh"
 #include "cuda/device_buffer.h"
 #include "cuda/router_kernels.cuh"
@@ -333,7 +334,9 @@ void register_cuda_layer_runner() {
   register_layer_runner(EvalDevice::kCuda, [](const RunnerSetup& s) -> std::unique_ptr<LayerRunner> {
     return std::make_unique<cuda::DeviceRunner>(s);
   });
+  // Also asked for a CPU run that is refused (whether --device cuda would fit): none visible, none free.
   set_device_memory_query([] {
+    if (cuda::device_count() == 0) return std::pair<double, double>(0, 0);
     size_t free = 0, total = 0;
     MOEFQ_CUDA_CHECK(cudaMemGetInfo(&free, &total));
     return std::pair<double, double>(double(free), double(total));

@@ -9,6 +9,7 @@ messages (ValueError for bad input, RuntimeError otherwise). See docs/python.md.
 
 import contextlib as _contextlib
 import json as _json
+import operator as _operator
 import os as _os
 
 from . import _moefq as _C
@@ -50,20 +51,25 @@ def qdq(x, format, amax=None, *, out=None, stream=None):
     `moefq qdq` does: blocks run along the last dimension; bf16 or float32 in, the same dtype out
     (numpy: float32, or uint16 holding bf16 bits).
 
-    amax: the global amax of fp8, nvfp4 and int8 (a number, or a 1-element float32 tensor on x's
-    device); None: dynamic, max |x| over the whole tensor. The other formats ignore it.
+    amax: the global amax of fp8, nvfp4 and int8 (a finite number > 0, or a 1-element float32
+    tensor on x's device); None: dynamic, max |x| over the whole tensor. The other formats ignore it.
     out: where the result goes (x itself for in place; same dtype, shape and device); default a new
     tensor of x's kind. Returns out. No autograd: the result of a torch x that requires grad does
     not (moefq.torch.DispatchQuantizer has the straight-through gradient), and an `out` that requires
     grad is refused while grad mode is on.
     """
+    return _qdq(x, format, amax, out, stream, stored=False)
+
+
+def _qdq(x, format, amax, out, stream, stored):
+    """qdq; stored: amax is a quantizer's own, which may be 0 (see _tensors.check_amax)."""
     _t.check_tensor(x, "qdq: x")
     block, global_amax = _C.format_info(format, "qdq: format")
     s = _t.stream_of(x, stream)
     if out is None:
         out = _t.empty_like(x)
     _t.check_out(out, "qdq: out")
-    number, tensor, dynamic = _t.amax_args(x, amax, global_amax, "qdq")
+    number, tensor, dynamic = _t.amax_args(x, amax, global_amax, "qdq", stored)
     _C.qdq(_t.capsule(x, "qdq: x", s), _t.capsule(out, "qdq: out", s), format, number, tensor, dynamic, s)
     return out
 
@@ -76,8 +82,8 @@ def combine_qdq_resum(rows, format, amax=None, *, shared=None, topk_idx=None, to
     token in fp32 from +0 in ascending slot order, `shared` [T, H] bf16 added last without QDQ,
     one rounding to bf16.
 
-    amax: the global amax of fp8, nvfp4 and int8 (required: calibrate it; a number or a 1-element
-    float32 tensor on the rows' device). topk_idx: [T, K] integer ids, negative for a slot that is
+    amax: the global amax of fp8, nvfp4 and int8 (required: calibrate it; a finite number > 0 or a
+    1-element float32 tensor on the rows' device). topk_idx: [T, K] integer ids, negative for a slot that is
     not routed (its row is not read); None: every slot is active (an all-zero row then adds nothing,
     so zero rows for unrouted slots give the same bits). On CUDA pass int32 indices to avoid a
     conversion (and without topk_idx an all-active index tensor is made each call).
@@ -86,6 +92,11 @@ def combine_qdq_resum(rows, format, amax=None, *, shared=None, topk_idx=None, to
     added; None: the rows are already weighted (combine_weighting before).
     Returns out, [T, H] bf16 (numpy: uint16 bf16 bits).
     """
+    return _combine_qdq_resum(rows, format, amax, shared, topk_idx, topk_weights, out, stream, stored=False)
+
+
+def _combine_qdq_resum(rows, format, amax, shared, topk_idx, topk_weights, out, stream, stored):
+    """combine_qdq_resum; stored: amax is a quantizer's own, which may be 0."""
     _t.check_tensor(rows, "combine_qdq_resum: rows")
     s = _t.stream_of(rows, stream)
     global_amax = False
@@ -106,7 +117,7 @@ def combine_qdq_resum(rows, format, amax=None, *, shared=None, topk_idx=None, to
     if out is None:
         out = _t.empty(rows, (T, H))
     _t.check_out(out, "combine_qdq_resum: out")
-    number, tensor, _ = _t.amax_args(rows, amax, global_amax, "combine_qdq_resum")
+    number, tensor, _ = _t.amax_args(rows, amax, global_amax, "combine_qdq_resum", stored)
     _C.combine(_t.capsule(rows, "combine_qdq_resum: rows", s), _t.capsule(out, "combine_qdq_resum: out", s), format,
                number, tensor, _t.optional_capsule(shared, "combine_qdq_resum: shared", s),
                _t.optional_capsule(topk_idx, "combine_qdq_resum: topk_idx", s),
@@ -138,7 +149,7 @@ class Quantizer(_C.Quantizer):
             spec = _C.QuantSpec(format, block_size, amax_source, constant_amax)
         super().__init__(name, spec, enabled)
         if amax is not None:
-            self.set_amax(float(amax))
+            self.set_amax(_t.real_number(amax, f"{name}: amax"))
 
     @property
     def format(self):
@@ -152,7 +163,7 @@ class Quantizer(_C.Quantizer):
 
     @amax.setter
     def amax(self, value):
-        self.set_amax(float(value))
+        self.set_amax(_t.real_number(value, f"{self.name}: amax"))
 
     def enable(self, on=True):
         self.enabled = bool(on)
@@ -174,19 +185,13 @@ class Quantizer(_C.Quantizer):
         Any exception inside the block (bad data, KeyboardInterrupt) or from the finish (no data
         reached a quantizer that needs it) aborts the calibration: the quantizer is as before the
         block (its previous amax, not calibrating) and the exception propagates."""
-        before = self.amax if self.needs_calibration else None
         self.start_calibration()
         try:
             yield self
             self.finish_calibration()
         except BaseException:
-            _abort_calibration(self, before)
+            self.abort_calibration()
             raise
-
-    def abort_calibration(self):
-        """Leaves a calibration without storing anything: not calibrating, the amax as it was before
-        start_calibration."""
-        _abort_calibration(self, self.amax if self.needs_calibration else None)
 
     def qdq(self, x, *, out=None, stream=None):
         """x through this quantizer: QDQ with its amax (stored, constant or dynamic) while enabled
@@ -201,7 +206,7 @@ class Quantizer(_C.Quantizer):
             if amax is None:
                 raise ValueError(f"{self.name}: no amax yet: calibrate it (start_calibration, collect, "
                                  "finish_calibration), load a calibration file or set amax")
-        return qdq(x, self.format, amax, out=out, stream=stream)
+        return _qdq(x, self.format, amax, out, stream, stored=True)
 
     def save(self, path):
         """Writes this quantizer's amax to a calibration file (the project's one format)."""
@@ -230,19 +235,6 @@ def _rebuild_quantizer(name, format, block_size, amax_source, constant_amax, ena
                      amax=amax)
 
 
-def _abort_calibration(q, before):
-    """q (a moefq.Quantizer) out of calibration with `before` as its amax (None: no stored amax).
-    The binding's abort_calibration when it has one; else reset (which also drops the stored amax)
-    and the amax set back."""
-    native = getattr(_C.Quantizer, "abort_calibration", None)
-    if native is not None:
-        native(q)
-        return
-    q.reset()
-    if before is not None:
-        q.set_amax(before)
-
-
 def _copy_into(out, x):
     if _t.is_torch(out):
         out.copy_(x)
@@ -265,6 +257,9 @@ def _as_recipe(recipe):
 
 def apply_recipe(recipe, quantizer_names):
     """{name: QuantizerConfig} for the named quantizers (a recipe, a file or a unit name)."""
+    if isinstance(quantizer_names, (str, bytes)):
+        raise TypeError("apply_recipe: quantizer_names must be a list of names, got a "
+                        f"{type(quantizer_names).__name__}")
     return _C.apply_recipe(_as_recipe(recipe), list(quantizer_names))
 
 
@@ -294,8 +289,6 @@ class MoeLayer:
         self._layer = _C.MoeLayer(preset or "", _os.fspath(config) if config else "",
                                   _os.fspath(checkpoint) if checkpoint else "", layer, ranks, max_tokens, device, seed,
                                   synthetic, threads, combine_weighting)
-        self._configs = {}  # the last configuration, which abort_calibration restores
-        self._before_calibration = None  # both quantizers as start_calibration found them
         if recipe is not None:
             self.configure(recipe)
 
@@ -321,7 +314,6 @@ class MoeLayer:
                                  f"{self.combine_weighting} the combine (MoeLayer(combine_weighting=...))")
             configs = apply_recipe(recipe, self.quantizer_names)
         self._layer.configure(configs)
-        self._configs = configs
 
     def dispatch_quantizer(self, rank=0):
         """A snapshot of rank `rank`'s dispatch quantizer (after calibration every rank holds the same amax)."""
@@ -340,7 +332,7 @@ class MoeLayer:
 
     def rank_amax(self, which):
         """Each rank's own max of the last calibration ('dispatch' or 'combine'), before the MAX."""
-        return self._layer.rank_amax({"dispatch": 0, "combine": 1}[which])
+        return self._layer.rank_amax(which)
 
     def route(self, x, *, stream=None):
         """The layer's own router: (topk_idx [N, K] int32, topk_weights [N, K] float32)."""
@@ -376,7 +368,6 @@ class MoeLayer:
     __call__ = forward
 
     def start_calibration(self):
-        self._before_calibration = (self.dispatch_quantizer(), self.combine_quantizer())
         self._layer.start_calibration()
 
     def finish_calibration(self):
@@ -388,19 +379,7 @@ class MoeLayer:
     def abort_calibration(self):
         """Leaves a calibration without storing anything: both quantizers as start_calibration found
         them (their amax, not calibrating)."""
-        native = getattr(self._layer, "abort_calibration", None)
-        if native is not None:
-            native()
-            return
-        # Without the binding's abort: configure again (fresh quantizers, not calibrating, no amax),
-        # then put the amax back. Both or neither enabled quantizer that needs one held an amax
-        # (set_calibrated_amax, a calibration file and calibration all set both).
-        before = self._before_calibration or (self.dispatch_quantizer(), self.combine_quantizer())
-        self._layer.configure(self._configs)
-        needed = [q for q in before if q.enabled and q.needs_calibration]
-        if needed and all(q.amax is not None for q in needed):
-            d, c = (q.amax if q.enabled and q.needs_calibration else 0.0 for q in before)
-            self._layer.set_calibrated_amax(d, c)
+        self._layer.abort_calibration()
 
     def calibrate(self, batches):
         """Max calibration over the batches (each x, or a tuple (x, topk_idx, topk_weights)); both
@@ -421,7 +400,8 @@ class MoeLayer:
         return self.dispatch_amax, self.combine_amax
 
     def set_calibrated_amax(self, dispatch_amax, combine_amax):
-        self._layer.set_calibrated_amax(float(dispatch_amax), float(combine_amax))
+        self._layer.set_calibrated_amax(_t.real_number(dispatch_amax, "set_calibrated_amax: dispatch_amax"),
+                                        _t.real_number(combine_amax, "set_calibrated_amax: combine_amax"))
 
     def save_calibration(self, path):
         self._layer.save_calibration(_os.fspath(path))
@@ -452,13 +432,23 @@ def _eval_options(options):
     o = dict(options)
     layers = o.get("layers")
     if layers is not None and not isinstance(layers, str):
-        o["layers"] = ",".join(str(int(i)) for i in ([layers] if isinstance(layers, int) else layers))
+        # Integers only (operator.index refuses 0.7 rather than truncate it to layer 0).
+        try:
+            ids = [_operator.index(layers)]
+        except TypeError:
+            ids = None
+        try:
+            ids = ids or [_operator.index(i) for i in layers]
+        except TypeError:
+            raise TypeError(f"layers: expected a string such as \"3-10\", an integer or a list of integers, got "
+                            f"{layers!r}") from None
+        o["layers"] = ",".join(map(str, ids))
     recipes = o.get("recipes")
     if isinstance(recipes, (str, _os.PathLike)):
         o["recipes"] = [_os.fspath(recipes)]
     elif recipes is not None:
         o["recipes"] = [_os.fspath(r) for r in recipes]
-    for key in ("config", "checkpoint", "activations", "load_calibration", "out"):
+    for key in ("config", "checkpoint", "activations", "load_calibration", "recipe_root", "out"):
         if o.get(key) is not None:
             o[key] = _os.fspath(o[key])
     if o.get("progress") is True:
@@ -486,7 +476,7 @@ def calibrate(save, **options):
 
 
 def metrics(y, ref):
-    """numerics.md's error metrics of y against ref (CPU tensors of one dtype and shape): rel_l2,
+    """docs/numerics.md's error metrics of y against ref (CPU tensors of one dtype and shape): rel_l2,
     cosine, calc_diff, max_abs, snr_db, count, skipped_nonfinite."""
     return _C.metrics(_t.capsule(y, "metrics: y"), _t.capsule(ref, "metrics: ref"))
 
@@ -504,6 +494,8 @@ def save_safetensors(path, tensors, metadata=None):
 def load_safetensors(path, framework="numpy"):
     """{name: array} of a safetensors file (copies): numpy arrays (BF16 as uint16 bit patterns), or
     torch tensors with framework="torch" (BF16 as torch.bfloat16). Other dtypes come back as bytes."""
+    if framework not in ("numpy", "torch"):
+        raise ValueError(f"load_safetensors: framework must be 'numpy' or 'torch', got {framework!r}")
     import numpy as np
     tensors, _ = _C.load_safetensors(_os.fspath(path))
     out = {}

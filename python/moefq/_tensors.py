@@ -3,6 +3,7 @@ caller's CUDA stream, and new tensors of the caller's kind (torch in, torch out;
 out). torch and numpy are looked up only when the caller already imported them."""
 
 import math
+import numbers
 import sys
 
 # DLPack device types (dlpack.h): CUDA memory and CUDA managed memory.
@@ -103,25 +104,57 @@ def empty_like(x):
     return empty(x, tuple(x.shape))
 
 
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+
 def as_int32(idx, what):
-    """Routing indices as int32 (a copy only when they are another integer type)."""
+    """Routing indices as int32 (a copy only when they are another integer type). Ids of a wider
+    type are checked to fit int32 first (a wrapped id would route to another expert); on CUDA that
+    check waits for the device, which a CUDA graph capture cannot do: pass int32 ids there."""
     if is_torch(idx):
         t = _torch()
-        if idx.dtype in (t.int64, t.int16, t.int8, t.uint8):
+        if idx.dtype in (t.int16, t.int8, t.uint8):
+            return idx.to(t.int32)
+        if idx.dtype == t.int64:
+            if idx.is_cuda and t.cuda.is_current_stream_capturing():
+                raise ValueError(f"{what}: int64 ids are range-checked before the conversion to int32, which a "
+                                 "CUDA graph capture cannot do; pass int32 ids")
+            _check_int32_range(idx, what)
             return idx.to(t.int32)
         return idx
     if is_numpy(idx):
         np = _numpy()
         if idx.dtype != np.int32 and np.issubdtype(idx.dtype, np.integer):
+            info = np.iinfo(idx.dtype)
+            if info.min < _INT32_MIN or info.max > _INT32_MAX:
+                _check_int32_range(idx, what)
             return idx.astype(np.int32)
         return idx
     return idx
 
 
-def check_amax(amax, who):
-    value = float(amax)
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{who}: amax must be a finite number >= 0, got {amax}")
+def _check_int32_range(idx, what):
+    if idx.numel() if is_torch(idx) else idx.size:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < _INT32_MIN or hi > _INT32_MAX:
+            raise ValueError(f"{what}: ids must fit int32 ([{_INT32_MIN}, {_INT32_MAX}]), got values in [{lo}, {hi}]")
+
+
+def real_number(value, what):
+    """value as a float if it is a real number (int, float, numpy scalar; not bool, not a string),
+    else TypeError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what}: expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def check_amax(amax, who, stored=False):
+    """amax as a finite float: > 0 for an amax the caller gives (as `moefq qdq --amax`); >= 0 for one
+    a quantizer stored (max calibration over all-zero data stores 0, as the C++ quantizer and the
+    calibration files do)."""
+    value = real_number(amax, f"{who}: amax")
+    if not (math.isfinite(value) and (value >= 0 if stored else value > 0)):
+        raise ValueError(f"{who}: amax must be a finite number {'>= 0' if stored else '> 0'}, got {amax}")
     return value
 
 
@@ -129,10 +162,11 @@ def is_tensor(x):
     return is_torch(x) or is_numpy(x) or hasattr(x, "__dlpack__")
 
 
-def amax_args(x, amax, global_amax, who):
+def amax_args(x, amax, global_amax, who, stored=False):
     """(amax as a number, amax as a device tensor, dynamic) for the extension: CPU work takes a
     number (None: dynamic), CUDA work a 1-element float32 tensor on x's device (made with torch from
-    a number; for a dynamic amax it receives max |x|)."""
+    a number; for a dynamic amax it receives max |x|). stored: amax is a quantizer's own (0 allowed,
+    see check_amax)."""
     if not global_amax:
         return None, None, False
     if not is_cuda(x):
@@ -140,7 +174,7 @@ def amax_args(x, amax, global_amax, who):
             return None, None, True
         if is_tensor(amax):
             amax = float(amax.item() if hasattr(amax, "item") else amax)
-        return check_amax(amax, who), None, False
+        return check_amax(amax, who, stored), None, False
     if amax is not None and is_tensor(amax):
         return None, capsule(amax, f"{who}: amax"), False
     if not is_torch(x):
@@ -149,5 +183,5 @@ def amax_args(x, amax, global_amax, who):
     t = _torch()
     if amax is None:
         return None, capsule(t.empty(1, dtype=t.float32, device=x.device), f"{who}: amax"), True
-    value = check_amax(amax, who)
+    value = check_amax(amax, who, stored)
     return None, capsule(t.full((1,), value, dtype=t.float32, device=x.device), f"{who}: amax"), False

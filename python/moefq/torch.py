@@ -14,7 +14,8 @@ import os
 
 import torch
 
-from . import Quantizer, combine_qdq_resum, qdq, save_safetensors
+from . import Quantizer, save_safetensors
+from . import _combine_qdq_resum, _qdq
 
 __all__ = ["DispatchQuantizer", "CombineQuantizer", "capture_moe_inputs", "find_moe_blocks"]
 
@@ -43,7 +44,8 @@ class _CombineResum(torch.autograd.Function):
         ctx.fmt, ctx.amax, ctx.rows_shape, ctx.rows_dtype = fmt, amax, rows.shape, rows.dtype
         # The rows only for the weights' gradient, which needs them QDQ'd again.
         ctx.save_for_backward(rows if ctx.needs_input_grad[2] else None, topk_weights, topk_idx)
-        return combine_qdq_resum(rows, fmt, amax, shared=shared, topk_idx=topk_idx, topk_weights=topk_weights)
+        # The quantizer's own amax: a calibration on all-zero rows stores 0, which it may use.
+        return _combine_qdq_resum(rows, fmt, amax, shared, topk_idx, topk_weights, None, None, stored=True)
 
     @staticmethod
     def backward(ctx, grad):
@@ -62,8 +64,8 @@ class _CombineResum(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_shared = grad
         if ctx.needs_input_grad[2]:
-            sent = rows if ctx.fmt is None else qdq(rows.reshape(K * T, H), ctx.fmt, ctx.amax).reshape(K, T, H)
-            sent = sent.float()
+            sent = rows if ctx.fmt is None else _qdq(rows.reshape(K * T, H), ctx.fmt, ctx.amax, None, None, stored=True)
+            sent = sent.reshape(K, T, H).float()
             if active is not None:
                 sent = torch.where(active, sent, sent.new_zeros(()))  # an unread row may hold NaN
             grad_weights = torch.einsum("th,kth->tk", g, sent).to(weights.dtype)

@@ -1,6 +1,6 @@
 // moefq eval and moefq calibrate from Python (eval.h, report.h): keyword options in, the report as
 // the JSON text `moefq eval --out` writes; safetensors files (the activations file of
-// `moefq eval --activations`), and numerics.md's error metrics on tensors.
+// `moefq eval --activations`), and docs/numerics.md's error metrics on tensors.
 #include <pybind11/functional.h>
 
 #include <limits>
@@ -60,7 +60,7 @@ T integer_option(const pb::handle& value, const std::string& key) {
 constexpr const char* kKeywords[] = {"preset", "config", "checkpoint", "layers", "activations", "synthetic",
                                      "recipes", "ranks", "tokens", "calib_batches", "eval_batches", "seed",
                                      "device", "pipeline", "threads", "combine_weighting", "load_calibration",
-                                     "max_rel_l2"};
+                                     "max_rel_l2", "recipe_root"};
 
 std::string flag_of(const std::string& keyword) {
   if (keyword == "recipes") return "--recipe";  // the CLI's flag is repeated, one recipe each
@@ -140,6 +140,8 @@ EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
       o.synthetic = *s;
     } else if (k == "recipes" && with_recipes) {
       o.recipes = option<std::vector<std::string>>(value, k, "a list of strings");
+    } else if (k == "recipe_root" && with_recipes) {
+      o.recipe_root = option<std::string>(value, k, "a string");
     } else if (k == "ranks") {
       o.ranks = integer_option<int64_t>(value, k);
     } else if (k == "tokens") {
@@ -288,7 +290,7 @@ pb::tuple load_safetensors(const std::string& path) {
   return pb::make_tuple(tensors, f.header().metadata);
 }
 
-// metrics(y, ref): numerics.md's error metrics of y against ref (CPU tensors of one dtype and shape).
+// metrics(y, ref): docs/numerics.md's error metrics of y against ref (CPU tensors of one dtype and shape).
 pb::dict metrics(const pb::capsule& yc, const pb::capsule& rc) {
   Tensor y(yc, "metrics: y"), r(rc, "metrics: ref");
   y.expect_elem({Elem::kBF16, Elem::kF32}, "bfloat16 or float32 (or uint16 holding bf16 bits)");

@@ -306,7 +306,7 @@ def test_zero_calibration_matches_the_cpp_quantizer():
     q.collect(np.zeros((4, 16), np.float32))
     q.finish_calibration()
     assert q.amax == 0.0
-    # numerics.md: fp8 with an amax <= 2^-24 uses 1.
+    # docs/numerics.md: fp8 with an amax <= 2^-24 uses 1.
     x = np.linspace(-3, 3, 32, dtype=np.float32).reshape(2, 16)
     assert first_mismatch(q.qdq(x), moefq.qdq(x, "fp8", 1.0)) is None
     # A calibrated 0 round-trips through set_calibrated_amax as through a calibration file.

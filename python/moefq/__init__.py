@@ -331,7 +331,7 @@ class MoeLayer:
         return self.combine_quantizer().amax
 
     def rank_amax(self, which):
-        """Each rank's own max of the last calibration ('dispatch' or 'combine'), before the MAX."""
+        """Each rank's own max of the last calibration ('dispatch' or 'combine', or 0 or 1), before the MAX."""
         return self._layer.rank_amax(which)
 
     def route(self, x, *, stream=None):
@@ -461,12 +461,14 @@ def _eval_options(options):
 
 def eval(**options):
     """`moefq eval` in-process: the report as a dict, the same JSON `moefq eval --out DIR` writes to
-    DIR/report.json. Keywords (the CLI's options but --recipe-root; None: left out): preset,
-    config, checkpoint, layers ("3-10", an int or a list), activations, synthetic, recipes (a file
-    or unit name, or a list of them), ranks, tokens, calib_batches, eval_batches, seed, device
-    ("auto", "cpu", "cuda"), pipeline, threads, combine_weighting, load_calibration, max_rel_l2;
-    out (also write report.json/.csv/.html there); progress (True: progress lines on stderr, or a
-    callable taking each line). Any other keyword is a ValueError."""
+    DIR/report.json. Keywords (the CLI's options; None: left out): preset, config, checkpoint,
+    layers ("3-10", an integer or a list of integers), activations, synthetic, recipes (a file or
+    unit name, or a list of them), recipe_root (where their imports are looked for first), ranks,
+    tokens, calib_batches, eval_batches, seed, device ("auto", "cpu", "cuda"), pipeline, threads,
+    combine_weighting, load_calibration, max_rel_l2; out (also write report.json/.csv/.html there);
+    progress (True: progress lines on stderr, or a callable taking each line). Any other keyword is
+    a ValueError. Ctrl-C stops the run at its next progress step (KeyboardInterrupt), writing
+    nothing."""
     return _json.loads(_C.eval_json(**_eval_options(options)))
 
 

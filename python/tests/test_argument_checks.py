@@ -139,29 +139,24 @@ def test_load_safetensors_framework(tmp_path):
 
 
 def test_eval_recipe_root(tmp_path):
-    # A whole-model recipe outside any recipe tree, importing units only the test tree has.
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text("imports:\n"
-                      "  w8a8: configs/ptq/units/w8a8_fp8_fp8\n"
-                      "  combine: configs/ptq/units/moe_combine_nvfp4\n"
-                      "metadata: {recipe_type: ptq}\n"
-                      "quantize:\n"
-                      "  algorithm: {method: max}\n"
-                      "  quant_cfg:\n"
-                      "    - {quantizer_name: '*', enable: false}\n"
-                      "    - $import: w8a8\n"
-                      "    - $import: combine\n")
-    run = dict(preset="tiny", device="cpu", ranks=2, tokens=16, calib_batches=1, eval_batches=1, threads=1,
-               recipes=[recipe])
+    # A whole-model recipe of the test tree copied outside it: its imports are found only under
+    # recipe_root.
+    name = "moe_dispatch_fp8-combine_nvfp4-kv_fp8"
+    recipe = tmp_path / f"{name}.yaml"
+    with open(os.path.join(MODELOPT_ROOT, "general", "ptq", f"{name}.yaml")) as f:
+        recipe.write_text(f.read())
+    run = dict(preset="tiny", layers=[0, 3], device="cpu", ranks=2, tokens=16, calib_batches=1, eval_batches=1,
+               threads=1, recipes=[recipe])
     with pytest.raises(ValueError) as e:
         moefq.eval(**run)
-    assert "cannot find 'configs/ptq/units/w8a8_fp8_fp8'" in str(e.value) and "recipe_root" in str(e.value)
-    assert "--" not in str(e.value), str(e.value)
+    assert "cannot find 'configs/ptq/units/base_disable_all'" in str(e.value), str(e.value)
+    assert "recipe_root" in str(e.value) and "--" not in str(e.value), str(e.value)
     with pytest.raises(ValueError, match="recipe_root=.*missing: not a directory"):
         moefq.eval(**run, recipe_root=tmp_path / "missing")
     report = moefq.eval(**run, recipe_root=MODELOPT_ROOT)
-    assert report["config"]["recipes"] == ["r"]
-    assert report["results"][0]["combine_format"] == "nvfp4" and report["results"][0]["dispatch_format"] is None
+    assert report["config"]["recipes"] == [name]
+    formats = {r["layer"]: (r["dispatch_format"], r["combine_format"]) for r in report["results"]}
+    assert formats == {0: ("fp8", "nvfp4"), 3: ("fp8", None)}, formats  # the recipe turns layer 3's combine off
 
 
 # ---- Calibration aborts through the binding (which restores what start_calibration found).

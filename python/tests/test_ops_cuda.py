@@ -125,6 +125,33 @@ def test_combine_graph_capture_and_replay():
         assert same_bits(out, want) is None, seed
 
 
+def test_int64_ids_on_cuda_are_range_checked():
+    rows, idx, shared = combine_inputs(39)
+    d_rows, d_shared = rows.cuda(), shared.cuda()
+    wide = idx.to(torch.int64).cuda()
+    want = moefq.combine_qdq_resum(rows, "nvfp4", 5.0, shared=shared, topk_idx=idx)
+    assert same_bits(moefq.combine_qdq_resum(d_rows, "nvfp4", 5.0, shared=d_shared, topk_idx=wide), want) is None
+    wide[3, 0] = 2 ** 32  # would wrap to slot id 0
+    with pytest.raises(ValueError, match="combine_qdq_resum: topk_idx: ids must fit int32"):
+        moefq.combine_qdq_resum(d_rows, "nvfp4", 5.0, shared=d_shared, topk_idx=wide)
+    # Inside a capture the check cannot wait for the device: int64 ids are refused, int32 ids pass.
+    amax = torch.full((1,), 5.0, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moefq.combine_qdq_resum(d_rows, "nvfp4", amax, shared=d_shared, topk_idx=idx.cuda())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    d_idx = idx.cuda()
+    with torch.cuda.graph(graph):
+        with pytest.raises(ValueError, match="int64 ids are range-checked .* pass int32 ids"):
+            moefq.combine_qdq_resum(d_rows, "nvfp4", amax, shared=d_shared, topk_idx=wide)
+        out = moefq.combine_qdq_resum(d_rows, "nvfp4", amax, shared=d_shared, topk_idx=d_idx)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out, want) is None
+
+
 def test_cuda_errors():
     x = torch.ones(4, 64, device="cuda")
     with pytest.raises(ValueError, match="qdq: out is on cpu but qdq: x is on cuda:0"):

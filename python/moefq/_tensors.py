@@ -109,16 +109,17 @@ _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 def as_int32(idx, what):
     """Routing indices as int32 (a copy only when they are another integer type). Ids of a wider
-    type are checked to fit int32 first (a wrapped id would route to another expert); on CUDA that
-    check waits for the device, which a CUDA graph capture cannot do: pass int32 ids there."""
+    type must not wrap (a wrapped id would route to another expert): on the host they are checked to
+    fit int32; int64 ids on CUDA (what torch.topk returns) are clamped to int32's range instead, on
+    the device, so no host sync is needed and a CUDA graph can capture the conversion. A clamped id
+    keeps its meaning: a negative one stays inactive, a positive one stays past every expert."""
     if is_torch(idx):
         t = _torch()
         if idx.dtype in (t.int16, t.int8, t.uint8):
             return idx.to(t.int32)
         if idx.dtype == t.int64:
-            if idx.is_cuda and t.cuda.is_current_stream_capturing():
-                raise ValueError(f"{what}: int64 ids are range-checked before the conversion to int32, which a "
-                                 "CUDA graph capture cannot do; pass int32 ids")
+            if idx.is_cuda:
+                return idx.clamp(_INT32_MIN, _INT32_MAX).to(t.int32)
             _check_int32_range(idx, what)
             return idx.to(t.int32)
         return idx

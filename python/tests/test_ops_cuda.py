@@ -125,28 +125,34 @@ def test_combine_graph_capture_and_replay():
         assert same_bits(out, want) is None, seed
 
 
-def test_int64_ids_on_cuda_are_range_checked():
+def test_int64_ids_on_cuda_are_clamped_without_a_sync():
     rows, idx, shared = combine_inputs(39)
     d_rows, d_shared = rows.cuda(), shared.cuda()
     wide = idx.to(torch.int64).cuda()
     want = moefq.combine_qdq_resum(rows, "nvfp4", 5.0, shared=shared, topk_idx=idx)
     assert same_bits(moefq.combine_qdq_resum(d_rows, "nvfp4", 5.0, shared=d_shared, topk_idx=wide), want) is None
-    wide[3, 0] = 2 ** 32  # would wrap to slot id 0
+    # Ids beyond int32 keep their meaning instead of wrapping: 2**32 (would wrap to id 0) stays
+    # active, -2**31 - 1 (would wrap to 2**31 - 1, an active slot) stays inactive.
+    idx_cpu = idx.to(torch.int64)
+    active = int((idx_cpu[3] >= 0).nonzero()[0])
+    inactive = int((idx_cpu[5] < 0).nonzero()[0]) if bool((idx_cpu[5] < 0).any()) else None
+    wide[3, active] = 2 ** 32
+    if inactive is not None:
+        wide[5, inactive] = -(2 ** 31) - 1
+    assert same_bits(moefq.combine_qdq_resum(d_rows, "nvfp4", 5.0, shared=d_shared, topk_idx=wide), want) is None
+    # The CPU refuses such ids (it can check them without a device sync).
     with pytest.raises(ValueError, match="combine_qdq_resum: topk_idx: ids must fit int32"):
-        moefq.combine_qdq_resum(d_rows, "nvfp4", 5.0, shared=d_shared, topk_idx=wide)
-    # Inside a capture the check cannot wait for the device: int64 ids are refused, int32 ids pass.
+        moefq.combine_qdq_resum(rows, "nvfp4", 5.0, shared=shared, topk_idx=wide.cpu())
+    # A CUDA graph captures the conversion of int64 ids: the replay gives the eager bits.
     amax = torch.full((1,), 5.0, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        moefq.combine_qdq_resum(d_rows, "nvfp4", amax, shared=d_shared, topk_idx=idx.cuda())
+        moefq.combine_qdq_resum(d_rows, "nvfp4", amax, shared=d_shared, topk_idx=wide)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    d_idx = idx.cuda()
     with torch.cuda.graph(graph):
-        with pytest.raises(ValueError, match="int64 ids are range-checked .* pass int32 ids"):
-            moefq.combine_qdq_resum(d_rows, "nvfp4", amax, shared=d_shared, topk_idx=wide)
-        out = moefq.combine_qdq_resum(d_rows, "nvfp4", amax, shared=d_shared, topk_idx=d_idx)
+        out = moefq.combine_qdq_resum(d_rows, "nvfp4", amax, shared=d_shared, topk_idx=wide)
     graph.replay()
     torch.cuda.synchronize()
     assert same_bits(out, want) is None

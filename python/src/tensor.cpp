@@ -50,7 +50,18 @@ Tensor::Tensor(const pybind11::capsule& capsule, std::string what) : what_(std::
     MOEFQ_FAIL(ErrorKind::kInternal, what_, ": could not take over the DLPack capsule");
   }
   managed_.reset(m);
-  const DLTensor& t = m->dl_tensor;
+  try {
+    take(m->dl_tensor);
+  } catch (...) {
+    // A refused tensor goes back to its capsule (named "dltensor" again), whose own destructor
+    // releases it the producer's way when Python drops the capsule.
+    managed_.release();
+    PyCapsule_SetName(cap, kDltensorCapsule);
+    throw;
+  }
+}
+
+void Tensor::take(const DLTensor& t) {
   const int32_t dev = t.device.device_type;
   MOEFQ_CHECK(dev == kDLCPU || dev == kDLCUDAHost || dev == kDLCUDA || dev == kDLCUDAManaged, what_,
               ": DLPack device type ", dev, " is not supported (moefq takes CPU and CUDA tensors)");

@@ -27,8 +27,8 @@ class Tensor {
  public:
   // Takes over the tensor of a "dltensor" capsule. `what` names it in messages ("qdq: x").
   // Requires a C-contiguous tensor with one lane per element, on the CPU (or pinned host memory)
-  // or a CUDA device. A tensor it refuses is released at once (its deleter runs, as for any
-  // Tensor that goes).
+  // or a CUDA device. A tensor it refuses goes back to its capsule (not consumed), which
+  // releases it when Python drops it.
   Tensor(const pybind11::capsule& capsule, std::string what);
   Tensor(Tensor&& other) noexcept = default;
   Tensor(const Tensor&) = delete;
@@ -67,14 +67,15 @@ class Tensor {
   bool overlaps(const Tensor& other) const;
 
  private:
-  // Calls the producer's deleter: the owner of the tensor from the moment the capsule is taken
-  // over, so that every way out of the constructor, a throw included, releases it.
+  // Calls the producer's deleter when a Tensor that took its tensor over goes.
   struct Release {
     void operator()(DLManagedTensor* m) const {
       if (m->deleter) m->deleter(m);
     }
   };
   std::unique_ptr<DLManagedTensor, Release> managed_;
+  // The checks and fields of the constructor, on the tensor taken over.
+  void take(const DLTensor& t);
   std::string what_;
   void* data_ = nullptr;
   bool cuda_ = false;

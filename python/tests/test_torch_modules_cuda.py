@@ -31,9 +31,10 @@ def inputs(seed):
 
 
 def run(m, rows, shared, weights, idx, grad, device):
-    r = rows.to(device).requires_grad_()
-    s = shared.to(device).requires_grad_()
-    w = weights.to(device).requires_grad_()
+    # Leaves on the device (.to() of a tensor that requires grad is not a leaf: no .grad).
+    r = rows.detach().to(device).requires_grad_()
+    s = shared.detach().to(device).requires_grad_()
+    w = weights.detach().to(device).requires_grad_()
     y = m(r, s, topk_idx=idx.to(device), topk_weights=w)
     y.backward(grad.to(device))
     return [t.cpu() for t in (y.detach(), r.grad, s.grad, w.grad)]

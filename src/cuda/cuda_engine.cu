@@ -58,57 +58,92 @@ __device__ int32_t tokens_of(const RankPtrs* ranks, const Offsets& off, const To
 // One CTA per global expert e of those ranks: appends every (token, slot) of every rank that
 // picked e to e's list in the workspace of e's rank, in (rank, token, slot) order: the list
 // entries and their order are the CPU engine's. Entry = (src_rank * T + token) * K + slot.
+// Each pass takes kDispatchRun consecutive entries per thread (kThreads * kDispatchRun per pass,
+// the loads independent of each other), so that a pass's global-load latency and its two barriers
+// are paid once per 4096 entries: the list is the block's exclusive scan of the threads' hits.
+constexpr int kDispatchRun = 16;
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc,
                                                             int R, int T, int K, int el, int first_rank) {
   const int e = first_rank * el + int(blockIdx.x), d = e / el, le = e % el;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   __shared__ int warp_hits[kThreads / 32];
-  __shared__ int base;
-  if (threadIdx.x == 0) base = 0;
-  __syncthreads();
   const int64_t cap = int64_t(R) * T;
   int32_t* list = reinterpret_cast<int32_t*>(ranks[d].buf + off.expert_lists) + int64_t(le) * cap;
+  int base = 0;  // entries listed so far (the same in every thread)
   for (int r = 0; r < R; ++r) {
     const int n = tokens_of(ranks, off, tc, r) * K;
     const int32_t* idx = reinterpret_cast<const int32_t*>(ranks[r].buf + off.topk_idx);
-    for (int s = 0; s < n; s += blockDim.x) {
-      const int i = s + int(threadIdx.x);
-      const bool hit = i < n && idx[i] == e;
-      const unsigned mask = __ballot_sync(0xffffffffu, hit);
-      if (lane == 0) warp_hits[warp] = __popc(mask);
+    const bool vec = (reinterpret_cast<uintptr_t>(idx) & 15u) == 0;
+    for (int s = 0; s < n; s += int(blockDim.x) * kDispatchRun) {
+      const int i0 = s + int(threadIdx.x) * kDispatchRun;
+      uint32_t hits = 0;  // bit u: entry i0 + u picked e
+      if (vec && i0 + kDispatchRun <= n) {
+        int4 v[kDispatchRun / 4];
+#pragma unroll
+        for (int u = 0; u < kDispatchRun / 4; ++u) v[u] = reinterpret_cast<const int4*>(idx + i0)[u];
+#pragma unroll
+        for (int u = 0; u < kDispatchRun / 4; ++u)
+          hits |= uint32_t(v[u].x == e) << (4 * u) | uint32_t(v[u].y == e) << (4 * u + 1) |
+                  uint32_t(v[u].z == e) << (4 * u + 2) | uint32_t(v[u].w == e) << (4 * u + 3);
+      } else {
+#pragma unroll
+        for (int u = 0; u < kDispatchRun; ++u) hits |= uint32_t(i0 + u < n && idx[i0 + u] == e) << u;
+      }
+      const int mine = __popc(hits);
+      int incl = mine;  // inclusive scan over the warp's lanes
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      if (lane == 31) warp_hits[warp] = incl;
       __syncthreads();
-      int pos = base;
-      for (int j = 0; j < warp; ++j) pos += warp_hits[j];
-      pos += __popc(mask & ((1u << lane) - 1u));
-      if (hit && pos < cap) list[pos] = int32_t(int64_t(r) * T * K + i);
-      __syncthreads();
-      if (threadIdx.x == 0)
-        for (int j = 0; j < nwarps; ++j) base += warp_hits[j];
-      __syncthreads();
+      int pos = base + incl - mine, pass = 0;
+      for (int j = 0; j < nwarps; ++j) {
+        const int w = warp_hits[j];
+        pass += w;
+        if (j < warp) pos += w;
+      }
+      for (; hits; hits &= hits - 1, ++pos)
+        if (pos < cap) list[pos] = int32_t(int64_t(r) * T * K + i0 + __ffs(int(hits)) - 1);
+      base += pass;
+      __syncthreads();  // warp_hits is the next pass's
     }
   }
   if (threadIdx.x == 0) reinterpret_cast<int32_t*>(ranks[d].buf + off.expert_counts)[le] = int32_t(base < cap ? int64_t(base) : cap);
 }
 
-// One thread per rank: pool offsets of the local experts, the counts the GEMMs read, and the
-// dispatch counters reset for the next call (the workspace cleans itself).
-__global__ void plan_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc, int first_rank, int num_ranks,
-                            int el) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x, d = first_rank + i;
-  if (i >= num_ranks) return;
+// One warp per rank: pool offsets of the local experts (a scan over 32 experts at a time, so that
+// the counts' loads are not one latency each), the counts the GEMMs read, and the dispatch
+// counters reset for the next call (the workspace cleans itself).
+__global__ void plan_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc, int first_rank, int el) {
+  const int d = first_rank + int(blockIdx.x), lane = int(threadIdx.x);
   const RankPtrs rp = ranks[d];
   int32_t* counts = reinterpret_cast<int32_t*>(rp.buf + off.expert_counts);
   int32_t run = 0;
-  for (int le = 0; le < el; ++le) {
-    const int32_t n = counts[le];
-    rp.counts[le] = n;
-    rp.offsets[le] = run;
-    run += n;
-    counts[le] = 0;
+  for (int l0 = 0; l0 < el; l0 += 32) {
+    const int le = l0 + lane;
+    const int32_t n = le < el ? counts[le] : 0;
+    int32_t incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (le < el) {
+      rp.counts[le] = n;
+      rp.offsets[le] = run + incl - n;
+      counts[le] = 0;
+    }
+    run += __shfl_sync(0xffffffffu, incl, 31);
   }
-  rp.counts[el] = tc.n[d];
-  rp.offsets[el] = 0;
+  if (lane == 0) {
+    rp.counts[el] = tc.n[d];
+    rp.offsets[el] = 0;
+  }
 }
+
+constexpr int kPullRun = 16;  // 16-byte chunks per lane per pass: rows up to 8192 bytes in one pass
 
 // Pulls each listed row (e4m3 bytes and scales) from its token rank's staged copy into the expert
 // rank's pool, with the row's router weight (1.0 when weight_rows is false: combine_weighting
@@ -130,10 +165,29 @@ __global__ void __launch_bounds__(kThreads) pull_kernel(const RankPtrs* ranks, O
     const int64_t row = int64_t(first) + i;
     const int4* sx = reinterpret_cast<const int4*>(sbuf + off.staged_x + int64_t(t) * H);
     int4* dx = reinterpret_cast<int4*>(me.buf + off.pool_x + row * H);
-    for (int c = lane; c < chunks; c += 32) dx[c] = sx[c];
     const float* ss = reinterpret_cast<const float*>(sbuf + off.staged_scales) + int64_t(t) * hb;
     float* ds = reinterpret_cast<float*>(me.buf + off.pool_x_scales) + row * hb;
-    for (int c = lane; c < hb; c += 32) ds[c] = ss[c];
+    // A lane issues all its loads of a pass before its stores: a load that follows a store
+    // through a pointer that may alias it waits for that store's data, so a load-store loop
+    // keeps one load per warp in flight and the pull runs at the loads' latency.
+    for (int c0 = 0; c0 < chunks; c0 += 32 * kPullRun) {
+      int4 v[kPullRun];
+#pragma unroll
+      for (int u = 0; u < kPullRun; ++u)
+        if (c0 + 32 * u + lane < chunks) v[u] = sx[c0 + 32 * u + lane];
+#pragma unroll
+      for (int u = 0; u < kPullRun; ++u)
+        if (c0 + 32 * u + lane < chunks) dx[c0 + 32 * u + lane] = v[u];
+    }
+    for (int c0 = 0; c0 < hb; c0 += 32 * 4) {
+      float v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (c0 + 32 * u + lane < hb) v[u] = ss[c0 + 32 * u + lane];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (c0 + 32 * u + lane < hb) ds[c0 + 32 * u + lane] = v[u];
+    }
     if (lane == 0) {
       me.row_weight[row] = weight_rows ? reinterpret_cast<const float*>(sbuf + off.topk_weights)[int64_t(t) * K + k] : 1.0f;
       me.row_out[row] = reinterpret_cast<bf16*>(const_cast<uint8_t*>(sbuf) + off.combine + (int64_t(k) * T + t) * H * 2);
@@ -451,7 +505,7 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
   // Dispatch, plan, pull.
   dispatch_kernel<<<unsigned(nl * el), kThreads, 0, stream>>>(rp, off, tc, int(R), int(T), int(K), int(el), int(r0));
   MOEFQ_CUDA_CHECK_LAUNCH();
-  plan_kernel<<<unsigned((nl + 31) / 32), 32, 0, stream>>>(rp, off, tc, int(r0), int(nl), int(el));
+  plan_kernel<<<unsigned(nl), 32, 0, stream>>>(rp, off, tc, int(r0), int(el));
   MOEFQ_CUDA_CHECK_LAUNCH();
   static const int sms = sm_count();
   const unsigned splits = unsigned(std::clamp<int64_t>((2 * sms + nl * el - 1) / (nl * el), 1, 64));

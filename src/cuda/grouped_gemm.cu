@@ -330,14 +330,25 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
     }
     mbar_init(smem_addr(epi_full), 128 * kMathWG);  // every consumer thread (used with kProducerEpilogue)
     mbar_init(smem_addr(epi_empty), 32 * kEpilogueWarps);  // every epilogue thread
-    int total = 0;
-    tile_prefix[0] = 0;
-    for (int g = 0; g < p.num_groups; ++g) {
-      const int c = p.counts[g];
-      total += (c > 0 ? (c + kBM - 1) / kBM : 0) * p.n_tiles;
-      tile_prefix[g + 1] = total;
-    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (threadIdx.x < 32) {
+    // The tile prefix, 32 groups at a time (a warp scan), so that the counts' loads are not one
+    // latency each before the first load can be issued.
+    const int lane = threadIdx.x;
+    int total = 0;
+    if (lane == 0) tile_prefix[0] = 0;
+    for (int g0 = 0; g0 < p.num_groups; g0 += 32) {
+      const int g = g0 + lane, c = g < p.num_groups ? p.counts[g] : 0;
+      int incl = (c > 0 ? (c + kBM - 1) / kBM : 0) * p.n_tiles;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      if (g < p.num_groups) tile_prefix[g + 1] = total + incl;
+      total += __shfl_sync(0xffffffffu, incl, 31);
+    }
   }
   __syncthreads();
   const int num_tiles = tile_prefix[p.num_groups];

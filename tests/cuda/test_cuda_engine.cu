@@ -36,10 +36,16 @@ std::vector<int64_t> expert_rows(const Problem& p, int64_t E, int64_t R, int64_t
 
 TEST(CudaEngine, StagingDispatchAndPoolRowsAreBitExactAgainstCpu) {
   SKIP_WITHOUT_GPU();
-  for (int64_t R : {1, 2, 4}) {
-    const MoeConfig c = small_config();
-    const int64_t T = 40;
-    const Problem p = make_problem(c, R, 37, 10 + uint64_t(R), 5);
+  // 2501 tokens: three of the dispatch's 4096-entry passes per rank, the last one partial; 80
+  // experts on one rank: the plan's scan over three groups of 32 experts.
+  struct Case {
+    int64_t R, E, n, T;
+  };
+  for (const Case cs : {Case{1, 16, 37, 40}, Case{2, 16, 37, 40}, Case{4, 16, 37, 40}, Case{2, 16, 2501, 2600},
+                        Case{1, 80, 300, 300}}) {
+    const int64_t R = cs.R, T = cs.T;
+    const MoeConfig c = small_config(cs.E);
+    const Problem p = make_problem(c, R, cs.n, 10 + uint64_t(R), 5);
     const auto w = weights_for(c, R);
     CpuEngine cpu(c, R, T, w, {true, 2});
     cuda::CudaEngine gpu(c, R, T, w, {true, 2});
@@ -50,7 +56,8 @@ TEST(CudaEngine, StagingDispatchAndPoolRowsAreBitExactAgainstCpu) {
     const BufferLayout& l = gpu.layout();
     const int64_t H = c.hidden, hb = H / 128, K = c.top_k, el = c.num_experts / R;
     for (int64_t r = 0; r < R; ++r) {
-      SCOPED_TRACE("R " + std::to_string(R) + " rank " + std::to_string(r));
+      SCOPED_TRACE("R " + std::to_string(R) + " E " + std::to_string(cs.E) + " tokens " + std::to_string(cs.n) +
+                   " rank " + std::to_string(r));
       const std::vector<uint8_t> g = download_buffer(gpu, r);
       const auto cb = cpu.buffer(r);
       const int64_t n = p.n[size_t(r)];

@@ -343,6 +343,22 @@ TEST(GroupedGemm, BitExactAutomaticTileChoice) {
   }
 }
 
+// More groups than a warp's 32 lanes: the tile prefix is scanned 32 groups at a time (three
+// scans here, the last one partial), empty groups among them.
+TEST(GroupedGemm, BitExactSeventyGroups) {
+  SKIP_WITHOUT_GPU();
+  for (int tile : {64, 128}) {
+    SCOPED_TRACE(testing::Message() << "tile_rows " << tile);
+    Case c;
+    for (int g = 0; g < 70; ++g) c.counts.push_back(g % 7 == 3 ? 0 : (g * 37) % 90 + 1);
+    c.H = 256;
+    c.I = 128;
+    c.tile_rows = tile;
+    c.seed = 31 + tile;
+    expect_bit_exact(c);
+  }
+}
+
 TEST(GroupedGemm, BitExactBf16Weights) {
   SKIP_WITHOUT_GPU();
   for (bool bulk : {true, false})

@@ -717,12 +717,18 @@ void launch_path(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStream_
 template <Epi kEpi>
 void launch_any(const GroupedGemmArgs& a, KernelParams kp, cudaStream_t stream) {
   const bool bf16 = a.b_format == WeightFormat::kBf16;
-  int rows = a.tile_rows;
-  if (rows == 0) rows = a.max_total_rows <= 64 * int64_t(a.num_groups) ? 64 : 128;
-  MOEFQ_CHECK(rows == 64 || rows == 128, "grouped GEMM: tile_rows must be 0, 64 or 128 (got ", rows, ")");
   MOEFQ_CHECK(use_tma(a) || a.b, "grouped GEMM: null b (and no 16-byte aligned b_all with a_rows for the bulk path)");
   const int dev = current_device();
   prepare_device(dev);
+  int rows = a.tile_rows;
+  if (rows == 0) {
+    // 64-row tiles where groups average at most 64 rows, or where 128-row tiles (at most
+    // ceil(rows / 128) + G - 1 m-tiles) would leave SMs idle: a few groups of a few hundred rows,
+    // as the shared expert at small batches, whose weight read then has twice the CTAs.
+    const int64_t m_tiles_128 = (a.max_total_rows + 127) / 128 + a.num_groups - 1;
+    rows = a.max_total_rows <= 64 * int64_t(a.num_groups) || m_tiles_128 * kp.n_tiles < g_num_sms[dev] ? 64 : 128;
+  }
+  MOEFQ_CHECK(rows == 64 || rows == 128, "grouped GEMM: tile_rows must be 0, 64 or 128 (got ", rows, ")");
   if (rows == 64)
     bf16 ? launch_path<1, true, kEpi>(kp, a, dev, stream) : launch_path<1, false, kEpi>(kp, a, dev, stream);
   else

@@ -35,7 +35,9 @@ struct GroupedGemmArgs {
   WeightFormat b_format = WeightFormat::kE4m3;
   const void* const* b = nullptr;       // device array [G] of device pointers to [n, k] e4m3 or bf16
   const float* const* b_scale = nullptr;  // device array [G] of [n / 128, k / 128] fp32 (e4m3 only)
-  int tile_rows = 0;  // rows per tile: 64 or 128; 0 picks 64 when max_total_rows / G <= 64
+  // Rows per tile: 64 or 128; 0 picks 64 when max_total_rows / G <= 64 or when 128-row tiles
+  // would be fewer than the GPU's SMs.
+  int tile_rows = 0;
   // Optional, for bulk tensor (TMA) loads: every group's B in one allocation, group g's [n, k] at
   // b_all + g * n * k elements (its scales likewise at b_scale_all + g * (n / 128) * (k / 128)),
   // and the number of rows allocated at a (so a tensor map can bound A). Null / 0: unknown.

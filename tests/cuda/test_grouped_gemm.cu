@@ -337,8 +337,11 @@ TEST(GroupedGemm, BitExactAutomaticTileChoice) {
     c.H = 512;
     c.I = 384;
     expect_bit_exact(c);
-    c.counts = {130, 257};  // the 128-row kernel
+    c.counts = {130, 257};  // too few 128-row tiles (5 x 3) to fill the SMs: the 64-row kernel
     c.seed = 5;
+    expect_bit_exact(c);
+    c.counts = {2900, 2700};  // gate/up: 45 x 3 tiles of 128 rows, more than the SMs: the 128-row kernel
+    c.seed = 6;
     expect_bit_exact(c);
   }
 }

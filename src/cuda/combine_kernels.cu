@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "cuda/cuda_check.h"
+#include "cuda/pdl.cuh"
 #include "cuda/qdq_rules.cuh"
 
 namespace moefq::cuda {
@@ -130,6 +131,7 @@ constexpr int kSlotBatch = std::is_same_v<R, Rule<Format::kNvfp4>> ? 4 : 8;
 // slot's weight reaches the warp by a shuffle from its lane.
 template <typename R, bool kCheck, bool kWeighted>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
+  pdl_enter();  // the rows and the amax are the previous kernels'
   constexpr int kBatch = kSlotBatch<R>;
   static_assert(kBatch % 2 == 0, "slots are paired within a batch");
   constexpr bool kQuant = !std::is_same_v<R, NoQdq>;
@@ -298,7 +300,7 @@ constexpr int64_t kMaxTokensPerCta = 4;
 constexpr int64_t kCtasPerSm = 32;
 
 template <typename R>
-void launch_rule(const Params& p, int64_t num_tokens, bool check, cudaStream_t stream) {
+void launch_rule(const Params& p, int64_t num_tokens, bool check, cudaStream_t stream, bool pdl = false) {
   int device = 0, sms = 0;
   MOEFQ_CUDA_CHECK(cudaGetDevice(&device));
   MOEFQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -306,22 +308,16 @@ void launch_rule(const Params& p, int64_t num_tokens, bool check, cudaStream_t s
   const int64_t per_cta = std::clamp<int64_t>(num_tokens * groups / (kCtasPerSm * sms), 1, kMaxTokensPerCta);
   const dim3 grid{unsigned((num_tokens + per_cta - 1) / per_cta), unsigned(groups)};
   const bool with_weights = p.topk_weights != nullptr;
-  if (check && with_weights)
-    combine_kernel<R, true, true><<<grid, kThreads, 0, stream>>>(p);
-  else if (check)
-    combine_kernel<R, true, false><<<grid, kThreads, 0, stream>>>(p);
-  else if (with_weights)
-    combine_kernel<R, false, true><<<grid, kThreads, 0, stream>>>(p);
-  else
-    combine_kernel<R, false, false><<<grid, kThreads, 0, stream>>>(p);
-  MOEFQ_CUDA_CHECK_LAUNCH();
+  auto* kernel = check ? (with_weights ? combine_kernel<R, true, true> : combine_kernel<R, true, false>)
+                       : (with_weights ? combine_kernel<R, false, true> : combine_kernel<R, false, false>);
+  launch_chained(kernel, grid, dim3(kThreads), 0, stream, pdl, p);
 }
 
 }  // namespace
 
-void launch_combine(const CombineRows& rows, bf16* y, cudaStream_t stream) {
+void launch_combine(const CombineRows& rows, bf16* y, cudaStream_t stream, bool pdl) {
   if (!validate(rows, y, "launch_combine")) return;
-  launch_rule<NoQdq>(make_params(rows, y), rows.num_tokens, false, stream);
+  launch_rule<NoQdq>(make_params(rows, y), rows.num_tokens, false, stream, pdl);
 }
 
 void launch_combine_qdq(const CombineRows& rows, bool quantize, Format f, const float* d_amax,

@@ -8,6 +8,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/grouped_gemm.cuh"
+#include "cuda/pdl.cuh"
 #include "cuda/qdq_kernels.cuh"
 #include "moefq/errors.h"
 
@@ -64,6 +65,7 @@ __device__ int32_t tokens_of(const RankPtrs* ranks, const Offsets& off, const To
 constexpr int kDispatchRun = 16;
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc,
                                                             int R, int T, int K, int el, int first_rank) {
+  pdl_enter();
   const int e = first_rank * el + int(blockIdx.x), d = e / el, le = e % el;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   __shared__ int warp_hits[kThreads / 32];
@@ -117,6 +119,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const RankPtrs* rank
 // the counts' loads are not one latency each), the counts the GEMMs read, and the dispatch
 // counters reset for the next call (the workspace cleans itself).
 __global__ void plan_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc, int first_rank, int el) {
+  pdl_enter();
   const int d = first_rank + int(blockIdx.x), lane = int(threadIdx.x);
   const RankPtrs rp = ranks[d];
   int32_t* counts = reinterpret_cast<int32_t*>(rp.buf + off.expert_counts);
@@ -152,6 +155,7 @@ constexpr int kPullRun = 16;  // 16-byte chunks per lane per pass: rows up to 81
 // go over NVLink). Grid: (E/R, n, splits), one warp per row.
 __global__ void __launch_bounds__(kThreads) pull_kernel(const RankPtrs* ranks, Offsets off, int R, int T, int K,
                                                         int el, int H, int first_rank, bool weight_rows) {
+  pdl_enter();
   const int le = blockIdx.x, d = first_rank + int(blockIdx.y);
   const RankPtrs me = ranks[d];
   const int n = me.counts[le], first = me.offsets[le];
@@ -196,11 +200,13 @@ __global__ void __launch_bounds__(kThreads) pull_kernel(const RankPtrs* ranks, O
 }
 
 __global__ void row_pointers_kernel(bf16* y, int64_t n, int64_t H, bf16** out) {
+  pdl_enter();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) out[i] = y + i * H;
 }
 
 __global__ void set_count_kernel(int32_t* counts, int32_t n) {
+  pdl_enter();
   counts[0] = n;
   counts[1] = 0;
 }
@@ -324,7 +330,9 @@ GroupedGemmArgs gemm_args(const ExpertPass& p, WeightFormat f, int64_t n, int64_
   return g;
 }
 
-void run_pass(const ExpertPass& p, int64_t H, std::optional<float> clamp, WeightFormat f, cudaStream_t stream) {
+// pdl: the stream's previous operation is a kernel (cuda/pdl.cuh); so is each GEMM for the next.
+void run_pass(const ExpertPass& p, int64_t H, std::optional<float> clamp, WeightFormat f, cudaStream_t stream,
+              bool pdl) {
   const int64_t I = p.set->inter;
   SwigluEpilogue e1;
   e1.row_weight = p.row_weight;
@@ -334,12 +342,14 @@ void run_pass(const ExpertPass& p, int64_t H, std::optional<float> clamp, Weight
   e1.ldh = p.ldh;
   e1.h_scale = p.h_scale;
   e1.ldh_scale = p.ldh / kB;
-  launch_gemm_swiglu(gemm_args(p, f, 2 * I, H, p.a, H, p.a_scale, p.set->gate_up.get(), p.set->gate_up_scale.get()),
-                     e1, stream);
+  GroupedGemmArgs g1 = gemm_args(p, f, 2 * I, H, p.a, H, p.a_scale, p.set->gate_up.get(), p.set->gate_up_scale.get());
+  g1.pdl = pdl;
+  launch_gemm_swiglu(g1, e1, stream);
   StoreEpilogue e2;
   e2.row_out = p.row_out;
-  launch_gemm_store(gemm_args(p, f, H, I, p.h8, p.ldh, p.h_scale, p.set->down.get(), p.set->down_scale.get()), e2,
-                    stream);
+  GroupedGemmArgs g2 = gemm_args(p, f, H, I, p.h8, p.ldh, p.h_scale, p.set->down.get(), p.set->down_scale.get());
+  g2.pdl = pdl;
+  launch_gemm_store(g2, e2, stream);
 }
 
 }  // namespace
@@ -505,13 +515,14 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
   // Dispatch, plan, pull.
   dispatch_kernel<<<unsigned(nl * el), kThreads, 0, stream>>>(rp, off, tc, int(R), int(T), int(K), int(el), int(r0));
   MOEFQ_CUDA_CHECK_LAUNCH();
-  plan_kernel<<<unsigned(nl), 32, 0, stream>>>(rp, off, tc, int(r0), int(el));
-  MOEFQ_CUDA_CHECK_LAUNCH();
+  // From here on every operation is a kernel that follows a kernel (real ranks: up to the
+  // barrier before the combine, and their path keeps full serialisation).
+  const bool pdl = !link_ && pdl_enabled();
+  launch_chained(plan_kernel, dim3(unsigned(nl)), dim3(32), 0, stream, pdl, rp, off, tc, int(r0), int(el));
   static const int sms = sm_count();
   const unsigned splits = unsigned(std::clamp<int64_t>((2 * sms + nl * el - 1) / (nl * el), 1, 64));
-  pull_kernel<<<dim3(unsigned(el), unsigned(nl), splits), kThreads, 0, stream>>>(
-      rp, off, int(R), int(T), int(K), int(el), int(H), int(r0), weighting_ == CombineWeighting::kBefore);
-  MOEFQ_CUDA_CHECK_LAUNCH();
+  launch_chained(pull_kernel, dim3(unsigned(el), unsigned(nl), splits), dim3(kThreads), 0, stream, pdl, rp, off, int(R),
+                 int(T), int(K), int(el), int(H), int(r0), weighting_ == CombineWeighting::kBefore);
 
   // Expert side of each rank: the routed experts over its pool, the fused shared expert over its
   // own staged tokens (intermediates after the pool, rows into slot K).
@@ -524,23 +535,28 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
     run_pass({&rs.routed, rs.counts.get(), rs.offsets.get(), int(el), buf + off.pool_x,
               reinterpret_cast<const float*>(buf + off.pool_x_scales), rs.row_weight.get(), h8, hs, imax,
               rs.row_out.get(), routed_rows, P},
-             H, cfg_.swiglu_clamp, sh.weight_format, stream);
+             H, cfg_.swiglu_clamp, sh.weight_format, stream, pdl);
     if (fused_shared() && n > 0)
       run_pass({&rs.shared, rs.counts.get() + el, rs.offsets.get() + el, 1, buf + off.staged_x,
                 reinterpret_cast<const float*>(buf + off.staged_scales), rs.ones.get(), h8 + P * imax,
                 hs + P * (imax / kB), imax, rs.shared_out.get(), n, T},
-               H, cfg_.swiglu_clamp, sh.weight_format, stream);
+               H, cfg_.swiglu_clamp, sh.weight_format, stream, pdl);
   }
   // Every expert rank's rows are in this rank's combine region before the combine reads them, and
   // no peer still pulls from the staged tokens that the next call overwrites.
   if (link_) link_->barrier("engine: combine rows written, before the combine", stream);
 
-  combine(batches, stream, skip_combine);
+  combine_ranks(batches, stream, skip_combine, pdl);
   if (debug_zeroing_)
     for (auto& rs : ranks_) MOEFQ_CUDA_CHECK(cudaMemsetAsync(rs->buf, 0, layout_.total_bytes(), stream));
 }
 
 void CudaEngine::combine(std::span<const DeviceBatch> batches, cudaStream_t stream, const std::vector<bool>& skip) {
+  combine_ranks(batches, stream, skip, false);  // after whatever the caller enqueued
+}
+
+void CudaEngine::combine_ranks(std::span<const DeviceBatch> batches, cudaStream_t stream, const std::vector<bool>& skip,
+                               bool pdl) {
   MOEFQ_CHECK(int64_t(batches.size()) == num_local_ranks(), "combine: ", batches.size(), " batches for ",
               num_local_ranks(), " ranks");
   check_skip_flags(skip, num_local_ranks(), "combine");
@@ -559,7 +575,8 @@ void CudaEngine::combine(std::span<const DeviceBatch> batches, cudaStream_t stre
     if (weighting_ == CombineWeighting::kAfter)
       rows.topk_weights = reinterpret_cast<const float*>(rows.buffer + layout_.topk_weights.offset);
     rows.num_tokens = b.num_tokens;
-    launch_combine(rows, b.y, stream);
+    launch_combine(rows, b.y, stream, pdl);
+    pdl = pdl_enabled();  // the next rank's combine follows this one
   }
 }
 
@@ -573,13 +590,13 @@ void CudaEngine::shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y, 
   RankState& rs = *ranks_[size_t(rank - first_rank_)];
   const int64_t H = cfg_.hidden, Is = rs.shared.inter;
   launch_stage_e4m3(x, rs.solo_x8.get(), rs.solo_xs.get(), n, H, stream);
-  row_pointers_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(y, n, H, rs.solo_out.get());
-  MOEFQ_CUDA_CHECK_LAUNCH();
-  set_count_kernel<<<1, 1, 0, stream>>>(rs.solo_count.get(), int32_t(n));
-  MOEFQ_CUDA_CHECK_LAUNCH();
+  const bool pdl = pdl_enabled();  // each of the kernels below follows a kernel
+  launch_chained(row_pointers_kernel, dim3(unsigned((n + 255) / 256)), dim3(256), 0, stream, pdl, y, n, H,
+                 rs.solo_out.get());
+  launch_chained(set_count_kernel, dim3(1), dim3(1), 0, stream, pdl, rs.solo_count.get(), int32_t(n));
   run_pass({&rs.shared, rs.solo_count.get(), rs.solo_count.get() + 1, 1, rs.solo_x8.get(), rs.solo_xs.get(),
             rs.ones.get(), rs.solo_h8.get(), rs.solo_hs.get(), Is, rs.solo_out.get(), n, max_tokens()},
-           H, cfg_.swiglu_clamp, layout_.shape().weight_format, stream);
+           H, cfg_.swiglu_clamp, layout_.shape().weight_format, stream, pdl);
 }
 
 }  // namespace moefq::cuda

@@ -107,6 +107,8 @@ class CudaEngine {
   const uint8_t* buffer(int64_t rank) const;
 
  private:
+  // combine() on each rank; pdl: the stream's previous operation is one of forward()'s kernels.
+  void combine_ranks(std::span<const DeviceBatch> batches, cudaStream_t stream, const std::vector<bool>& skip, bool pdl);
   struct RankState;
   void init(std::span<const LayerWeights> rank_weights, const WeightFill* fill);
 

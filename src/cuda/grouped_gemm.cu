@@ -16,6 +16,9 @@
 //   sums of a 128 x 256 tile. (128 x 128 tiles have the registers for it, but read each A block
 //   twice as often and hold half the work per stage: slower for the store GEMM.) 64-row store
 //   tiles (decode) keep one block: more tiles for the SMs, more stages in flight.
+// - Launch (args.pdl): as a programmatic dependent of the stream's previous kernel, so that a CTA
+//   can take an SM as soon as the previous kernel's CTA there exits and initialise its barriers;
+//   pdl_enter() then waits for the previous kernel before any global memory is read.
 // - Tile list: every CTA builds the prefix of ceil(count_g / BM) * n_tiles over the groups in
 //   shared memory and walks tiles blockIdx.x, +gridDim.x, ... (n fastest inside an m-tile).
 // - Producer, bulk tensor path (args.b_all and args.a_rows given): one thread issues TMA loads
@@ -61,6 +64,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/gemm_sm90.cuh"
+#include "cuda/pdl.cuh"
 #include "moefq/errors.h"
 
 namespace moefq::cuda {
@@ -332,6 +336,7 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
     mbar_init(smem_addr(epi_empty), 32 * kEpilogueWarps);  // every epilogue thread
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  pdl_enter();  // from here on global memory: the counts, A and the outputs belong to earlier kernels
   if (threadIdx.x < 32) {
     // The tile prefix, 32 groups at a time (a warp scan), so that the counts' loads are not one
     // latency each before the first load can be issued.
@@ -696,9 +701,8 @@ void launch_kernel(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStrea
   }
   const int64_t max_tiles = ((a.max_total_rows + L::kBM - 1) / L::kBM + kp.num_groups) * kp.n_tiles;
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(g_num_sms[dev], max_tiles)));
-  grouped_gemm_kernel<kMathWG, kBf16, kEpi, kTma>
-      <<<grid, L::kThreads, L::smem_bytes(kp.stages, kp.num_groups), stream>>>(kp);
-  MOEFQ_CUDA_CHECK_LAUNCH();
+  launch_chained(grouped_gemm_kernel<kMathWG, kBf16, kEpi, kTma>, dim3(grid), dim3(L::kThreads),
+                 L::smem_bytes(kp.stages, kp.num_groups), stream, a.pdl, kp);
 }
 
 template <int kMathWG, bool kBf16, Epi kEpi>

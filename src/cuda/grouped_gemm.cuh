@@ -44,6 +44,9 @@ struct GroupedGemmArgs {
   const void* b_all = nullptr;
   const float* b_scale_all = nullptr;
   int64_t a_rows = 0;
+  // Launched as a programmatic dependent of the stream's previous kernel (cuda/pdl.cuh): set it
+  // only where that operation is a kernel.
+  bool pdl = false;
 };
 
 // GEMM 1 (gate/up, n = 2I: gate = columns [0, I), up = columns [I, 2I)) with the SwiGLU epilogue:

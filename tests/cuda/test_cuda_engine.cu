@@ -211,6 +211,47 @@ TEST(CudaEngine, RepeatedCallsAndGraphReplaysAreBitIdentical) {
     }
 }
 
+// The layer's kernels launched as programmatic dependents (the default) give the bits of fully
+// serialised launches (MOEFQ_PDL=0), eagerly and replayed from a graph; so does the shared expert
+// on its own.
+TEST(CudaEngine, ChainedLaunchesEqualSerialisedOnes) {
+  SKIP_WITHOUT_GPU();
+  const MoeConfig c = small_config();
+  const int64_t R = 2, T = 600;
+  const Problem p = make_problem(c, R, T, 414, 7);
+  cuda::CudaEngine gpu(c, R, T, weights_for(c, R), {false, 2});
+  DeviceProblem dp(p, T);
+  cuda::DeviceBuffer<bf16> ys(size_t(T * c.hidden));
+  const auto run = [&](cudaStream_t s) {
+    gpu.forward(dp.batches(), s);
+    gpu.shared_expert(1, dp.x[1].get(), T, ys.get(), s);
+  };
+  ::setenv("MOEFQ_PDL", "0", 1);
+  run(nullptr);
+  ::unsetenv("MOEFQ_PDL");
+  MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto want = dp.outputs();
+  const auto want_shared = ys.download();
+  const test::CapturedGraph graph(run);
+  for (int rep = 0; rep < 3; ++rep) {
+    SCOPED_TRACE(rep == 0 ? "eager" : "graph replay");
+    dp.load(p);
+    ys.upload(std::vector<bf16>(ys.size(), bf16{}));
+    if (rep == 0) {
+      run(nullptr);
+      MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
+    } else {
+      graph.launch();
+      MOEFQ_CUDA_CHECK(cudaStreamSynchronize(graph.stream()));
+    }
+    const auto got = dp.outputs();
+    for (int64_t r = 0; r < R; ++r)
+      EXPECT_TRUE(test::bytes_equal(want[size_t(r)].data(), got[size_t(r)].data(), got[size_t(r)].size(), 2)) << "rank " << r;
+    const auto got_shared = ys.download();
+    EXPECT_TRUE(test::bytes_equal(want_shared.data(), got_shared.data(), got_shared.size(), 2)) << "shared expert";
+  }
+}
+
 // Padding tokens get only the shared row (or zero); ranks with no tokens and all-padding calls
 // work, and the next call is unaffected.
 TEST(CudaEngine, PaddingEmptyRanksAndAllPaddingCalls) {

@@ -21,6 +21,33 @@ struct TimedCase {
   std::function<void(int, cudaStream_t)> launch;
 };
 
+// A second stream for work beside a stream's own, inside a graph capture too: fork(s) makes the
+// side stream wait for what s has so far, join(s) makes s wait for what the side stream has.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t forked = nullptr, joined = nullptr;
+  SideStream() {
+    MOEFQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    MOEFQ_CUDA_CHECK(cudaEventCreateWithFlags(&forked, cudaEventDisableTiming));
+    MOEFQ_CUDA_CHECK(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
+  }
+  ~SideStream() {
+    cudaEventDestroy(joined);
+    cudaEventDestroy(forked);
+    cudaStreamDestroy(stream);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  void fork(cudaStream_t s) {
+    MOEFQ_CUDA_CHECK(cudaEventRecord(forked, s));
+    MOEFQ_CUDA_CHECK(cudaStreamWaitEvent(stream, forked, 0));
+  }
+  void join(cudaStream_t s) {
+    MOEFQ_CUDA_CHECK(cudaEventRecord(joined, stream));
+    MOEFQ_CUDA_CHECK(cudaStreamWaitEvent(s, joined, 0));
+  }
+};
+
 // Median time of one call of each case's launch in microseconds: every case's graph is captured
 // first, then replayed round-robin `reps` times after a warm-up (replay r of every case before
 // replay r + 1 of any), so slow drifts of clock or temperature affect every case alike.

@@ -111,6 +111,8 @@ inline constexpr double kUsableFraction = 0.9;
 MemoryPlan plan_run_memory(const RunnerSetup& setup, EvalDevice device);
 // Free and total bytes of the current GPU (registered with the CUDA runner).
 void set_device_memory_query(std::function<std::pair<double, double>()> query);
+// The registered query's free and total bytes; {0, 0} (unknown) when none is registered.
+std::pair<double, double> query_device_memory();
 
 // The calibration sequence every runner shares: start, one forward per calibration batch, finish,
 // then the reduced amax and each rank's own from the fake-quantized layer (FakeQuantMoe or

@@ -37,6 +37,11 @@ void set_device_memory_query(std::function<std::pair<double, double>()> query) {
   device_query() = std::move(query);
 }
 
+std::pair<double, double> query_device_memory() {
+  std::lock_guard<std::mutex> lock(query_mutex());
+  return device_query() ? device_query()() : std::pair<double, double>(0, 0);
+}
+
 std::string MemoryPlan::describe() const {
   const auto gib = [](double b) {
     char buf[32];
@@ -100,10 +105,7 @@ MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
     p.device_bytes += m.device_bytes;
   }
   p.host_available = double(available_host_memory().value_or(0));
-  {
-    std::lock_guard<std::mutex> lock(query_mutex());
-    if (cuda && device_query()) p.device_available = device_query()().first;
-  }
+  if (cuda) p.device_available = query_device_memory().first;
   // Streaming (the GPU runner): a second layer's weights generated on a side stream (or read from
   // the checkpoint on the host) while the current one is evaluated, where that fits too. The host
   // runner has no cores to spare for it.

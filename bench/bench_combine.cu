@@ -12,10 +12,12 @@
 #include <vector>
 
 #include "bench/bench_cuda_util.cuh"
+#include "bench/bench_memory.h"
 #include "cuda/combine_kernels.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "engine/expert_cpu.h"
+#include "eval/layer_runner.h"
 #include "moefq/fileio.h"
 #include "moefq/qdq.h"
 #include "moefq/quant_spec.h"
@@ -106,15 +108,19 @@ int run_bench_combine(const CombineBenchOptions& o) {
     }
   }
   const int64_t T = o.tokens, K = o.top_k, H = o.hidden;
+  // Every buffer below is sized by the plan's own function; a run that does not fit is refused
+  // before the first allocation.
+  register_cuda_layer_runner();  // the GPU memory query the plan asks
+  check_combine_bench_memory(o);
+  const CombineBenchSizes sz = combine_bench_sizes(o);
   const std::string device = cuda::device_description();
   std::fprintf(stderr, "moefq bench combine on %s, %s\n", device.c_str(), today().c_str());
 
-  Rows r{T, K, H, std::min<int64_t>(T, 64), std::vector<std::vector<bf16>>(size_t(K + 1)),
-         DeviceBuffer<uint8_t>(size_t((K + 1) * T * H) * 2)};
+  Rows r{T, K, H, sz.sample, std::vector<std::vector<bf16>>(size_t(K + 1)), DeviceBuffer<uint8_t>(size_t(sz.rows) * 2)};
   int scale_exp = 0;
   fill(r, scale_exp);
   // Routing: every slot active, or ~10% of the routed slots off (deterministic).
-  std::vector<int32_t> idx_all(size_t(T * K)), idx_off(size_t(T * K));
+  std::vector<int32_t> idx_all(size_t(sz.routing)), idx_off(size_t(sz.routing));
   std::mt19937_64 rng(7);
   for (int64_t i = 0; i < T * K; ++i) {
     idx_all[size_t(i)] = int32_t(i % K);
@@ -122,7 +128,7 @@ int run_bench_combine(const CombineBenchOptions& o) {
   }
   const DeviceBuffer<int32_t> d_all(idx_all), d_off(idx_off);
   // Router weights (after only): top-k-like values in (0, 1], distinct per slot and token.
-  std::vector<float> weights(size_t(T * K));
+  std::vector<float> weights(size_t(sz.routing));
   for (float& w : weights) w = float(rng() % 1024 + 1) / 1024.0f * 0.3f;
   const DeviceBuffer<float> d_weights(weights);
   // The calibrated amax: max |x| over the routed rows (the sample holds every distinct row). Only
@@ -131,13 +137,12 @@ int run_bench_combine(const CombineBenchOptions& o) {
   for (int64_t k = 0; k < K; ++k)
     calibrated = max_ignore_nan(calibrated, amax_ref(r.host[size_t(k)].data(), r.sample * H));
   const DeviceBuffer<float> d_amax(std::vector<float>{calibrated});
-  DeviceBuffer<bf16> y_engine(size_t(T * H)), y_out(size_t(T * H));
+  DeviceBuffer<bf16> y_engine(size_t(sz.y)), y_out(size_t(sz.y));
   DeviceBuffer<cuda::CheckRecord> record(1);
   cuda::reset_check_record(record.get(), nullptr);
 
   // The ceiling: a device-to-device copy moving the bytes of the all-active case (read + write).
-  const double base_bytes = double(K * T * H) * 2 + double(T * H) * 2;
-  const double copy = copy_gbs(size_t(base_bytes / 2), o.launches_per_graph, o.reps);
+  const double copy = copy_gbs(size_t(sz.copy_ceiling), o.launches_per_graph, o.reps);
 
   nlohmann::json report;
   report["tool"] = "moefq bench combine";

@@ -113,7 +113,7 @@ static __global__ void copy16_kernel(const uint4* __restrict__ src, uint4* __res
 // Device-to-device copy bandwidth in GB/s (read + write bytes), copying `bytes` (a multiple of 16)
 // between two allocations: the better of cudaMemcpyAsync and a plain 16-byte copy kernel (for
 // large copies the latter is faster on the H200), so the memory ceiling every bandwidth figure is
-// compared with never flatters it.
+// compared with never flatters it. (bench_memory.h's copy_ceiling_device_bytes counts the two.)
 inline double copy_gbs(size_t bytes, int per_graph = 10, int reps = 11) {
   void *a = nullptr, *b = nullptr;
   MOEFQ_CUDA_CHECK(cudaMalloc(&a, bytes));

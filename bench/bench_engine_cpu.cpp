@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "bench/bench.h"
+#include "bench/bench_memory.h"
 #include "cli/commands.h"
 #include "eval/layer_runner.h"
 #include "moefq/cpu_engine.h"
@@ -29,16 +30,10 @@ void check_memory(const MoeConfig& cfg, const EngineCpuBenchOptions& o) {
   s.calib_batches = 1;  // one batch: the activations and their outputs
   s.weight_format = o.format;
   s.num_threads = o.threads;
-  const MemoryPlan plan = plan_run_memory(s, EvalDevice::kCpu);
-  const auto gib = [](double b) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(1ull << 30));
-    return std::string(buf);
-  };
-  MOEFQ_CHECK(plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available,
-              "moefq bench engine-cpu: --ranks ", o.ranks, " --tokens ", o.tokens, " of ", cfg.name, " needs ",
-              gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
-              " available: use fewer --ranks or --tokens, or a smaller --preset\n", plan.describe());
+  check_bench_memory(plan_run_memory(s, EvalDevice::kCpu),
+                     "moefq bench engine-cpu: --ranks " + std::to_string(o.ranks) + " --tokens " +
+                         std::to_string(o.tokens) + " of " + cfg.name,
+                     "use fewer --ranks or --tokens, or a smaller --preset");
 }
 
 }  // namespace

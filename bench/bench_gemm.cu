@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bench/bench_cuda_util.cuh"
+#include "bench/bench_memory.h"
 #include "bench/ceilings.cuh"
 #include "bench/gpu_telemetry.h"
 #include "cuda/cuda_check.h"
@@ -19,6 +20,7 @@
 #include "cuda/grouped_gemm.cuh"
 #include "cuda/host_api.h"
 #include "engine/gemm_cpu.h"
+#include "eval/layer_runner.h"
 #include "moefq/fileio.h"
 #include "moefq/numerics.h"
 
@@ -82,9 +84,15 @@ int run_bench_gemm(const GemmBenchOptions& o) {
   MOEFQ_CHECK(H > 0 && H % 128 == 0, "--hidden ", H, ": expected a positive multiple of 128");
   MOEFQ_CHECK(I > 0 && I % 128 == 0, "--inter ", I, ": expected a positive multiple of 128");
   MOEFQ_CHECK(G > 0, "--experts ", G, ": expected at least 1");
+  MOEFQ_CHECK(o.top_k >= 1, "--top-k ", o.top_k, ": expected at least 1");
   MOEFQ_CHECK(!o.tokens.empty(), "--tokens: no token counts");
   for (int64_t t : o.tokens) MOEFQ_CHECK(t >= 1, "--tokens: ", t, " is not a positive token count");
-  const int64_t max_rows = *std::max_element(o.tokens.begin(), o.tokens.end()) * o.top_k;
+  // Every buffer below is sized by the plan's own function; a run that does not fit is refused
+  // before the first allocation.
+  register_cuda_layer_runner();  // the GPU memory query the plan asks
+  check_gemm_bench_memory(o);
+  const GemmBenchSizes sz = gemm_bench_sizes(o);
+  const int64_t max_rows = sz.max_rows;
   cudaDeviceProp prop;
   MOEFQ_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const std::string date = today();
@@ -93,17 +101,14 @@ int run_bench_gemm(const GemmBenchOptions& o) {
 
   // Weights of all local experts (contiguous per kind) and activations, filled on the device.
   const int64_t gu_elems = 2 * I * H, dn_elems = H * I, gu_sc = 2 * ib * hb, dn_sc = hb * ib;
-  DeviceBuffer<uint8_t> gu(size_t(G * gu_elems)), dn(size_t(G * dn_elems));
-  DeviceBuffer<float> gus(size_t(G * gu_sc)), dns(size_t(G * dn_sc));
-  // cuBLASLt multiplies M padded to 16 rows; the activations hold at least that many, so that it
-  // runs on the same data: all rows against one expert's weights, or G experts' equal shares
-  // (ceil(rows / G), padded) each against its own expert's weights.
-  const auto cublaslt_rows = [](int64_t rows) { return std::max<int64_t>(16, (rows + 15) / 16 * 16); };
-  const auto group_rows = [&](int64_t rows) { return cublaslt_rows((rows + G - 1) / G); };
-  const int64_t op_rows = std::max(cublaslt_rows(max_rows), G * group_rows(max_rows));
-  DeviceBuffer<uint8_t> x8(size_t(op_rows * H)), h8(size_t(op_rows * I));
-  DeviceBuffer<float> xs(size_t(max_rows * hb)), hs(size_t(max_rows * ib)), rw(static_cast<size_t>(max_rows));
-  DeviceBuffer<bf16> out(size_t(max_rows * H));
+  DeviceBuffer<uint8_t> gu(size_t(sz.gate_up)), dn(size_t(sz.down));
+  DeviceBuffer<float> gus(size_t(sz.gate_up_scales)), dns(size_t(sz.down_scales));
+  // cuBLASLt multiplies M padded to 16 rows; the activations hold at least that many (op_rows), so
+  // that it runs on the same data: all rows against one expert's weights, or G experts' equal
+  // shares (ceil(rows / G), padded) each against its own expert's weights.
+  DeviceBuffer<uint8_t> x8(size_t(sz.x8)), h8(size_t(sz.h8));
+  DeviceBuffer<float> xs(size_t(sz.x_scales)), hs(size_t(sz.h_scales)), rw(size_t(sz.row_weights));
+  DeviceBuffer<bf16> out(size_t(sz.out));
   fill_e4m3(gu.get(), int64_t(gu.size()), o.seed * 4 + 1);
   fill_e4m3(dn.get(), int64_t(dn.size()), o.seed * 4 + 2);
   fill_e4m3(x8.get(), int64_t(x8.size()), o.seed * 4 + 3);
@@ -123,9 +128,10 @@ int run_bench_gemm(const GemmBenchOptions& o) {
   DeviceBuffer<const void*> gp_d(gp), dp_d(dp);
   DeviceBuffer<const float*> gsp_d(gsp), dsp_d(dsp);
   std::vector<bf16*> ro;
-  for (int64_t r = 0; r < max_rows; ++r) ro.push_back(out.get() + r * H);
+  ro.reserve(size_t(sz.row_out));  // exactly the planned bytes (no doubling as it grows)
+  for (int64_t r = 0; r < sz.row_out; ++r) ro.push_back(out.get() + r * H);
   DeviceBuffer<bf16*> ro_d(ro);
-  DeviceBuffer<int32_t> counts_d(static_cast<size_t>(G)), offsets_d(static_cast<size_t>(G));
+  DeviceBuffer<int32_t> counts_d(size_t(sz.groups)), offsets_d(size_t(sz.groups));
   MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
   cuda::prepare_grouped_gemm();
 
@@ -143,7 +149,7 @@ int run_bench_gemm(const GemmBenchOptions& o) {
   };
 
   // Ceilings measured now: device copy bandwidth (bytes read + written) and cuBLASLt FP8.
-  const double copy_bw = copy_gbs(size_t(1) << 30) * 1e9;  // bytes / s
+  const double copy_bw = copy_gbs(size_t(sz.copy_ceiling)) * 1e9;  // bytes / s
   std::printf("device copy: %.0f GB/s (read + write)\n", copy_bw * 1e-9);
 
   nlohmann::json report = {{"device", prop.name}, {"date", date}, {"hidden", H}, {"inter", I}, {"experts", G},
@@ -233,7 +239,7 @@ int run_bench_gemm(const GemmBenchOptions& o) {
       // cuBLASLt on this GEMM's own activations: the grouped ceiling (G equal shares of the rows,
       // each against its own expert's weights, so every expert's weights are read as here); all
       // rows against expert 0's weights only (which stay in L2); constant operands (the clock).
-      const int64_t m_grp = group_rows(rows), m_cub = cublaslt_rows(rows);
+      const int64_t m_grp = cublaslt_group_rows(rows, G), m_cub = cublaslt_rows(rows);
       const double cub_us =
           timed([&] { return cublaslt_fp8_gemm_us(m_grp, kd.n, kd.k, kd.a, kd.w0, int(G)); }, cub_clock);
       const double cub_1w_us = cublaslt_fp8_gemm_us(m_cub, kd.n, kd.k, kd.a, kd.w0);

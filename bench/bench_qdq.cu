@@ -9,9 +9,11 @@
 
 #include "bench/bench.h"
 #include "bench/bench_cuda_util.cuh"
+#include "bench/bench_memory.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/qdq_kernels.cuh"
+#include "eval/layer_runner.h"
 #include "moefq/fileio.h"
 #include "moefq/qdq.h"
 #include "moefq/synthetic.h"
@@ -47,9 +49,15 @@ int run_bench_qdq(const QdqBenchOptions& o) {
       cases.push_back({n, *f});
     }
   }
+  MOEFQ_CHECK(!o.rows.empty(), "--rows: no row counts");
+  for (int64_t rows : o.rows) MOEFQ_CHECK(rows > 0, "--rows must be positive");
   int dev = 0, l2 = 0;
   MOEFQ_CUDA_CHECK(cudaGetDevice(&dev));
   MOEFQ_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+  // Every buffer below is sized by the plan's own function; a run that does not fit is refused
+  // before the first allocation.
+  register_cuda_layer_runner();  // the GPU memory query the plan asks
+  check_qdq_bench_memory(o, l2);
   const std::string device = cuda::device_description();
   std::fprintf(stderr, "moefq bench qdq on %s, %s\n", device.c_str(), today().c_str());
 
@@ -62,12 +70,12 @@ int run_bench_qdq(const QdqBenchOptions& o) {
   std::printf("%7s  %-18s  %10s  %9s  %9s  %6s  %s\n", "rows", "case", "time_us", "GB/s", "copy_GB/s", "ratio", "check");
   bool all_ok = true;
   for (int64_t rows : o.rows) {
-    MOEFQ_CHECK(rows > 0, "--rows must be positive");
-    const int64_t n = rows * o.cols;
+    // Rotating over enough input sets that they do not fit in L2 together.
+    const QdqBenchSizes sz = qdq_bench_sizes(o, rows, l2);
+    const int64_t n = sz.elems;
     const size_t bytes = size_t(n) * 2;
-    // Rotate over enough input sets that they do not fit in L2 together.
-    const int sets = int(std::clamp<int64_t>((3 * int64_t(l2) + int64_t(bytes) - 1) / int64_t(bytes), 1, 64));
-    const int64_t sample_rows = std::min<int64_t>(rows, 256);
+    const int sets = sz.sets;
+    const int64_t sample_rows = sz.sample_rows;
     std::vector<bf16> sample;
     for (float v : synthetic_activations(sample_rows, o.cols, uint64_t(rows))) sample.push_back({bf16_round(v)});
     std::vector<DeviceBuffer<bf16>> in, out;
@@ -98,6 +106,7 @@ int run_bench_qdq(const QdqBenchOptions& o) {
       double us = 0, moved = 0;
       bool ok = true;
       if (!c.format) {
+        MOEFQ_ASSERT(sz.stage, "moefq bench qdq: the memory plan left out the stage_e4m3 buffers");
         out8.clear();
         scales.clear();
         for (int s = 0; s < sets; ++s) {

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "bench/bench_cuda_util.cuh"
+#include "bench/bench_memory.h"
 #include "cuda/device_buffer.h"
 #include "moefq/errors.h"
 
@@ -23,14 +24,15 @@ namespace {
 double cublaslt_fp8_gemm_us(int64_t m, int64_t n, int64_t k, const uint8_t* a_in, const uint8_t* b_in, int batch) {
   using cuda::DeviceBuffer;
   MOEFQ_ASSERT(batch >= 1, "cuBLASLt ceiling: batch must be positive");
-  const int64_t nb = batch;
-  DeviceBuffer<uint8_t> a_const(a_in ? 0 : size_t(nb * m * k)), b_const(b_in ? 0 : size_t(nb * n * k));
-  DeviceBuffer<uint16_t> d(size_t(nb * m * n));
+  // Sized as the benchmarks' memory plans count them.
+  const CublasltCeilingSizes sz = cublaslt_ceiling_sizes(m, n, k, a_in != nullptr, b_in != nullptr, batch);
+  DeviceBuffer<uint8_t> a_const(size_t(sz.a_const)), b_const(size_t(sz.b_const));
+  DeviceBuffer<uint16_t> d(size_t(sz.d));
   if (!a_in) MOEFQ_CUDA_CHECK(cudaMemset(a_const.get(), 0x38, a_const.bytes()));  // e4m3 1.0
   if (!b_in) MOEFQ_CUDA_CHECK(cudaMemset(b_const.get(), 0x30, b_const.bytes()));  // e4m3 0.5
   const uint8_t* a = a_in ? a_in : a_const.get();
   const uint8_t* b = b_in ? b_in : b_const.get();
-  DeviceBuffer<uint8_t> workspace(size_t(32) << 20);
+  DeviceBuffer<uint8_t> workspace(size_t(sz.workspace));
   cublasLtHandle_t lt;
   MOEFQ_CUBLAS_CHECK(cublasLtCreate(&lt));
   // Column-major view: D^T [n, m] = B [n, k] (stored k x n, op T) * A^T [k, m] (stored k x m).

@@ -1,0 +1,228 @@
+// The GPU micro-benchmarks' memory plans (bench_memory.h).
+#include "bench/bench_memory.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "eval/layer_runner.h"
+#include "moefq/errors.h"
+#include "moefq/host_memory.h"
+#include "moefq/numerics.h"
+
+namespace moefq::bench {
+namespace {
+
+// A plan under construction: items added with their host and device bytes, then the totals and
+// the figures available.
+class PlanBuilder {
+ public:
+  void add(const std::string& what, double host_bytes, double device_bytes) {
+    plan_.items.push_back({what, host_bytes, device_bytes});
+  }
+  MemoryPlan finish() {
+    for (const MemoryItem& m : plan_.items) {
+      plan_.host_bytes += m.host_bytes;
+      plan_.device_bytes += m.device_bytes;
+    }
+    plan_.host_available = double(available_host_memory().value_or(0));
+    plan_.device_available = query_device_memory().first;
+    return plan_;
+  }
+
+ private:
+  MemoryPlan plan_;
+};
+
+// Device bytes of `count` elements of `size` bytes each, as cudaMalloc takes them.
+double dev(int64_t count, int64_t size) { return double(device_allocation_bytes(count * size)); }
+
+// "what (n units)" ("unit" for one).
+std::string with_count(const std::string& what, int64_t n, const std::string& unit) {
+  return what + " (" + std::to_string(n) + " " + unit + (n == 1 ? "" : "s") + ")";
+}
+
+// Device bytes of one qdq row count's buffers: the bf16 inputs and outputs, and stage_e4m3's
+// e4m3 outputs and fp32 scales (where it runs).
+double qdq_io_bytes(const QdqBenchSizes& s) { return 2 * s.sets * dev(s.elems, 2); }
+double qdq_stage_bytes(const QdqBenchSizes& s) {
+  return s.stage ? s.sets * (dev(s.elems, 1) + dev(s.elems / kStageBlock, 4)) : 0;
+}
+double qdq_device_bytes(const QdqBenchSizes& s) { return qdq_io_bytes(s) + qdq_stage_bytes(s); }
+
+// The row counts run one after another, each freeing its buffers: the plan is the largest one's.
+int64_t qdq_plan_rows(const QdqBenchOptions& o, int64_t l2) {
+  int64_t rows = o.rows.front();
+  for (int64_t r : o.rows)
+    if (qdq_device_bytes(qdq_bench_sizes(o, r, l2)) > qdq_device_bytes(qdq_bench_sizes(o, rows, l2))) rows = r;
+  return rows;
+}
+
+}  // namespace
+
+int64_t device_allocation_bytes(int64_t bytes) {
+  return bytes <= 0 ? 0 : (bytes + kDevicePageBytes - 1) / kDevicePageBytes * kDevicePageBytes;
+}
+
+int64_t copy_ceiling_device_bytes(int64_t bytes) { return 2 * device_allocation_bytes(bytes); }
+
+int64_t CublasltCeilingSizes::device_bytes() const {
+  return device_allocation_bytes(a_const) + device_allocation_bytes(b_const) + device_allocation_bytes(2 * d) +
+         device_allocation_bytes(workspace);
+}
+
+CublasltCeilingSizes cublaslt_ceiling_sizes(int64_t m, int64_t n, int64_t k, bool a_given, bool b_given, int batch) {
+  CublasltCeilingSizes s;
+  s.a_const = a_given ? 0 : int64_t(batch) * m * k;
+  s.b_const = b_given ? 0 : int64_t(batch) * n * k;
+  s.d = int64_t(batch) * m * n;
+  return s;
+}
+
+int64_t cublaslt_rows(int64_t rows) { return std::max<int64_t>(16, (rows + 15) / 16 * 16); }
+int64_t cublaslt_group_rows(int64_t rows, int64_t groups) { return cublaslt_rows((rows + groups - 1) / groups); }
+
+GemmBenchSizes gemm_bench_sizes(const GemmBenchOptions& o) {
+  const int64_t H = o.hidden, I = o.inter, G = o.experts, hb = H / 128, ib = I / 128;
+  GemmBenchSizes s;
+  for (int64_t t : o.tokens) s.max_rows = std::max(s.max_rows, t * o.top_k);
+  s.op_rows = std::max(cublaslt_rows(s.max_rows), G * cublaslt_group_rows(s.max_rows, G));
+  s.gate_up = G * 2 * I * H;
+  s.down = G * H * I;
+  s.gate_up_scales = G * 2 * ib * hb;
+  s.down_scales = G * hb * ib;
+  s.x8 = s.op_rows * H;
+  s.h8 = s.op_rows * I;
+  s.x_scales = s.max_rows * hb;
+  s.h_scales = s.max_rows * ib;
+  s.row_weights = s.max_rows;
+  s.out = s.max_rows * H;
+  s.row_out = s.max_rows;
+  s.groups = G;
+  return s;
+}
+
+int64_t gemm_check_host_bytes(int64_t n, int64_t k, const GemmBenchOptions& o) {
+  const int64_t kb = k / 128, I = o.inter, ib = I / 128;
+  const int64_t weights = n * k + 4 * (n / 128) * kb + 4 * n * k;  // codes, scales, decoded
+  const int64_t row = k + 4 * kb + 4 * k + 4 * n;                  // codes, scales, decoded, reference
+  const int64_t got = std::max(I + 4 * ib, 2 * o.hidden);          // h8 and its scales, or the bf16 row
+  return weights + row + got;
+}
+
+QdqBenchSizes qdq_bench_sizes(const QdqBenchOptions& o, int64_t rows, int64_t l2) {
+  QdqBenchSizes s;
+  s.elems = rows * o.cols;
+  const int64_t bytes = s.elems * 2;
+  s.sets = int(std::clamp<int64_t>((3 * l2 + bytes - 1) / bytes, 1, 64));
+  s.sample_rows = std::min<int64_t>(rows, 256);
+  s.stage = o.formats.empty() || std::find(o.formats.begin(), o.formats.end(), "stage_e4m3") != o.formats.end();
+  return s;
+}
+
+CombineBenchSizes combine_bench_sizes(const CombineBenchOptions& o) {
+  const int64_t T = o.tokens, K = o.top_k, H = o.hidden;
+  CombineBenchSizes s;
+  s.sample = std::min<int64_t>(T, 64);
+  s.rows = (K + 1) * T * H;
+  s.routing = T * K;
+  s.y = T * H;
+  s.copy_ceiling = (K + 1) * T * H;  // bytes: half the all-active case's (K T H rows read, T H written; bf16)
+  return s;
+}
+
+MemoryPlan plan_gemm_bench_memory(const GemmBenchOptions& o) {
+  const GemmBenchSizes s = gemm_bench_sizes(o);
+  const int64_t H = o.hidden, I = o.inter, G = o.experts;
+  PlanBuilder b;
+  b.add(with_count("expert weights, e4m3", G, "expert"), 0,
+        dev(s.gate_up, 1) + dev(s.down, 1) + dev(s.gate_up_scales, 4) + dev(s.down_scales, 4));
+  b.add(with_count("activations, h, scales", s.op_rows, "row"), 0,
+        dev(s.x8, 1) + dev(s.h8, 1) + dev(s.x_scales, 4) + dev(s.h_scales, 4) + dev(s.row_weights, 4));
+  b.add("output rows, bf16, and pointers", double(s.row_out) * 8, dev(s.out, 2) + dev(s.row_out, 8));
+  // Four pointer arrays, counts and offsets; on the host the routing's counts, weights and offsets too.
+  b.add("expert pointers, counts, offsets", double(s.groups) * (4 * 8 + 4 + 8 + 4),
+        4 * dev(s.groups, 8) + 2 * dev(s.groups, 4));
+  // The ceilings run one at a time beside the buffers above: the copy, then per token count and
+  // GEMM cuBLASLt grouped, on one expert's weights and on constant operands.
+  int64_t ceiling = copy_ceiling_device_bytes(s.copy_ceiling);
+  for (int64_t t : o.tokens) {
+    const int64_t rows = t * o.top_k, m_grp = cublaslt_group_rows(rows, G), m_cub = cublaslt_rows(rows);
+    for (const auto& [n, k] : {std::pair<int64_t, int64_t>{2 * I, H}, {H, I}}) {
+      ceiling = std::max({ceiling, cublaslt_ceiling_sizes(m_grp, n, k, true, true, int(G)).device_bytes(),
+                          cublaslt_ceiling_sizes(m_cub, n, k, true, true, 1).device_bytes(),
+                          cublaslt_ceiling_sizes(m_cub, n, k, false, false, 1).device_bytes()});
+    }
+  }
+  b.add("ceilings: copy or cuBLASLt, largest", 0, double(ceiling));
+  b.add("reference check: one expert's weights",
+        double(std::max(gemm_check_host_bytes(2 * I, H, o), gemm_check_host_bytes(H, I, o))), 0);
+  return b.finish();
+}
+
+MemoryPlan plan_qdq_bench_memory(const QdqBenchOptions& o, int64_t l2) {
+  const QdqBenchSizes s = qdq_bench_sizes(o, qdq_plan_rows(o, l2), l2);
+  const int64_t sample_rows = std::min<int64_t>(*std::max_element(o.rows.begin(), o.rows.end()), 256);
+  PlanBuilder b;
+  b.add(with_count("inputs, outputs, bf16", s.sets, "set"), 0, qdq_io_bytes(s));
+  if (s.stage) b.add(with_count("stage_e4m3 outputs, scales", s.sets, "set"), 0, qdq_stage_bytes(s));
+  b.add("amax", 0, dev(1, 4));
+  // The sample (bf16, and the fp32 activations it is rounded from) and the check's expected and
+  // returned rows (bf16; the stage_e4m3 case's codes and scales are smaller).
+  b.add(with_count("reference sample", sample_rows, "row"), double(sample_rows * o.cols) * (2 + 4 + 2 + 2), 0);
+  return b.finish();
+}
+
+MemoryPlan plan_combine_bench_memory(const CombineBenchOptions& o) {
+  const CombineBenchSizes s = combine_bench_sizes(o);
+  const int64_t K = o.top_k, H = o.hidden;
+  PlanBuilder b;
+  b.add(with_count("rows, bf16", K + 1, "slot"), 0, dev(s.rows, 2));
+  b.add("routing, router weights", double(s.routing) * 12, 3 * dev(s.routing, 4));
+  b.add("outputs: engine's, benchmarked", 0, 2 * dev(s.y, 2));
+  b.add("amax, check record", 0, dev(1, 4) + dev(1, 16));
+  b.add("copy ceiling", 0, double(copy_ceiling_device_bytes(s.copy_ceiling)));
+  // The sample of every slot (bf16, and the fp32 activations it is rounded from), the reference's
+  // QDQ rows, the expected and the returned outputs.
+  b.add(with_count("reference sample", s.sample, "token"),
+        double(s.sample * H) * (2 * double(K + 1) + 4 + 2 + 2) + double(K * H) * 2, 0);
+  return b.finish();
+}
+
+void check_bench_memory(const MemoryPlan& plan, const std::string& what, const std::string& advice) {
+  const auto gib = [](double b) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(1ull << 30));
+    return std::string(buf);
+  };
+  const bool host_fits = plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available;
+  const bool device_fits = plan.device_available <= 0 || plan.device_bytes <= kUsableFraction * plan.device_available;
+  MOEFQ_CHECK(host_fits, what, " needs ", gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
+              " available: ", advice, "\n", plan.describe());
+  MOEFQ_CHECK(device_fits, what, " needs ", gib(plan.device_bytes), " of GPU memory, ", gib(plan.device_available),
+              " available: ", advice, "\n", plan.describe());
+}
+
+void check_gemm_bench_memory(const GemmBenchOptions& o) {
+  const int64_t tokens = *std::max_element(o.tokens.begin(), o.tokens.end());
+  check_bench_memory(plan_gemm_bench_memory(o),
+                     "moefq bench gemm: --tokens " + std::to_string(tokens) + (o.tokens.size() > 1 ? " (the largest of the sweep)" : "") +
+                         " with --experts " + std::to_string(o.experts) + " --hidden " + std::to_string(o.hidden) +
+                         " --inter " + std::to_string(o.inter) + " --top-k " + std::to_string(o.top_k),
+                     "use fewer --tokens or --experts, or a smaller --hidden, --inter or --top-k");
+}
+
+void check_qdq_bench_memory(const QdqBenchOptions& o, int64_t l2) {
+  check_bench_memory(plan_qdq_bench_memory(o, l2),
+                     "moefq bench qdq: --rows " + std::to_string(qdq_plan_rows(o, l2)) +
+                         (o.rows.size() > 1 ? " (the largest of the sweep)" : "") + " --cols " + std::to_string(o.cols),
+                     "use fewer --rows or --cols");
+}
+
+void check_combine_bench_memory(const CombineBenchOptions& o) {
+  check_bench_memory(plan_combine_bench_memory(o),
+                     "moefq bench combine: --tokens " + std::to_string(o.tokens) + " --top-k " + std::to_string(o.top_k) +
+                         " --hidden " + std::to_string(o.hidden),
+                     "use fewer --tokens, or a smaller --top-k or --hidden");
+}
+
+}  // namespace moefq::bench

@@ -107,7 +107,7 @@ if [ "$mode" = eval ]; then
   step "eval: one deepseek-v3 layer, 8 ranks x 256 tokens, the default sweep"
   timeout 120 /usr/bin/time -f "wall %e s, max RSS %M KB" build-dev/moefq eval --preset deepseek-v3 --ranks 8 --device cuda \
     --out "$LOG/ds_layer" > "$LOG/eval_ds.txt" 2> "$LOG/eval_ds.err"
-  echo "rc=$?"; tail -n 3 "$LOG/eval_ds.err"; tail -n 18 "$LOG/eval_ds.txt" | cut -c1-200
+  echo "rc=$?"; tail -n 3 "$LOG/eval_ds.err"; cat "$LOG/eval_ds.txt"
   step "bench eval: deepseek-v3 layers 0-19"
   timeout 300 build-dev/moefq bench eval --preset deepseek-v3 --layers 0-19 --ranks 8 --tokens 256 \
     --json "$LOG/bench_eval.json" > "$LOG/bench_eval.txt" 2> "$LOG/bench_eval.err"

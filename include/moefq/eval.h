@@ -128,9 +128,11 @@ struct EvalRow {
   std::optional<float> dispatch_amax, combine_amax;  // the global amax used (nullopt: none)
   ErrorMetrics metrics;  // over every element of the evaluation set
   // The error's shape: relative L2 per token (its median, 99th percentile and max over the
-  // evaluation tokens), and over the channels outside the layer's outlier channels.
+  // evaluation tokens), and over the channels outside the layer's outlier output channels
+  // (outlier_channels below). With none (num_outlier_channels 0) it is rel_l2 itself.
   double rel_l2_token_p50 = 0, rel_l2_token_p99 = 0, rel_l2_token_max = 0;
   double rel_l2_non_outlier = 0;
+  int64_t num_outlier_channels = 0;  // the layer's; the same on each of its rows
   // Fraction of the elements each quantizer saw that lay beyond its global amax (nullopt: the
   // quantizer is disabled or has no fixed global amax: mx formats, dynamic amax).
   std::optional<double> dispatch_clipped_fraction, combine_clipped_fraction;
@@ -142,6 +144,13 @@ struct EvalRow {
   std::string layout_check;
   bool over_budget = false;  // rel_l2 > max_rel_l2
 };
+
+// A layer's outlier output channels: those whose RMS over the unquantized reference output is
+// more than kOutlierChannelFactor times the median channel's, at most kOutlierChannelMaxFraction
+// of the channels (the largest; at least one may be). ref2: [H] the sum of squares per channel.
+inline constexpr double kOutlierChannelFactor = 6.0;
+inline constexpr double kOutlierChannelMaxFraction = 0.01;
+std::vector<bool> outlier_channels(const std::vector<double>& ref2);
 
 // Mean and worst rel_l2 of one recipe over the layers.
 struct RecipeSummary {

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "cli/commands.h"
+#include "cli/eval_table.h"
 #include "cli/table.h"
 #include "moefq/checkpoint.h"
 #include "moefq/errors.h"
@@ -32,6 +33,7 @@ struct EvalCliOptions {
   std::string layers, device = "auto", out, save, synthetic = "model", pipeline = "device", combine_weighting;
   int64_t seed = 1;  // parsed signed so that a negative seed is an error, not a wrapped value
   double max_rel_l2 = 0;
+  bool wide = false;  // eval: every column of the rows in the terminal table
 };
 
 // The options both commands share: the model, its data and the device.
@@ -124,9 +126,6 @@ std::vector<NamedPath> inputs_of(const EvalCliOptions& o) {
   return in;
 }
 
-std::string opt(const std::optional<std::string>& v) { return v ? *v : "-"; }
-std::string opt(const std::optional<float>& v) { return v ? fmt_num(*v, 6) : "-"; }
-
 std::string layer_list(const std::vector<int64_t>& layers) {
   std::string s;
   for (int64_t l : layers) {
@@ -141,7 +140,7 @@ void print_header(const char* tool, const EvalSetup& s) {
   std::printf("%s: %s, %s %s, %lld ranks x %lld tokens, %d calibration%s batches, seed %llu\n", tool,
               s.model_source.c_str(), s.layers.size() == 1 ? "layer" : "layers", layer_list(s.layers).c_str(),
               (long long)s.ranks, (long long)s.tokens, s.calib_batches, evals.c_str(), (unsigned long long)s.seed);
-  std::printf("weights: %s; activations: %s; device: %s; router weight applied %s the combine\n",
+  std::printf("weights: %s\nactivations: %s\ndevice: %s; router weight applied %s the combine\n",
               s.weights_source.c_str(), s.activations_source.c_str(), s.device.c_str(),
               combine_weighting_name(s.combine_weighting));
 }
@@ -159,48 +158,8 @@ int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {
   }
   print_header("moefq eval", r.setup);
   std::printf("calibration: %s\n\n", r.calibration.source.c_str());
-  const bool budget = r.setup.max_rel_l2.has_value();
-  std::vector<std::string> head = {"layer",   "recipe",  "dispatch", "combine",   "disp_amax", "comb_amax",
-                                   "rel_l2",  "tok_p50", "tok_p99",  "tok_max",   "no_outl",   "cosine",
-                                   "calc_diff", "snr_db", "clip_d",  "clip_c",    "B/token",   "saving",
-                                   "layout"};
-  if (budget) head.push_back("budget");
-  Table t(head);
-  const auto frac = [](const std::optional<double>& v) { return v ? fmt_num(*v, 3) : std::string("-"); };
-  for (const EvalRow& row : r.rows) {
-    const ErrorMetrics& m = row.metrics;
-    std::vector<std::string> cells = {
-        std::to_string(row.layer), row.recipe, opt(row.dispatch_format), opt(row.combine_format),
-        opt(row.dispatch_amax), opt(row.combine_amax), fmt_num(m.rel_l2), fmt_num(row.rel_l2_token_p50),
-        fmt_num(row.rel_l2_token_p99), fmt_num(row.rel_l2_token_max), fmt_num(row.rel_l2_non_outlier),
-        fmt_fixed(m.cosine, 6), fmt_num(m.calc_diff), fmt_fixed(m.snr_db, 2), frac(row.dispatch_clipped_fraction),
-        frac(row.combine_clipped_fraction),
-        fmt_num(row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token, 6),
-        fmt_fixed(100.0 * row.wire_saving, 1) + "%", row.layout_check};
-    if (budget) cells.push_back(row.over_budget ? "OVER" : "ok");
-    t.add(cells);
-  }
-  t.print();
-  if (r.setup.layers.size() > 1) {
-    std::printf("\nover %zu layers, best first:\n", r.setup.layers.size());
-    Table sum({"recipe", "mean_rel_l2", "max_rel_l2", "min_cosine", "B/token"});
-    for (const RecipeSummary& s : r.summary)
-      sum.add({s.recipe, fmt_num(s.mean_rel_l2), fmt_num(s.max_rel_l2), fmt_fixed(s.min_cosine, 6),
-               fmt_num(s.wire_bytes_per_token, 6)});
-    sum.print();
-  }
-  std::printf("\nrows: per layer, best first by rel_l2 against the unquantized layer; tok_*: per-token rel_l2 "
-              "(median, 99th percentile, max); no_outl: rel_l2 outside the outlier channels; clip_*: fraction of "
-              "elements beyond the calibrated amax; B/token: dispatch + combine bytes per token per destination; "
-              "%.1f s\n",
-              r.wall_seconds);
-  if (budget) {
-    if (r.cheapest_within_budget)
-      std::printf("answer: %s is the cheapest recipe within rel_l2 <= %g on every layer\n",
-                  r.cheapest_within_budget->c_str(), *r.setup.max_rel_l2);
-    else
-      std::printf("answer: no recipe stays within rel_l2 <= %g on every layer\n", *r.setup.max_rel_l2);
-  }
+  for (const std::string& line : eval_table_lines(r, o.wide)) std::printf("%s\n", line.c_str());
+  for (const std::string& line : eval_footer_lines(r, o.wide)) std::printf("%s\n", line.c_str());
   for (const std::string& w : r.warnings) std::fprintf(stderr, "moefq eval: warning: %s\n", w.c_str());
   finish_stdout();
   return 0;
@@ -259,6 +218,11 @@ std::function<int()> add_eval_command(CLI::App& app) {
                   "an accuracy budget: rows whose rel_l2 exceeds it are marked, and the answer names the recipe with "
                   "the fewest wire bytes within it on every layer")
       ->check(positive_number());
+  std::string wide_only;
+  for (const std::string& c : eval_wide_only_columns()) wide_only += (wide_only.empty() ? "" : ", ") + c;
+  sub->add_flag("--wide", o->wide,
+                "print every column of the rows in the table (adds " + wide_only +
+                    "); the default table keeps those that say what each recipe costs and saves");
   sub->footer(
       "Examples:\n"
       "  moefq eval                                    # the built-in default (tiny preset, 13 recipes)\n"

@@ -3,36 +3,57 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <sstream>
 
 namespace moefq::cli {
 
-void Table::print(std::FILE* out) const {
+namespace {
+
+bool numeric(const std::string& s) {
+  return !s.empty() && (std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '-' || s[0] == '+' || s == "inf" ||
+                        s == "nan");
+}
+
+}  // namespace
+
+std::vector<std::string> Table::lines() const {
   std::vector<size_t> width;
-  for (const auto& row : rows_)
-    for (size_t c = 0; c < row.size(); ++c) {
-      if (width.size() <= c) width.push_back(0);
-      width[c] = std::max(width[c], row[c].size());
+  // A column of words: some cell below its header that is no number and no "-".
+  std::vector<bool> words;
+  for (size_t r = 0; r < rows_.size(); ++r)
+    for (size_t c = 0; c < rows_[r].size(); ++c) {
+      if (width.size() <= c) {
+        width.push_back(0);
+        words.push_back(false);
+      }
+      const std::string& cell = rows_[r][c];
+      width[c] = std::max(width[c], cell.size());
+      if (r > 0 && !numeric(cell)) words[c] = true;
     }
-  auto numeric = [](const std::string& s) {
-    return !s.empty() && (std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '-' || s[0] == '+' ||
-                          s == "inf" || s == "nan");
-  };
+  const std::string gap(size_t(std::max(gap_, 1)), ' ');
+  std::vector<std::string> out;
   for (size_t r = 0; r < rows_.size(); ++r) {
     std::string line;
     for (size_t c = 0; c < rows_[r].size(); ++c) {
       const std::string& cell = rows_[r][c];
       const std::string pad(width[c] - cell.size(), ' ');
-      line += (r > 0 && numeric(cell)) ? pad + cell : cell + pad;
-      if (c + 1 < rows_[r].size()) line += "  ";
+      const bool right = r > 0 && numeric(cell) && !(cell == "-" && words[c]);
+      line += right ? pad + cell : cell + pad;
+      if (c + 1 < rows_[r].size()) line += gap;
     }
     while (!line.empty() && line.back() == ' ') line.pop_back();
-    std::fprintf(out, "%s\n", line.c_str());
+    out.push_back(line);
     if (r == 0) {
       size_t total = 0;
-      for (size_t w : width) total += w + 2;
-      std::fprintf(out, "%s\n", std::string(total > 2 ? total - 2 : 0, '-').c_str());
+      for (size_t w : width) total += w + gap.size();
+      out.push_back(std::string(total > gap.size() ? total - gap.size() : 0, '-'));
     }
   }
+  return out;
+}
+
+void Table::print(std::FILE* out) const {
+  for (const std::string& line : lines()) std::fprintf(out, "%s\n", line.c_str());
 }
 
 std::string fmt_num(double v, int digits) {
@@ -48,6 +69,25 @@ std::string fmt_fixed(double v, int decimals) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
   return buf;
+}
+
+std::vector<std::string> wrap_text(const std::string& first, const std::string& indent, const std::string& text,
+                                   size_t width) {
+  std::vector<std::string> out;
+  std::string line = first;
+  bool empty = true;  // no word on `line` yet
+  std::istringstream words(text);
+  for (std::string w; words >> w;) {
+    if (!empty && line.size() + 1 + w.size() > width) {
+      out.push_back(line);
+      line = indent;
+      empty = true;
+    }
+    line += (empty ? "" : " ") + w;
+    empty = false;
+  }
+  out.push_back(line);
+  return out;
 }
 
 }  // namespace moefq::cli

@@ -325,22 +325,25 @@ TokenShape token_shape(const std::vector<MetricSums>& tokens) {
   return s;
 }
 
-// The layer's outlier channels: RMS over the reference output more than kOutlierFactor times the
-// median channel's, at most 1% of the channels (the largest).
-constexpr double kOutlierFactor = 6.0;
+}  // namespace
+
 std::vector<bool> outlier_channels(const std::vector<double>& ref2) {
+  std::vector<bool> out(ref2.size(), false);
+  if (ref2.empty()) return out;
   std::vector<double> sorted = ref2;
   std::sort(sorted.begin(), sorted.end());
   const double median = sorted[sorted.size() / 2];
   std::vector<size_t> order(ref2.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ref2[a] > ref2[b]; });
-  std::vector<bool> out(ref2.size(), false);
-  const size_t cap = std::max<size_t>(1, ref2.size() / 100);
+  const size_t cap = std::max<size_t>(1, size_t(double(ref2.size()) * kOutlierChannelMaxFraction));
+  // Sums of squares: the RMS ratio squared.
   for (size_t i = 0; i < cap && i < order.size(); ++i)
-    if (ref2[order[i]] > kOutlierFactor * kOutlierFactor * median) out[order[i]] = true;
+    if (ref2[order[i]] > kOutlierChannelFactor * kOutlierChannelFactor * median) out[order[i]] = true;
   return out;
 }
+
+namespace {
 
 // The global amax a quantizer configured this way uses: the calibrated one, its constant, or none
 // (a dynamic amax, a format without one, disabled).
@@ -659,6 +662,7 @@ EvalResult run_eval(const EvalOptions& options) {
     times.recipes = pass.recipes_seconds;
     t = Clock::now();
     const std::vector<bool> outliers = outlier_channels(pass.reference_channels);
+    const int64_t num_outliers = int64_t(std::count(outliers.begin(), outliers.end(), true));
 
     std::vector<EvalRow> rows(num_recipes);
     for (size_t k = 0; k < order.size(); ++k) {
@@ -696,14 +700,19 @@ EvalResult run_eval(const EvalOptions& options) {
       row.rel_l2_token_p50 = shape.p50;
       row.rel_l2_token_p99 = shape.p99;
       row.rel_l2_token_max = shape.max;
-      // The error outside the outlier channels, from the per-channel sums.
-      double err2 = 0, ref2 = 0;
-      for (int64_t h = 0; h < H; ++h)
-        if (!outliers[size_t(h)]) {
-          err2 += st.channel_err2[size_t(h)];
-          ref2 += pass.reference_channels[size_t(h)];
-        }
-      row.rel_l2_non_outlier = std::isnan(row.metrics.rel_l2) ? row.metrics.rel_l2 : ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
+      // The error outside the outlier channels, from the per-channel sums. Without outlier channels
+      // it is rel_l2 itself, exactly (the per-channel sums would give it in another order).
+      row.num_outlier_channels = num_outliers;
+      row.rel_l2_non_outlier = row.metrics.rel_l2;
+      if (num_outliers > 0 && !std::isnan(row.metrics.rel_l2)) {
+        double err2 = 0, ref2 = 0;
+        for (int64_t h = 0; h < H; ++h)
+          if (!outliers[size_t(h)]) {
+            err2 += st.channel_err2[size_t(h)];
+            ref2 += pass.reference_channels[size_t(h)];
+          }
+        row.rel_l2_non_outlier = ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
+      }
       row.dispatch_wire_bytes_per_token = wire_bytes_per_row(d.enable ? std::optional<Format>(d.spec.format) : std::nullopt, H);
       row.combine_wire_bytes_per_token = wire_bytes_per_row(c.enable ? std::optional<Format>(c.spec.format) : std::nullopt, H);
       row.wire_saving = 1.0 - (row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token) / (4.0 * double(H));

@@ -432,6 +432,7 @@ std::string eval_report_json(const EvalResult& r) {
                        {"rel_l2_token_p99", number(row.rel_l2_token_p99)},
                        {"rel_l2_token_max", number(row.rel_l2_token_max)},
                        {"rel_l2_non_outlier", number(row.rel_l2_non_outlier)},
+                       {"num_outlier_channels", row.num_outlier_channels},
                        {"dispatch_clipped_fraction", opt_number(row.dispatch_clipped_fraction)},
                        {"combine_clipped_fraction", opt_number(row.combine_clipped_fraction)},
                        {"dispatch_wire_bytes_per_token", number(row.dispatch_wire_bytes_per_token)},
@@ -481,7 +482,7 @@ std::string eval_report_csv(const EvalResult& r) {
       "layer,recipe,dispatch_format,combine_format,dispatch_amax,combine_amax,rel_l2,cosine,calc_diff,max_abs,"
       "snr_db,count,rel_l2_token_p50,rel_l2_token_p99,rel_l2_token_max,rel_l2_non_outlier,dispatch_clipped_fraction,"
       "combine_clipped_fraction,dispatch_wire_bytes_per_token,combine_wire_bytes_per_token,wire_saving_vs_bf16,"
-      "over_budget,layout_check,combine_weighting\n";
+      "over_budget,layout_check,combine_weighting,num_outlier_channels\n";
   const auto opt_full = [&](const std::optional<double>& v) { return v ? fmt(*v, "%.17g") : std::string(); };
   for (const EvalRow& row : r.rows) {
     const ErrorMetrics& m = row.metrics;
@@ -494,7 +495,7 @@ std::string eval_report_csv(const EvalResult& r) {
            opt_full(row.combine_clipped_fraction) + "," + full(row.dispatch_wire_bytes_per_token) + "," +
            full(row.combine_wire_bytes_per_token) + "," + full(row.wire_saving) + "," +
            (r.setup.max_rel_l2 ? (row.over_budget ? "true" : "false") : "") + "," + row.layout_check + "," +
-           combine_weighting_name(r.setup.combine_weighting) + "\n";
+           combine_weighting_name(r.setup.combine_weighting) + "," + std::to_string(row.num_outlier_channels) + "\n";
   }
   return out;
 }
@@ -596,7 +597,8 @@ std::string eval_report_html(const EvalResult& r) {
 
   h += "<h2>Results</h2>\n<div class=\"scroll\"><table>\n<thead><tr><th>layer</th><th>recipe</th><th>dispatch</th><th>combine</th>"
        "<th>dispatch amax</th><th>combine amax</th><th>rel_l2</th><th>token p50</th><th>token p99</th>"
-       "<th>token max</th><th>outside outliers</th><th>cosine</th><th>calc_diff</th><th>max_abs</th>"
+       "<th>token max</th><th>outside outliers</th><th>outlier channels</th><th>cosine</th><th>calc_diff</th>"
+       "<th>max_abs</th>"
        "<th>snr_db</th><th>clipped (d)</th><th>clipped (c)</th><th>B/token</th><th>saving</th><th>layout check</th>" +
        std::string(s.max_rel_l2 ? "<th>budget</th>" : "") + "</tr></thead>\n<tbody>\n";
   for (const EvalRow& row : r.rows) {
@@ -606,7 +608,9 @@ std::string eval_report_html(const EvalResult& r) {
          cell(row.dispatch_amax) + "</td><td class=\"n\">" + cell(row.combine_amax) + "</td><td class=\"n\">" +
          fmt(m.rel_l2) + "</td><td class=\"n\">" + fmt(row.rel_l2_token_p50) + "</td><td class=\"n\">" +
          fmt(row.rel_l2_token_p99) + "</td><td class=\"n\">" + fmt(row.rel_l2_token_max) + "</td><td class=\"n\">" +
-         fmt(row.rel_l2_non_outlier) + "</td><td class=\"n\">" + fmt(m.cosine, "%.6f") + "</td><td class=\"n\">" + fmt(m.calc_diff) +
+         (row.num_outlier_channels > 0 ? fmt(row.rel_l2_non_outlier) : std::string("&ndash;")) +
+         "</td><td class=\"n\">" + std::to_string(row.num_outlier_channels) + "</td><td class=\"n\">" +
+         fmt(m.cosine, "%.6f") + "</td><td class=\"n\">" + fmt(m.calc_diff) +
          "</td><td class=\"n\">" + fmt(m.max_abs) + "</td><td class=\"n\">" + fmt(m.snr_db, "%.2f") +
          "</td><td class=\"n\">" + cell(row.dispatch_clipped_fraction) + "</td><td class=\"n\">" +
          cell(row.combine_clipped_fraction) + "</td><td class=\"n\">" +
@@ -619,7 +623,10 @@ std::string eval_report_html(const EvalResult& r) {
   h += "<p class=\"note\">rel_l2 = ||y - r|| / ||r||; calc_diff = 1 - 2&Sigma;(y'r') / &Sigma;(y'&sup2; + r'&sup2;) "
        "with y' = y + 1, r' = r + 1; snr_db = 10 log10(&Sigma;r&sup2; / &Sigma;(y - r)&sup2;). Rows: per layer, best "
        "first by rel_l2. Layout check: pass = the combine quantizer read the rows the engine summed (checked bit for "
-       "bit); n/a = combine quantization off.</p>\n";
+       "bit); n/a = combine quantization off. Outside outliers: rel_l2 over the channels other than the layer's "
+       "outlier output channels (RMS over the reference output more than " + fmt(kOutlierChannelFactor) +
+       " times the median channel's, at most " + fmt(100 * kOutlierChannelMaxFraction) + "% of the channels; their "
+       "number is the next column); &ndash; where the layer has none (it would equal rel_l2).</p>\n";
   h += "</body>\n</html>\n";
   return h;
 }

@@ -99,6 +99,19 @@ TEST_F(EvalCli, DefaultRunTableJsonAndCsvAgree) {
 
   const TextTable t = parse_table(r.out);
   ASSERT_EQ(t.rows.size(), 13u) << r.out;
+  // The default table: the columns that say what each recipe costs and saves, within 120
+  // columns; the legend wrapped at 100, the time on its own last line.
+  EXPECT_EQ(t.header, (std::vector<std::string>{"layer", "recipe", "disp", "comb", "rel_l2", "tok_p99", "tok_max",
+                                                 "no_outl", "cosine", "clip_d", "clip_c", "B/token", "saving",
+                                                 "layout"}));
+  const auto out_lines = split_lines(r.out);
+  for (const std::string& line : out_lines) EXPECT_LE(line.size(), 120u) << line;
+  const size_t legend_at = size_t(std::find_if(out_lines.begin(), out_lines.end(), [](const std::string& l) {
+                                    return l.rfind("rows:", 0) == 0;
+                                  }) - out_lines.begin());
+  ASSERT_LT(legend_at, out_lines.size()) << r.out;
+  for (size_t i = legend_at; i < out_lines.size(); ++i) EXPECT_LE(out_lines[i].size(), 100u) << out_lines[i];
+  EXPECT_EQ(out_lines.back().rfind("done in ", 0), 0u) << out_lines.back();
   const json j = report("rep");
   EXPECT_EQ(j.at("tool"), "moefq eval");
   EXPECT_EQ(j.at("version"), MOEFQ_VERSION);
@@ -125,9 +138,11 @@ TEST_F(EvalCli, DefaultRunTableJsonAndCsvAgree) {
     EXPECT_GE(rel, prev) << "rows must be sorted best first";
     prev = rel;
     EXPECT_EQ(t.col(i, "rel_l2"), g4(rel));
-    EXPECT_EQ(t.col(i, "calc_diff"), g4(row.at("calc_diff").get<double>()));
     EXPECT_EQ(t.col(i, "tok_p99"), g4(row.at("rel_l2_token_p99").get<double>()));
-    EXPECT_EQ(t.col(i, "no_outl"), g4(row.at("rel_l2_non_outlier").get<double>()));
+    // The tiny preset's layer 0 has no outlier output channel: no_outl is rel_l2 itself, shown "-".
+    EXPECT_EQ(row.at("num_outlier_channels"), 0);
+    EXPECT_EQ(row.at("rel_l2_non_outlier"), row.at("rel_l2"));
+    EXPECT_EQ(t.col(i, "no_outl"), "-");
     // The error's shape, clipping and wire bytes: every field, finite.
     for (const char* k : {"rel_l2_token_p50", "rel_l2_token_p99", "rel_l2_token_max", "rel_l2_non_outlier",
                           "dispatch_wire_bytes_per_token", "combine_wire_bytes_per_token", "wire_saving_vs_bf16"})
@@ -194,14 +209,79 @@ TEST_F(EvalCli, DefaultRunTableJsonAndCsvAgree) {
     std::vector<std::string> f;
     std::stringstream ss(csv[i + 1]);
     for (std::string x; std::getline(ss, x, ',');) f.push_back(x);
-    ASSERT_EQ(f.size(), 24u) << csv[i + 1];
+    ASSERT_EQ(f.size(), 25u) << csv[i + 1];
     EXPECT_EQ(f[23], "before");
+    EXPECT_EQ(f[24], "0") << "num_outlier_channels";
     EXPECT_EQ(f[1], res[i].at("recipe").get<std::string>());
     EXPECT_EQ(std::strtod(f[6].c_str(), nullptr), res[i].at("rel_l2").get<double>()) << csv[i + 1];
   }
   const std::string html = read_text(path("rep") / "report.html");
   EXPECT_NE(html.find("<svg"), std::string::npos);
   EXPECT_EQ(html.find("<script"), std::string::npos);
+}
+
+// --wide: every column, each equal to the report's figure; no_outl "-" exactly in the layers
+// without outlier output channels (the tiny preset's layer 0 has none, layers 1 and 2 some), whose
+// number the JSON and the CSV carry per row.
+TEST_F(EvalCli, WideTableHasEveryColumnAndNoOutlMarksLayersWithoutOutliers) {
+  const RunResult r = moefq("eval " + kSmall + " --layers 0-2 --recipe none --recipe moe_combine_fp8 "
+                            "--recipe moe_dispatch_mxfp8 --wide --max-rel-l2 0.03 --out rep");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  const TextTable t = parse_table(r.out);
+  EXPECT_EQ(t.header, (std::vector<std::string>{"layer", "recipe", "disp", "comb", "disp_amax", "comb_amax",
+                                                 "rel_l2", "tok_p50", "tok_p99", "tok_max", "no_outl", "cosine",
+                                                 "calc_diff", "snr_db", "clip_d", "clip_c", "B/token", "saving",
+                                                 "layout", "budget"}));
+  const json j = report("rep");
+  const json& res = j.at("results");
+  ASSERT_EQ(t.rows.size(), 9u) << r.out;
+  ASSERT_EQ(res.size(), 9u);
+  const auto csv = split_lines(read_text(path("rep") / "report.csv"));
+  ASSERT_EQ(csv.size(), 10u);
+  EXPECT_TRUE(csv[0].ends_with(",combine_weighting,num_outlier_channels")) << csv[0];
+  int64_t with = 0, without = 0;
+  for (size_t i = 0; i < res.size(); ++i) {
+    const json& row = res[i];
+    SCOPED_TRACE(row.dump());
+    ASSERT_EQ(t.col(i, "recipe"), row.at("recipe").get<std::string>());
+    const auto opt6 = [&](const char* k) {
+      if (row.at(k).is_null()) return std::string("-");
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.6g", row.at(k).get<double>());
+      return std::string(buf);
+    };
+    EXPECT_EQ(t.col(i, "disp_amax"), opt6("dispatch_amax"));
+    EXPECT_EQ(t.col(i, "comb_amax"), opt6("combine_amax"));
+    EXPECT_EQ(t.col(i, "rel_l2"), g4(row.at("rel_l2").get<double>()));
+    EXPECT_EQ(t.col(i, "tok_p50"), g4(row.at("rel_l2_token_p50").get<double>()));
+    EXPECT_EQ(t.col(i, "calc_diff"), g4(row.at("calc_diff").get<double>()));
+    if (row.at("snr_db").is_string()) {
+      EXPECT_EQ(t.col(i, "snr_db"), row.at("snr_db").get<std::string>());
+    } else {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.2f", row.at("snr_db").get<double>());
+      EXPECT_EQ(t.col(i, "snr_db"), buf);
+    }
+    EXPECT_EQ(t.col(i, "budget"), row.at("over_budget").get<bool>() ? "OVER" : "ok");
+    const int64_t n = row.at("num_outlier_channels");
+    EXPECT_LE(n, 10) << "at most 1% of 1024 channels";
+    (n > 0 ? with : without)++;
+    EXPECT_EQ(t.col(i, "no_outl"), n > 0 ? g4(row.at("rel_l2_non_outlier").get<double>()) : "-");
+    if (n == 0) {
+      EXPECT_EQ(row.at("rel_l2_non_outlier"), row.at("rel_l2"));
+    }
+    EXPECT_TRUE(csv[i + 1].ends_with("," + std::to_string(n))) << csv[i + 1];
+    EXPECT_EQ(n, res[i - i % 3].at("num_outlier_channels")) << "one count per layer";
+  }
+  EXPECT_EQ(without, 3) << "layer 0 has no outlier channel";
+  EXPECT_EQ(with, 6) << "layers 1 and 2 have some";
+  // The quantized rows of a layer with outlier channels: the error outside them differs.
+  for (const json& row : res)
+    if (row.at("num_outlier_channels") > 0 && row.at("recipe") != "none") {
+      EXPECT_NE(row.at("rel_l2_non_outlier"), row.at("rel_l2")) << row.dump();
+    }
+  const std::string html = read_text(path("rep") / "report.html");
+  EXPECT_NE(html.find("<th>outlier channels</th>"), std::string::npos);
 }
 
 // [rows, cols] synthetic activations as bf16 (or their exact f32 values) in tensor `name`.
@@ -348,8 +428,8 @@ TEST_F(EvalCli, CombineWeightingAfterIsReportedAndChangesTheResult) {
   EXPECT_EQ(a.at("results")[0].at("rel_l2"), c.at("results")[0].at("rel_l2"));
   const auto csv = split_lines(read_text(path("a") / "report.csv"));
   ASSERT_EQ(csv.size(), 2u);
-  EXPECT_TRUE(csv[0].ends_with(",combine_weighting")) << csv[0];
-  EXPECT_TRUE(csv[1].ends_with(",after")) << csv[1];
+  EXPECT_TRUE(csv[0].ends_with(",combine_weighting,num_outlier_channels")) << csv[0];
+  EXPECT_TRUE(csv[1].ends_with(",after," + a.at("results")[0].at("num_outlier_channels").dump())) << csv[1];
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ void expect_same_rows(const EvalResult& dev, const EvalResult& host) {
     EXPECT_TRUE(close(a.rel_l2_token_p99, b.rel_l2_token_p99, tol));
     EXPECT_TRUE(close(a.rel_l2_token_max, b.rel_l2_token_max, tol));
     EXPECT_TRUE(close(a.rel_l2_non_outlier, b.rel_l2_non_outlier, tol));
+    EXPECT_EQ(a.num_outlier_channels, b.num_outlier_channels);
     EXPECT_EQ(a.dispatch_clipped_fraction, b.dispatch_clipped_fraction);
     EXPECT_EQ(a.combine_clipped_fraction, b.combine_clipped_fraction);
     EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);

@@ -41,6 +41,32 @@ TEST(ParseLayers, Forms) {
   }
 }
 
+// The outlier output channels (no_outl's exclusions): RMS over the reference more than 6 times the
+// median channel's (on sums of squares: more than 36 times), at most 1% of the channels, the largest.
+TEST(OutlierChannels, SixTimesTheMedianRmsAtMostOnePercent) {
+  std::vector<double> ref2(1000, 1.0);  // sums of squares; the median channel's RMS ratio is 1
+  std::vector<bool> o = outlier_channels(ref2);
+  EXPECT_EQ(std::count(o.begin(), o.end(), true), 0);
+  ref2[7] = 36.5;   // RMS 6.04x the median's: an outlier
+  ref2[11] = 35.5;  // 5.96x: not
+  o = outlier_channels(ref2);
+  EXPECT_TRUE(o[7]);
+  EXPECT_FALSE(o[11]);
+  EXPECT_EQ(std::count(o.begin(), o.end(), true), 1);
+  // 20 channels far above: only the largest 10 (1% of 1000) count.
+  for (size_t i = 0; i < 20; ++i) ref2[100 + i] = 1000.0 + double(i);
+  o = outlier_channels(ref2);
+  EXPECT_EQ(std::count(o.begin(), o.end(), true), 10);
+  for (size_t i = 0; i < 20; ++i) EXPECT_EQ(o[100 + i], i >= 10) << i;
+  EXPECT_FALSE(o[7]) << "beyond the 1% cap";
+  // A width under 100 still allows one.
+  std::vector<double> small(64, 2.0);
+  small[3] = 2.0 * 40;
+  o = outlier_channels(small);
+  EXPECT_TRUE(o[3]);
+  EXPECT_EQ(std::count(o.begin(), o.end(), true), 1);
+}
+
 TEST(DefaultSweep, ThirteenRecipes) {
   const auto sweep = default_sweep();
   ASSERT_EQ(sweep.size(), 13u);
@@ -428,6 +454,12 @@ TEST_F(EvalLib, RowsShowTheErrorsShapeAndTheBudgetsAnswer) {
     SCOPED_TRACE(row.recipe);
     for (double v : {row.rel_l2_token_p50, row.rel_l2_token_p99, row.rel_l2_token_max, row.rel_l2_non_outlier})
       EXPECT_TRUE(std::isfinite(v));
+    // The layer's outlier output channels, at most 1% of H; without any, no_outl is rel_l2 itself.
+    EXPECT_EQ(row.num_outlier_channels, r.rows[0].num_outlier_channels);
+    EXPECT_LE(row.num_outlier_channels, std::max<int64_t>(1, H / 100));
+    if (row.num_outlier_channels == 0) {
+      EXPECT_EQ(row.rel_l2_non_outlier, row.metrics.rel_l2);
+    }
     EXPECT_LE(row.rel_l2_token_p50, row.rel_l2_token_p99);
     EXPECT_LE(row.rel_l2_token_p99, row.rel_l2_token_max);
     EXPECT_EQ(row.dispatch_clipped_fraction.has_value(), row.dispatch_amax.has_value());

@@ -284,6 +284,20 @@ TEST(ReportHtml, CrowdedTradeoffLabelsArePlacedAndPlacingEnds) {
   }
 }
 
+// The results table: the outlier output channels' count per row, and the error outside them only
+// where there are some (a dash where it would repeat rel_l2); the note says how they are found.
+TEST(ReportHtml, OutsideOutliersOnlyWhereTheLayerHasOutlierChannels) {
+  EvalResult r = sample_result(1);
+  for (EvalRow& row : r.rows) row.rel_l2_token_max = 0.5;  // the cell before: marks where the two start
+  r.rows[2].num_outlier_channels = 4;
+  r.rows[2].rel_l2_non_outlier = 0.0123;
+  const std::string html = eval_report_html(r);
+  EXPECT_NE(html.find("<th>outside outliers</th><th>outlier channels</th>"), std::string::npos);
+  EXPECT_EQ(count(html, "0.5</td><td class=\"n\">&ndash;</td><td class=\"n\">0</td>"), 12u);
+  EXPECT_EQ(count(html, "0.5</td><td class=\"n\">0.0123</td><td class=\"n\">4</td>"), 1u);
+  EXPECT_NE(html.find("more than 6 times the median channel's, at most 1% of the channels"), std::string::npos);
+}
+
 TEST(ReportJson, EveryFigureAndNonFiniteAsStrings) {
   EvalResult r = sample_result(1);
   r.rows[1].metrics.max_abs = NAN;
@@ -308,6 +322,13 @@ TEST(ReportJson, EveryFigureAndNonFiniteAsStrings) {
   EXPECT_EQ(k.at("calibration")[0].at("dispatch_amax"), "inf");
   EXPECT_EQ(j.at("config").at("model").at("hidden"), 512);
   EXPECT_EQ(j.at("summary").size(), 13u);
+  // The layer's outlier output channels per row; rel_l2_non_outlier a number either way.
+  EXPECT_EQ(j.at("results")[1].at("num_outlier_channels"), 0);
+  r.rows[1].num_outlier_channels = 3;
+  r.rows[1].rel_l2_non_outlier = 0.25;
+  const nlohmann::json o = nlohmann::json::parse(eval_report_json(r));
+  EXPECT_EQ(o.at("results")[1].at("num_outlier_channels"), 3);
+  EXPECT_EQ(o.at("results")[1].at("rel_l2_non_outlier"), 0.25);
 }
 
 TEST(ReportCsv, OneLinePerRowQuotedAndExact) {
@@ -321,11 +342,13 @@ TEST(ReportCsv, OneLinePerRowQuotedAndExact) {
                       "calc_diff,max_abs,snr_db,count,rel_l2_token_p50,rel_l2_token_p99,rel_l2_token_max,"
                       "rel_l2_non_outlier,dispatch_clipped_fraction,combine_clipped_fraction,"
                       "dispatch_wire_bytes_per_token,combine_wire_bytes_per_token,wire_saving_vs_bf16,over_budget,"
-                      "layout_check,combine_weighting");
+                      "layout_check,combine_weighting,num_outlier_channels");
   EXPECT_EQ(lines[1].substr(0, 9), "3,none,,,");
-  EXPECT_TRUE(lines[1].ends_with(",before")) << lines[1];
+  EXPECT_TRUE(lines[1].ends_with(",before,0")) << lines[1];
   r.setup.combine_weighting = CombineWeighting::kAfter;
-  EXPECT_TRUE(test::split_lines(eval_report_csv(r))[1].ends_with(",after"));
+  r.rows[1].num_outlier_channels = 7;
+  EXPECT_TRUE(test::split_lines(eval_report_csv(r))[1].ends_with(",after,0"));
+  EXPECT_TRUE(test::split_lines(eval_report_csv(r))[2].ends_with(",after,7"));
   EXPECT_NE(lines[1].find(",inf,"), std::string::npos) << lines[1];
   EXPECT_EQ(lines[3].substr(0, 24), "3,\"my, \"\"odd\"\" recipe\",,");
   EXPECT_NE(lines[4].find(",0.30000000000000004,"), std::string::npos) << lines[4];

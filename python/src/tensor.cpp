@@ -43,6 +43,9 @@ Tensor::Tensor(const pybind11::capsule& capsule, std::string what) : what_(std::
               ": expected a DLPack capsule (\"dltensor\") that was not consumed yet");
   auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, kDltensorCapsule));
   MOEFQ_CHECK(m != nullptr, what_, ": empty DLPack capsule");
+  // The checks read the tensor before anything changes hands: a refused tensor stays with its
+  // capsule, whose own destructor releases it the producer's way when Python drops it.
+  take(m->dl_tensor);
   // The protocol: the consumer renames the capsule and becomes the owner (the capsule's own
   // destructor then leaves the tensor alone).
   if (PyCapsule_SetName(cap, kUsedDltensorCapsule) != 0) {
@@ -50,15 +53,6 @@ Tensor::Tensor(const pybind11::capsule& capsule, std::string what) : what_(std::
     MOEFQ_FAIL(ErrorKind::kInternal, what_, ": could not take over the DLPack capsule");
   }
   managed_.reset(m);
-  try {
-    take(m->dl_tensor);
-  } catch (...) {
-    // A refused tensor goes back to its capsule (named "dltensor" again), whose own destructor
-    // releases it the producer's way when Python drops the capsule.
-    managed_.release();
-    PyCapsule_SetName(cap, kDltensorCapsule);
-    throw;
-  }
 }
 
 void Tensor::take(const DLTensor& t) {
@@ -98,11 +92,9 @@ std::pair<int64_t, int64_t> Tensor::as_matrix() const {
 }
 
 std::string Tensor::shape_str() const {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < shape_.size(); ++i) os << (i ? ", " : "") << shape_[i];
-  os << ']';
-  return os.str();
+  std::string s = "[";
+  for (size_t i = 0; i < shape_.size(); ++i) s += (i ? ", " : "") + std::to_string(shape_[i]);
+  return s + "]";
 }
 
 void Tensor::expect_elem(std::initializer_list<Elem> allowed, const char* expected) const {

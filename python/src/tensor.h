@@ -74,7 +74,7 @@ class Tensor {
     }
   };
   std::unique_ptr<DLManagedTensor, Release> managed_;
-  // The checks and fields of the constructor, on the tensor taken over.
+  // The checks and fields of the constructor, read before the tensor is taken over.
   void take(const DLTensor& t);
   std::string what_;
   void* data_ = nullptr;

@@ -3,9 +3,13 @@
 // CUDA and NCCL checks live in errors_cuda.h so this header stays free of CUDA types.
 #pragma once
 
+#include <charconv>
+#include <cstdio>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace moefq {
@@ -23,11 +27,40 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
+// One part of a message, appended as `std::ostream <<` would print it. Numbers are formatted
+// without iostreams (std::to_chars, and "%g" as an ostream's default): in a Python extension
+// loaded into a process that holds another copy of the C++ runtime, an ostream's numeric facet can
+// resolve to the other copy's, and printing a number through it crashed the interpreter.
+template <typename T>
+void append_part(std::string& s, const T& v) {
+  using U = std::remove_cv_t<T>;
+  if constexpr (std::is_same_v<U, char*> || std::is_same_v<U, const char*>) {
+    s += v ? v : "(null)";
+  } else if constexpr (std::is_convertible_v<const U&, std::string_view>) {
+    s += std::string_view(v);
+  } else if constexpr (std::is_same_v<U, bool>) {
+    s += v ? '1' : '0';
+  } else if constexpr (std::is_same_v<U, char> || std::is_same_v<U, signed char> || std::is_same_v<U, unsigned char>) {
+    s += char(v);
+  } else if constexpr (std::is_integral_v<U>) {
+    char buf[24];
+    s.append(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+  } else if constexpr (std::is_floating_point_v<U>) {
+    char buf[40];
+    const int n = std::snprintf(buf, sizeof buf, "%Lg", static_cast<long double>(v));
+    s.append(buf, size_t(n > 0 ? n : 0));
+  } else {
+    std::ostringstream os;
+    os << v;
+    s += os.str();
+  }
+}
+
 template <typename... Args>
-std::string concat(Args&&... args) {
-  std::ostringstream os;
-  (os << ... << std::forward<Args>(args));
-  return os.str();
+std::string concat(const Args&... args) {
+  std::string s;
+  (append_part(s, args), ...);
+  return s;
 }
 [[noreturn]] void throw_error(ErrorKind kind, const char* stmt, const char* file, int line,
                               const std::string& message);

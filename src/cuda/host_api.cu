@@ -1,6 +1,5 @@
 #include "cuda/host_api.h"
 
-#include <sstream>
 
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
@@ -23,11 +22,9 @@ std::string device_description() {
   cudaDeviceProp p{};
   MOEFQ_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
   MOEFQ_CUDA_CHECK(cudaDriverGetVersion(&driver));
-  std::ostringstream os;
-  os << p.name << " (sm_" << p.major << p.minor << ", " << p.multiProcessorCount << " SMs, "
-     << double(p.totalGlobalMem) / double(1ull << 30) << " GiB), CUDA driver " << driver / 1000 << "."
-     << (driver % 1000) / 10;
-  return os.str();
+  return detail::concat(static_cast<const char*>(p.name), " (sm_", p.major, p.minor, ", ", p.multiProcessorCount,
+                        " SMs, ", double(p.totalGlobalMem) / double(1ull << 30), " GiB), CUDA driver ", driver / 1000,
+                        ".", (driver % 1000) / 10);
 }
 
 float qdq_host_tensor(Format f, DType dt, const void* x, void* y, int64_t rows, int64_t cols,

@@ -1,7 +1,6 @@
 #include "moefq/buffer_layout.h"
 
 #include <algorithm>
-#include <sstream>
 
 #include "moefq/errors.h"
 #include "moefq/numerics.h"
@@ -61,15 +60,14 @@ size_t BufferLayout::combine_row_offset(int64_t slot, int64_t token) const {
 }
 
 std::string BufferLayout::describe() const {
-  std::ostringstream os;
+  std::string s;
   const std::pair<const char*, const Region*> rows[] = {
       {"workspace", &workspace},   {"staged_x", &staged_x}, {"staged_scales", &staged_scales},
       {"topk_idx", &topk_idx},     {"topk_weights", &topk_weights}, {"pool_x", &pool_x},
       {"pool_x_scales", &pool_x_scales}, {"pool_h", &pool_h}, {"pool_h_scales", &pool_h_scales},
       {"combine", &combine}};
-  for (const auto& [name, r] : rows) os << name << " @" << r->offset << " +" << r->bytes << "\n";
-  os << "total " << total_ << " bytes\n";
-  return os.str();
+  for (const auto& [name, r] : rows) s += detail::concat(name, " @", r->offset, " +", r->bytes, "\n");
+  return s + detail::concat("total ", total_, " bytes\n");
 }
 
 }  // namespace moefq

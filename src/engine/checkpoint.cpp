@@ -12,7 +12,6 @@
 #include <optional>
 #include <set>
 #include <span>
-#include <sstream>
 
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
@@ -49,11 +48,9 @@ void check_shapes_and_range(const MoeConfig& cfg, int64_t first_expert, int64_t 
 }
 
 std::string shape_str(std::span<const int64_t> shape) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  os << ']';
-  return os.str();
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
 }
 
 // The tensors of a checkpoint directory: the index's weight map (or the single file's tensors)

@@ -301,8 +301,10 @@ class Schema {
     for (const MapItem& it : el.map)
       if (it.key == "enable" || it.key == "cfg" || it.key == "parent_class")
         fail_at(el, "missing quantizer_name (a wildcard such as '*combine_quantizer')");
-    fail_at(el, "an entry must have quantizer_name (a wildcard such as '*combine_quantizer'), got the keys " +
-                    in_quotes(el.map.front().key) + " and " + std::to_string(el.map.size() - 1) + " more");
+    const std::string got = el.map.empty() ? "an empty mapping"
+                                           : "the keys " + in_quotes(el.map.front().key) + " and " +
+                                                 std::to_string(el.map.size() - 1) + " more";
+    fail_at(el, "an entry must have quantizer_name (a wildcard such as '*combine_quantizer'), got " + got);
   }
 
   std::string pattern_of(const Node& n) {

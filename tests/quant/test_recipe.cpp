@@ -375,6 +375,10 @@ quant_cfg:
              "attributes");
   EXPECT_HAS(parse_error("quant_cfg:\n  - {enable: false, cfg: {num_bits: 8}}\n"),
              "my.yaml: quant_cfg[0]: missing quantizer_name");
+  // An empty entry (found by fuzz_recipe: it read the first key of an empty mapping).
+  EXPECT_HAS(parse_error("quant_cfg:\n  - {}\n"),
+             "my.yaml: quant_cfg[0]: an entry must have quantizer_name (a wildcard such as '*combine_quantizer'), "
+             "got an empty mapping");
 }
 
 // ---------------------------------------------------------------------------------------------

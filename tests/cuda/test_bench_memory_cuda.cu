@@ -50,7 +50,8 @@ int64_t smallest_refused(int64_t lo, int64_t hi, double limit, const std::functi
 }
 
 // The most GPU memory taken (free memory before, less the lowest seen) while `run` runs: a second
-// thread reads cudaMemGetInfo as fast as it can meanwhile.
+// thread reads cudaMemGetInfo as fast as it can meanwhile. The figure is the whole device's, so
+// ctest runs these tests alone (RUN_SERIAL, tests/CMakeLists.txt).
 double gpu_memory_taken(const std::function<void()>& run) {
   MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
   size_t before = 0, total = 0;

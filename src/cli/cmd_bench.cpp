@@ -12,6 +12,7 @@
 #include "bench/bench_gemm.h"
 #include "bench/bench_moe.h"
 #include "cli/commands.h"
+#include "cli/table.h"
 #include "moefq/dist_env.h"
 #include "moefq/fileio.h"
 #include "moefq/qdq.h"
@@ -44,12 +45,6 @@ CLI::Validator block_multiple(int64_t max) {
 
 // " (default 15)": a help string's default, from the options' own initial value.
 std::string default_is(int64_t value) { return " (default " + std::to_string(value) + ")"; }
-
-std::string joined(const std::vector<std::string>& names, const char* sep) {
-  std::string s;
-  for (const std::string& n : names) s += (s.empty() ? "" : sep) + n;
-  return s;
-}
 
 // A subcommand, the file its --json names (empty when not given) and its action.
 struct BenchCase {
@@ -117,7 +112,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   moe->add_option("--ep", mo->ep, "expert-parallel degree whose per-GPU share runs (default 8)")->check(CLI::Range(1, 1024));
   moe->add_option("--tokens", mo->tokens, "tokens per rank (default 8 128 512 1024 4096 8192)")->check(rows_range());
   moe->add_option("--configs", mo->configs,
-                  "quantizer configurations, any of " + joined(bench::moe_bench_configs(), "|") +
+                  "quantizer configurations, any of " + join(bench::moe_bench_configs(), "|") +
                       " (default all); none always runs, first");
   moe->add_option("--calls", mo->calls_per_graph, "layer calls captured per graph (default 3)")->check(CLI::Range(1, 100));
   moe->add_option("--reps", mo->reps, "timed graph replays; the median is reported (default 7)")->check(CLI::Range(1, 1000));

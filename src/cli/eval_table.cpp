@@ -52,12 +52,6 @@ const std::vector<Column>& columns() {
   return cols;
 }
 
-std::string join(const std::vector<std::string>& v, const std::string& sep) {
-  std::string s;
-  for (const std::string& x : v) s += (s.empty() ? "" : sep) + x;
-  return s;
-}
-
 // "found: 0 in layer 0", "found: 2 in each layer", "found: 0 to 3 per layer".
 std::string outliers_found(const EvalResult& r) {
   if (r.rows.empty()) return "";

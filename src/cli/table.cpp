@@ -71,6 +71,12 @@ std::string fmt_fixed(double v, int decimals) {
   return buf;
 }
 
+std::string join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string s;
+  for (size_t i = 0; i < parts.size(); ++i) s += (i ? sep : "") + parts[i];
+  return s;
+}
+
 std::vector<std::string> wrap_text(const std::string& first, const std::string& indent, const std::string& text,
                                    size_t width) {
   std::vector<std::string> out;

@@ -27,6 +27,9 @@ class Table {
 std::string fmt_num(double v, int digits = 4);
 std::string fmt_fixed(double v, int decimals);
 
+// The parts with `sep` between them: join({"a", "b"}, ", ") is "a, b".
+std::string join(const std::vector<std::string>& parts, const std::string& sep);
+
 // `text` broken at spaces into lines of at most `width` characters, the first starting with
 // `first`, the others with `indent` (a word longer than a line stays whole).
 std::vector<std::string> wrap_text(const std::string& first, const std::string& indent, const std::string& text,

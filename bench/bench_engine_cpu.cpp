@@ -7,7 +7,6 @@
 #include <thread>
 
 #include "bench/bench.h"
-#include "bench/bench_memory.h"
 #include "cli/commands.h"
 #include "eval/layer_runner.h"
 #include "moefq/cpu_engine.h"
@@ -30,7 +29,7 @@ void check_memory(const MoeConfig& cfg, const EngineCpuBenchOptions& o) {
   s.calib_batches = 1;  // one batch: the activations and their outputs
   s.weight_format = o.format;
   s.num_threads = o.threads;
-  check_bench_memory(plan_run_memory(s, EvalDevice::kCpu),
+  require_memory_fits(plan_run_memory(s, EvalDevice::kCpu),
                      "moefq bench engine-cpu: --ranks " + std::to_string(o.ranks) + " --tokens " +
                          std::to_string(o.tokens) + " of " + cfg.name,
                      "use fewer --ranks or --tokens, or a smaller --preset");

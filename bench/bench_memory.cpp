@@ -6,7 +6,6 @@
 
 #include "eval/layer_runner.h"
 #include "moefq/errors.h"
-#include "moefq/host_memory.h"
 #include "moefq/numerics.h"
 
 namespace moefq::bench {
@@ -20,12 +19,7 @@ class PlanBuilder {
     plan_.items.push_back({what, host_bytes, device_bytes});
   }
   MemoryPlan finish() {
-    for (const MemoryItem& m : plan_.items) {
-      plan_.host_bytes += m.host_bytes;
-      plan_.device_bytes += m.device_bytes;
-    }
-    plan_.host_available = double(available_host_memory().value_or(0));
-    plan_.device_available = query_device_memory().first;
+    total_memory_plan(plan_, true);
     return plan_;
   }
 
@@ -188,23 +182,9 @@ MemoryPlan plan_combine_bench_memory(const CombineBenchOptions& o) {
   return b.finish();
 }
 
-void check_bench_memory(const MemoryPlan& plan, const std::string& what, const std::string& advice) {
-  const auto gib = [](double b) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(1ull << 30));
-    return std::string(buf);
-  };
-  const bool host_fits = plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available;
-  const bool device_fits = plan.device_available <= 0 || plan.device_bytes <= kUsableFraction * plan.device_available;
-  MOEFQ_CHECK(host_fits, what, " needs ", gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
-              " available: ", advice, "\n", plan.describe());
-  MOEFQ_CHECK(device_fits, what, " needs ", gib(plan.device_bytes), " of GPU memory, ", gib(plan.device_available),
-              " available: ", advice, "\n", plan.describe());
-}
-
 void check_gemm_bench_memory(const GemmBenchOptions& o) {
   const int64_t tokens = *std::max_element(o.tokens.begin(), o.tokens.end());
-  check_bench_memory(plan_gemm_bench_memory(o),
+  require_memory_fits(plan_gemm_bench_memory(o),
                      "moefq bench gemm: --tokens " + std::to_string(tokens) + (o.tokens.size() > 1 ? " (the largest of the sweep)" : "") +
                          " with --experts " + std::to_string(o.experts) + " --hidden " + std::to_string(o.hidden) +
                          " --inter " + std::to_string(o.inter) + " --top-k " + std::to_string(o.top_k),
@@ -212,14 +192,14 @@ void check_gemm_bench_memory(const GemmBenchOptions& o) {
 }
 
 void check_qdq_bench_memory(const QdqBenchOptions& o, int64_t l2) {
-  check_bench_memory(plan_qdq_bench_memory(o, l2),
+  require_memory_fits(plan_qdq_bench_memory(o, l2),
                      "moefq bench qdq: --rows " + std::to_string(qdq_plan_rows(o, l2)) +
                          (o.rows.size() > 1 ? " (the largest of the sweep)" : "") + " --cols " + std::to_string(o.cols),
                      "use fewer --rows or --cols");
 }
 
 void check_combine_bench_memory(const CombineBenchOptions& o) {
-  check_bench_memory(plan_combine_bench_memory(o),
+  require_memory_fits(plan_combine_bench_memory(o),
                      "moefq bench combine: --tokens " + std::to_string(o.tokens) + " --top-k " + std::to_string(o.top_k) +
                          " --hidden " + std::to_string(o.hidden),
                      "use fewer --tokens, or a smaller --top-k or --hidden");

@@ -1,7 +1,8 @@
 // The memory plans of the GPU micro-benchmarks (`moefq bench gemm`, `qdq`, `combine`): the size of
 // every buffer each one allocates comes from one function per benchmark that its allocation reads
 // too; the plan (eval's MemoryPlan) sums them for the largest size of a sweep, and
-// check_bench_memory refuses a run that does not fit, before anything is allocated. No CUDA here.
+// the check_*_bench_memory functions refuse a run that does not fit (eval's require_memory_fits),
+// before anything is allocated. No CUDA here.
 #pragma once
 
 #include <cstdint>
@@ -92,9 +93,5 @@ MemoryPlan plan_combine_bench_memory(const CombineBenchOptions& options);
 void check_gemm_bench_memory(const GemmBenchOptions& options);
 void check_qdq_bench_memory(const QdqBenchOptions& options, int64_t l2_bytes);
 void check_combine_bench_memory(const CombineBenchOptions& options);
-
-// The check itself: `what` starts the message ("moefq bench gemm: --tokens 4096 ..."), `advice`
-// names the options to shrink.
-void check_bench_memory(const MemoryPlan& plan, const std::string& what, const std::string& advice);
 
 }  // namespace moefq::bench

@@ -267,16 +267,8 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
 // The memory plan, refused with the figures when the run does not fit; `command` ("moefq eval")
 // starts the message.
 MemoryPlan check_memory(const Prepared& p, const std::string& command) {
-  MemoryPlan plan = plan_run_memory(p.runner, p.device);
-  const auto gib = [](double b) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(1ull << 30));
-    return std::string(buf);
-  };
-  const bool host_fits = plan.host_available <= 0 || plan.host_bytes <= kUsableFraction * plan.host_available;
-  const bool device_fits = p.device != EvalDevice::kCuda || plan.device_available <= 0 ||
-                           plan.device_bytes <= kUsableFraction * plan.device_available;
-  if (host_fits && device_fits) return plan;
+  MemoryPlan plan = plan_run_memory(p.runner, p.device);  // a CPU run's has no device figure
+  if (memory_fits(plan)) return plan;
   // --device cuda only where it would help: a GPU evaluation in this build (its memory query
   // registered), e4m3 weights, and a run that fits that GPU. Asked only for a refused run (the
   // query starts the GPU).
@@ -289,10 +281,7 @@ MemoryPlan check_memory(const Prepared& p, const std::string& command) {
   const std::string advice =
       gpu_fits ? "use --device cuda (the layer then lives on the GPU), fewer --tokens or batches, or a smaller model"
                : "use fewer --ranks, --tokens or batches, or a smaller model";
-  MOEFQ_CHECK(host_fits, command, ": needs ", gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
-              " available: ", advice, "\n", plan.describe());
-  MOEFQ_CHECK(device_fits, command, ": needs ", gib(plan.device_bytes), " of GPU memory, ", gib(plan.device_available),
-              " available: ", advice, "\n", plan.describe());
+  require_memory_fits(plan, command + ":", advice);
   return plan;
 }
 

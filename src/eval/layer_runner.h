@@ -113,6 +113,15 @@ MemoryPlan plan_run_memory(const RunnerSetup& setup, EvalDevice device);
 void set_device_memory_query(std::function<std::pair<double, double>()> query);
 // The registered query's free and total bytes; {0, 0} (unknown) when none is registered.
 std::pair<double, double> query_device_memory();
+// Fills a plan's totals from its items, the host's available memory and, with `device`, the GPU's
+// free memory (query_device_memory).
+void total_memory_plan(MemoryPlan& plan, bool device);
+// Whether the plan fits kUsableFraction of the host's and of the GPU's available memory (a figure
+// that is unknown, 0, is not checked).
+bool memory_fits(const MemoryPlan& plan);
+// Refuses (bad input) a plan that does not fit: "<what> needs X GiB of host|GPU memory, Y GiB
+// available: <advice>", then the plan's table.
+void require_memory_fits(const MemoryPlan& plan, const std::string& what, const std::string& advice);
 
 // The calibration sequence every runner shares: start, one forward per calibration batch, finish,
 // then the reduced amax and each rank's own from the fake-quantized layer (FakeQuantMoe or

@@ -10,6 +10,7 @@
 #include "engine/expert_cpu.h"
 #include "eval/layer_runner.h"
 #include "moefq/buffer_layout.h"
+#include "moefq/errors.h"
 #include "moefq/host_memory.h"
 
 namespace moefq {
@@ -40,6 +41,39 @@ void set_device_memory_query(std::function<std::pair<double, double>()> query) {
 std::pair<double, double> query_device_memory() {
   std::lock_guard<std::mutex> lock(query_mutex());
   return device_query() ? device_query()() : std::pair<double, double>(0, 0);
+}
+
+void total_memory_plan(MemoryPlan& p, bool device) {
+  p.host_bytes = p.device_bytes = 0;
+  for (const MemoryItem& m : p.items) {
+    p.host_bytes += m.host_bytes;
+    p.device_bytes += m.device_bytes;
+  }
+  p.host_available = double(available_host_memory().value_or(0));
+  if (device) p.device_available = query_device_memory().first;
+}
+
+namespace {
+
+bool host_fits(const MemoryPlan& p) { return p.host_available <= 0 || p.host_bytes <= kUsableFraction * p.host_available; }
+bool device_fits(const MemoryPlan& p) {
+  return p.device_available <= 0 || p.device_bytes <= kUsableFraction * p.device_available;
+}
+
+}  // namespace
+
+bool memory_fits(const MemoryPlan& p) { return host_fits(p) && device_fits(p); }
+
+void require_memory_fits(const MemoryPlan& plan, const std::string& what, const std::string& advice) {
+  const auto gib = [](double b) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(1ull << 30));
+    return std::string(buf);
+  };
+  MOEFQ_CHECK(host_fits(plan), what, " needs ", gib(plan.host_bytes), " of host memory, ", gib(plan.host_available),
+              " available: ", advice, "\n", plan.describe());
+  MOEFQ_CHECK(device_fits(plan), what, " needs ", gib(plan.device_bytes), " of GPU memory, ",
+              gib(plan.device_available), " available: ", advice, "\n", plan.describe());
 }
 
 std::string MemoryPlan::describe() const {
@@ -100,12 +134,7 @@ MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
     const double scratch = double(threads) * (128.0 * double(std::max(H, I)) + 64.0 * double(std::max(H, I) + std::max(2 * I, H))) * 4.0;
     add("CPU GEMM scratch", scratch, false);
   }
-  for (const MemoryItem& m : p.items) {
-    p.host_bytes += m.host_bytes;
-    p.device_bytes += m.device_bytes;
-  }
-  p.host_available = double(available_host_memory().value_or(0));
-  if (cuda) p.device_available = query_device_memory().first;
+  total_memory_plan(p, cuda);
   // Streaming (the GPU runner): a second layer's weights generated on a side stream (or read from
   // the checkpoint on the host) while the current one is evaluated, where that fits too. The host
   // runner has no cores to spare for it.

@@ -214,14 +214,14 @@ TEST_F(BenchMemory, HostRefusedWithTheSameRule) {
   p.device_bytes = 1e9;
   p.host_available = 10e9;
   p.device_available = 10e9;
-  check_bench_memory(p, "moefq bench x:", "use less");
+  require_memory_fits(p, "moefq bench x:", "use less");
   p.host_available = 9.9e9;
-  const std::string m = refusal([&] { check_bench_memory(p, "moefq bench x:", "use less"); });
+  const std::string m = refusal([&] { require_memory_fits(p, "moefq bench x:", "use less"); });
   EXPECT_NE(m.find("moefq bench x: needs 8.4 GiB of host memory, 9.2 GiB available: use less\nmemory plan"),
             std::string::npos)
       << m;
   p.host_available = 0;  // unknown
-  check_bench_memory(p, "moefq bench x:", "use less");
+  require_memory_fits(p, "moefq bench x:", "use less");
 }
 
 }  // namespace

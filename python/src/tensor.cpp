@@ -2,7 +2,6 @@
 
 #include <Python.h>
 
-#include <sstream>
 
 #include "moefq/errors.h"
 
@@ -115,12 +114,11 @@ void Tensor::expect_shape(std::initializer_list<int64_t> shape) const {
     ++i;
   }
   if (ok) return;
-  std::ostringstream want;
-  want << '[';
+  std::string want = "[";
   i = 0;
-  for (int64_t d : shape) want << (i++ ? ", " : "") << (d < 0 ? std::string("*") : std::to_string(d));
-  want << ']';
-  MOEFQ_FAIL(ErrorKind::kBadInput, what_, " has shape ", shape_str(), "; expected ", want.str());
+  for (int64_t d : shape) want += (i++ ? ", " : "") + (d < 0 ? std::string("*") : std::to_string(d));
+  want += ']';
+  MOEFQ_FAIL(ErrorKind::kBadInput, what_, " has shape ", shape_str(), "; expected ", want);
 }
 
 void Tensor::expect_same_device(const Tensor& o) const {

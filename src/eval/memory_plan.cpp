@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 #include "engine/expert_cpu.h"
@@ -82,17 +81,16 @@ std::string MemoryPlan::describe() const {
     std::snprintf(buf, sizeof buf, "%9.2f", b / double(1ull << 30));
     return std::string(buf);
   };
-  std::ostringstream out;
-  out << "memory plan (GiB)                          host     device\n";
+  std::string out = "memory plan (GiB)                          host     device\n";
   for (const MemoryItem& m : items) {
     char name[48];
     std::snprintf(name, sizeof name, "  %-38s", m.what.c_str());
-    out << name << gib(m.host_bytes) << "  " << gib(m.device_bytes) << "\n";
+    out += name + gib(m.host_bytes) + "  " + gib(m.device_bytes) + "\n";
   }
-  out << "  total" << std::string(33, ' ') << gib(host_bytes) << "  " << gib(device_bytes) << "\n";
-  out << "  available" << std::string(29, ' ') << gib(host_available) << "  " << gib(device_available);
-  if (streaming) out << "\n  (the next layer's weights are prepared while a layer is evaluated)";
-  return out.str();
+  out += "  total" + std::string(33, ' ') + gib(host_bytes) + "  " + gib(device_bytes) + "\n";
+  out += "  available" + std::string(29, ' ') + gib(host_available) + "  " + gib(device_available);
+  if (streaming) out += "\n  (the next layer's weights are prepared while a layer is evaluated)";
+  return out;
 }
 
 MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {

@@ -2,8 +2,8 @@
 
 #include <cstdio>
 #include <fstream>
-#include <sstream>
 #include <string>
+#include <string_view>
 
 namespace moefq {
 namespace {
@@ -25,10 +25,10 @@ std::optional<uint64_t> meminfo_available() {
   std::ifstream in("/proc/meminfo");
   std::string line;
   while (std::getline(in, line)) {
-    std::istringstream fields(line);
-    std::string key, unit;
-    uint64_t kib = 0;
-    if (fields >> key >> kib >> unit && key == "MemAvailable:" && unit == "kB") return kib * 1024;
+    unsigned long long kib = 0;
+    char unit[8] = {};
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu %7s", &kib, unit) == 2 && std::string_view(unit) == "kB")
+      return uint64_t(kib) * 1024;
   }
   return std::nullopt;
 }

@@ -1,7 +1,5 @@
 #include "moefq/quant_spec.h"
 
-#include <sstream>
-
 #include "moefq/errors.h"
 
 namespace moefq {
@@ -40,23 +38,23 @@ void QuantSpec::validate(std::string_view quantizer) const {
 }
 
 std::string QuantSpec::describe() const {
-  std::ostringstream os;
-  os << format_name(format);
+  // Built without iostreams, like the error messages (errors.h says why): Python's repr calls it.
+  std::string s = format_name(format);
   switch (format) {
-    case Format::kNvfp4: os << " (e2m1, block 16, e4m3 scales)"; break;
-    case Format::kMxfp8: os << " (e4m3, block 32, ue8m0 scales)"; break;
-    case Format::kMxfp4: os << " (e2m1, block 32, ue8m0 scales)"; break;
-    case Format::kFp8: os << " (e4m3, per tensor)"; break;
-    case Format::kInt8: os << " (int8, per tensor)"; break;
-    case Format::kFp8Block128: os << " (e4m3, block 128, fp32 scales)"; break;
-    case Format::kFp8Block128Ue8m0: os << " (e4m3, block 128, ue8m0 scales)"; break;
-    case Format::kLogfmt10: os << " (10-bit log, block 128, bf16 fallback)"; break;
+    case Format::kNvfp4: s += " (e2m1, block 16, e4m3 scales)"; break;
+    case Format::kMxfp8: s += " (e4m3, block 32, ue8m0 scales)"; break;
+    case Format::kMxfp4: s += " (e2m1, block 32, ue8m0 scales)"; break;
+    case Format::kFp8: s += " (e4m3, per tensor)"; break;
+    case Format::kInt8: s += " (int8, per tensor)"; break;
+    case Format::kFp8Block128: s += " (e4m3, block 128, fp32 scales)"; break;
+    case Format::kFp8Block128Ue8m0: s += " (e4m3, block 128, ue8m0 scales)"; break;
+    case Format::kLogfmt10: s += " (10-bit log, block 128, bf16 fallback)"; break;
   }
   if (format_has_global_amax(format)) {
-    os << ", amax " << amax_source_name(amax_source);
-    if (amax_source == AmaxSource::kConstant) os << " " << constant_amax;
+    s += detail::concat(", amax ", amax_source_name(amax_source));
+    if (amax_source == AmaxSource::kConstant) s += detail::concat(" ", constant_amax);
   }
-  return os.str();
+  return s;
 }
 
 bool operator==(const QuantSpec& a, const QuantSpec& b) {

@@ -16,6 +16,7 @@
 #include "cli/cli_test_util.h"
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
+#include "moefq/host_memory.h"
 #include "test_util.h"
 
 namespace moefq {
@@ -23,6 +24,19 @@ namespace {
 
 namespace fs = std::filesystem;
 using test::error_of, test::read_text;
+
+// MemAvailable read from /proc/meminfo (Linux), limited by the cgroup's room where there is one:
+// a figure above zero and below the machine's total.
+TEST(HostMemory, AvailableIsReadAndBelowTheTotal) {
+  const std::string info = read_text("/proc/meminfo");
+  const size_t at = info.find("MemTotal:");
+  ASSERT_NE(at, std::string::npos);
+  const uint64_t total_kib = std::stoull(info.substr(at + 9));
+  const std::optional<uint64_t> avail = available_host_memory();
+  ASSERT_TRUE(avail.has_value());
+  EXPECT_GT(*avail, 0u);
+  EXPECT_LE(*avail, total_kib * 1024);
+}
 
 constexpr std::string_view kNames[] = {"a.txt", "b.txt", "c.txt"};
 

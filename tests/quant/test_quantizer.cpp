@@ -115,6 +115,15 @@ std::string read_text(const std::string& path) {
 // ---------------------------------------------------------------------------------------------
 // Construction
 
+TEST(Quantizer, DescribeNamesTheFormatItsBlocksAndTheAmax) {
+  EXPECT_EQ(make_spec(Format::kNvfp4).describe(), "nvfp4 (e2m1, block 16, e4m3 scales), amax calibrated");
+  EXPECT_EQ(make_spec(Format::kFp8, AmaxSource::kConstant, 448.0f).describe(),
+            "fp8 (e4m3, per tensor), amax constant 448");
+  EXPECT_EQ(make_spec(Format::kInt8, AmaxSource::kConstant, 0.1f).describe(),
+            "int8 (int8, per tensor), amax constant 0.1");
+  EXPECT_EQ(make_spec(Format::kMxfp8).describe(), "mxfp8 (e4m3, block 32, ue8m0 scales)");
+}
+
 TEST(Quantizer, InvalidSpecsRaiseNamingTheQuantizer) {
   QuantSpec wrong_block = make_spec(Format::kNvfp4);
   wrong_block.block_size = 32;

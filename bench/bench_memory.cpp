@@ -5,6 +5,8 @@
 #include <cstdio>
 
 #include "eval/layer_runner.h"
+#include "moefq/buffer_layout.h"
+#include "moefq/cpu_engine.h"
 #include "moefq/errors.h"
 #include "moefq/numerics.h"
 
@@ -18,6 +20,7 @@ class PlanBuilder {
   void add(const std::string& what, double host_bytes, double device_bytes) {
     plan_.items.push_back({what, host_bytes, device_bytes});
   }
+  const std::vector<MemoryItem>& items() const { return plan_.items; }
   MemoryPlan finish() {
     total_memory_plan(plan_, true);
     return plan_;
@@ -50,6 +53,17 @@ int64_t qdq_plan_rows(const QdqBenchOptions& o, int64_t l2) {
     if (qdq_device_bytes(qdq_bench_sizes(o, r, l2)) > qdq_device_bytes(qdq_bench_sizes(o, rows, l2))) rows = r;
   return rows;
 }
+
+// Device bytes of n experts' e4m3 weights of hidden H and intermediate I with their 128 x 128 block
+// scales, four allocations (the CUDA engine's expert set).
+double expert_set_device_bytes(int64_t n, int64_t H, int64_t I) {
+  return dev(n * 2 * I * H, 1) + dev(n * H * I, 1) + dev(n * (2 * I / 128) * (H / 128), 4) +
+         dev(n * (H / 128) * (I / 128), 4);
+}
+// Host bytes of one expert's e4m3 weights and scales.
+double expert_host_bytes(int64_t H, int64_t I) { return double(3 * H * I) + double(3 * (H / 128) * (I / 128)) * 4; }
+
+int64_t largest(const std::vector<int64_t>& v) { return *std::max_element(v.begin(), v.end()); }
 
 }  // namespace
 
@@ -182,6 +196,53 @@ MemoryPlan plan_combine_bench_memory(const CombineBenchOptions& o) {
   return b.finish();
 }
 
+MoeConfig moe_rank_config(const std::string& name, int64_t ep) {
+  MoeConfig c = preset(name);
+  MOEFQ_CHECK(ep >= 1 && c.num_experts % ep == 0 && c.num_experts / ep >= c.top_k, "--ep ", ep, ": ", name, "'s ",
+              c.num_experts, " experts do not split into ", ep, " ranks of at least K = ", c.top_k);
+  c.num_experts /= ep;
+  c.n_group = c.topk_group = 1;
+  return c;
+}
+
+MemoryPlan plan_moe_bench_memory(const MoeBenchOptions& o, const std::string& name) {
+  const MoeConfig c = moe_rank_config(name, o.ep);
+  const int64_t T = largest(o.tokens), H = c.hidden, I = c.intermediate, E = c.num_experts, K = c.top_k;
+  const int64_t Is = I * c.num_shared, hb = H / 128;
+  const BufferLayout layout(engine_buffer_shape(c, 1, T, {}, EngineOptions{false, 0}));
+  const int64_t P = layout.shape().pool_rows();
+  const int64_t configs = o.configs.empty() ? int64_t(moe_bench_configs().size())
+                                            : 1 + std::count_if(o.configs.begin(), o.configs.end(),
+                                                                [](const std::string& c) { return c != "none"; });
+  PlanBuilder b;
+  // The host weights (expert 0 repeated, e4m3) live while the engine uploads them: E copies, the
+  // one they are copied from, the generated one, and the shared expert.
+  b.add(with_count("expert weights, e4m3", E, "expert") + (Is > 0 ? " and shared" : ""),
+        double(E + 2) * expert_host_bytes(H, I) + (Is > 0 ? expert_host_bytes(H, Is) : 0.0),
+        expert_set_device_bytes(E, H, I) + (Is > 0 ? expert_set_device_bytes(1, H, Is) : 0.0));
+  b.add("engine buffer: staged x, pools, combine rows", 0, dev(layout.total_bytes(), 1));
+  // Counts and offsets, the pool rows' weights and output pointers, the shared expert's weights
+  // and output pointers, the rank pointers.
+  b.add(with_count("engine routing arrays", P, "pool row"), 0,
+        2 * dev(E + 1, 4) + dev(P, 4) + dev(P, 8) + dev(T, 4) + dev(T, 8) + dev(1, 64));
+  // The shared expert run on its own: staged x and its scales, h and its scales, output pointers, counts.
+  if (Is > 0)
+    b.add("shared expert's staged rows", 0,
+          dev(T * H, 1) + dev(T * hb, 4) + dev(T * Is, 1) + dev(T * (Is / 128), 4) + dev(T, 8) + dev(2, 4));
+  // The dispatch-quantized tokens; the calibration, dynamic and global amax, check records, clip counts.
+  b.add("fake quantizer: dispatch QDQ rows, amax", 0, dev(T * H, 2) + 5 * dev(1, 64));
+  // x, the layer's output and the shared expert's (bf16), the routing; each configuration's saved
+  // amax. On the host: the fp32 activations x is rounded from, x, the routing.
+  b.add(with_count("inputs, outputs, routing", T, "token"), double(T * H) * 6 + double(T * K) * 8,
+        3 * dev(T * H, 2) + 2 * dev(T * K, 4) + double(configs) * dev(2, 4));
+  double layer = 0;
+  for (const MemoryItem& m : b.items()) layer += m.device_bytes;
+  const double ceiling = double(std::max(copy_ceiling_device_bytes(int64_t(1) << 30),
+                                         cublaslt_ceiling_sizes(T * K, 2 * I, H, false, false, 1).device_bytes()));
+  b.add("ceilings (run first) beyond the layer", 0, std::max(0.0, ceiling - layer));
+  return b.finish();
+}
+
 void check_gemm_bench_memory(const GemmBenchOptions& o) {
   const int64_t tokens = *std::max_element(o.tokens.begin(), o.tokens.end());
   require_memory_fits(plan_gemm_bench_memory(o),
@@ -203,6 +264,15 @@ void check_combine_bench_memory(const CombineBenchOptions& o) {
                      "moefq bench combine: --tokens " + std::to_string(o.tokens) + " --top-k " + std::to_string(o.top_k) +
                          " --hidden " + std::to_string(o.hidden),
                      "use fewer --tokens, or a smaller --top-k or --hidden");
+}
+
+void check_moe_bench_memory(const MoeBenchOptions& o) {
+  const int64_t tokens = largest(o.tokens);
+  for (const std::string& name : o.presets)
+    require_memory_fits(plan_moe_bench_memory(o, name),
+                       "moefq bench moe: --preset " + name + " --ep " + std::to_string(o.ep) + " --tokens " +
+                           std::to_string(tokens) + (o.tokens.size() > 1 ? " (the largest of the sweep)" : ""),
+                       "use fewer --tokens, a larger --ep or a smaller preset");
 }
 
 }  // namespace moefq::bench

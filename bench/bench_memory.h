@@ -1,6 +1,7 @@
-// The memory plans of the GPU micro-benchmarks (`moefq bench gemm`, `qdq`, `combine`): the size of
-// every buffer each one allocates comes from one function per benchmark that its allocation reads
-// too; the plan (eval's MemoryPlan) sums them for the largest size of a sweep, and
+// The memory plans of the GPU benchmarks (`moefq bench gemm`, `qdq`, `combine`, `moe`): the size of
+// every buffer each micro-benchmark allocates comes from one function per benchmark that its
+// allocation reads too (`bench moe`'s plan counts the engine's and the fake quantizer's buffers as
+// they allocate them); the plan (eval's MemoryPlan) sums them for the largest size of a sweep, and
 // the check_*_bench_memory functions refuse a run that does not fit (eval's require_memory_fits),
 // before anything is allocated. No CUDA here.
 #pragma once
@@ -11,7 +12,9 @@
 #include "bench/bench.h"
 #include "bench/bench_combine.h"
 #include "bench/bench_gemm.h"
+#include "bench/bench_moe.h"
 #include "moefq/eval.h"
+#include "moefq/moe_config.h"
 
 namespace moefq::bench {
 
@@ -87,11 +90,22 @@ MemoryPlan plan_gemm_bench_memory(const GemmBenchOptions& options);
 MemoryPlan plan_qdq_bench_memory(const QdqBenchOptions& options, int64_t l2_bytes);
 MemoryPlan plan_combine_bench_memory(const CombineBenchOptions& options);
 
+// `moefq bench moe`: the preset as one rank of EP `ep` runs it, E / ep local experts with every
+// token routed to K of them (bad input naming both where E does not split so).
+MoeConfig moe_rank_config(const std::string& preset, int64_t ep);
+// One preset's plan at the sweep's largest token count: the engine's expert weights, symmetric
+// buffer and routing arrays, the shared expert's own rows (it runs unfused, on a second stream),
+// the fake quantizer's, the benchmark's inputs and outputs, and what the ceilings (copy, cuBLASLt;
+// they run and free their buffers before the layer is allocated) need beyond all that.
+MemoryPlan plan_moe_bench_memory(const MoeBenchOptions& options, const std::string& preset);
+
 // Each benchmark's plan checked: refused (bad input, exit 2) with the bytes needed and available,
 // the options to shrink and the plan, when it needs more than kUsableFraction of the GPU's free
 // memory or of the host's available memory (an unknown figure, 0, is not checked).
 void check_gemm_bench_memory(const GemmBenchOptions& options);
 void check_qdq_bench_memory(const QdqBenchOptions& options, int64_t l2_bytes);
 void check_combine_bench_memory(const CombineBenchOptions& options);
+// Every preset's plan (they run one after another, each freeing its layer).
+void check_moe_bench_memory(const MoeBenchOptions& options);
 
 }  // namespace moefq::bench

@@ -10,10 +10,12 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench_cuda_util.cuh"
+#include "bench/bench_memory.h"
 #include "bench/ceilings.cuh"
 #include "bench/moe_inputs.h"
 #include "fakequant/cuda/cuda_fake_quant.cuh"
 #include "cuda/host_api.h"
+#include "eval/layer_runner.h"
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
 #include "moefq/recipe.h"
@@ -56,16 +58,6 @@ const std::map<std::string, BenchConfig>& config_recipes() {
   return recipes;
 }
 
-// One EP rank's share of a preset: E / ep local experts, every token routed to K of them.
-MoeConfig rank_config(const std::string& name, int64_t ep) {
-  MoeConfig c = preset(name);
-  MOEFQ_CHECK(ep >= 1 && c.num_experts % ep == 0 && c.num_experts / ep >= c.top_k, "--ep ", ep, ": ", name, "'s ",
-              c.num_experts, " experts do not split into ", ep, " ranks of at least K = ", c.top_k);
-  c.num_experts /= ep;
-  c.n_group = c.topk_group = 1;
-  return c;
-}
-
 // What a figure sits beside: DeepGEMM's SM90 FP8 Mega-MoE per-rank times published on 8 x H200
 // (EP8, one fused kernel, NVLink traffic included; this benchmark runs one rank without
 // communication), and this project's targets for the unquantized layer.
@@ -95,8 +87,12 @@ int run_bench_moe(const MoeBenchOptions& o) {
     MOEFQ_CHECK(config_recipes().count(c), "--configs: unknown configuration '", c, "'");
   configs.erase(std::remove(configs.begin(), configs.end(), "none"), configs.end());
   configs.insert(configs.begin(), "none");  // the baseline of every overhead, first
+  MOEFQ_CHECK(!o.tokens.empty(), "--tokens: no token counts");
   for (int64_t t : o.tokens) MOEFQ_CHECK(t >= 1, "--tokens: ", t, " is not a positive token count");
-  for (const auto& p : o.presets) rank_config(p, o.ep);  // bad names and splits before any work
+  for (const auto& p : o.presets) moe_rank_config(p, o.ep);  // bad names and splits before any work
+  // A preset whose layer does not fit is refused before the first allocation.
+  register_cuda_layer_runner();  // the GPU memory query the plan asks
+  check_moe_bench_memory(o);
   std::optional<AtomicFile> out;  // the JSON path is checked before any work
   if (!o.json.empty()) out.emplace(o.json);
 
@@ -111,7 +107,7 @@ int run_bench_moe(const MoeBenchOptions& o) {
   SideStream side;
 
   for (const std::string& name : o.presets) {
-    const MoeConfig c = rank_config(name, o.ep);
+    const MoeConfig c = moe_rank_config(name, o.ep);
     const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.num_experts, Is = I * c.num_shared;
     // The compute ceiling: cuBLASLt FP8 on the layer's largest GEMM at the largest token count.
     const double peak_tflops = 2.0 * double(tmax * K) * double(2 * I) * double(H) /
@@ -125,10 +121,14 @@ int run_bench_moe(const MoeBenchOptions& o) {
                 "q_share", "publ_us", "target");
     nlohmann::json pj = {{"preset", name}, {"hidden", H}, {"intermediate", I}, {"local_experts", E}, {"top_k", K},
                          {"cublaslt_fp8_tflops", peak_tflops}};
-    cuda::CudaFakeQuantMoe fq(std::make_unique<cuda::CudaEngine>(c, 1, tmax,
-                                                                 std::vector<LayerWeights>{repeated_weights(c, 0, E)},
-                                                                 EngineOptions{false, 0}),
-                              0);
+    // The host weights are freed once uploaded.
+    cuda::CudaFakeQuantMoe fq(
+        [&] {
+          std::vector<LayerWeights> weights;
+          weights.push_back(repeated_weights(c, 0, E));
+          return std::make_unique<cuda::CudaEngine>(c, 1, tmax, weights, EngineOptions{false, 0});
+        }(),
+        0);
     for (int64_t T : o.tokens) {
       // Uniform routing: K distinct local experts per token.
       const Routing routing = uniform_routing(T, K, E, static_cast<uint64_t>(T));

@@ -8,6 +8,8 @@
 #include <string>
 
 #include "eval/layer_runner.h"
+#include "moefq/buffer_layout.h"
+#include "moefq/cpu_engine.h"
 #include "moefq/errors.h"
 
 namespace moefq::bench {
@@ -165,6 +167,81 @@ TEST_F(BenchMemory, CombinePlanByHand) {
   EXPECT_EQ(p.host_bytes, double(32768 * 12 + 64 * 7168 * (18 + 4 + 2 + 2) + 8 * 7168 * 2));
   o.tokens = 10;
   EXPECT_EQ(combine_bench_sizes(o).sample, 10);
+}
+
+// deepseek-v3 as one rank of EP8 (H 7168, I 2048, 32 local experts, top-8, one shared expert of
+// 2048) at 4096 tokens: the engine's, the fake quantizer's and the benchmark's buffers by hand.
+TEST_F(BenchMemory, MoePlanByHand) {
+  MoeBenchOptions o;
+  o.tokens = {128, 4096};
+  const MoeConfig c = moe_rank_config("deepseek-v3", 8);
+  EXPECT_EQ(c.num_experts, 32);
+  const MemoryPlan p = plan_moe_bench_memory(o, "deepseek-v3");
+  // Routed gate/up 896 MiB and down 448, the shared expert's 28 and 14, each set's two scale
+  // arrays a page; on the host 34 routed experts (E, the source of the copies, the generated one)
+  // and the shared one, codes and scales.
+  const double expert_host = double(3 * 7168 * 2048 + 3 * 56 * 16 * 4);
+  EXPECT_EQ(item(p, "expert weights").device_bytes, double((896 + 448 + 28 + 14) * kMiB + 4 * kPage));
+  EXPECT_EQ(item(p, "expert weights").host_bytes, 35 * expert_host);
+  // The symmetric buffer (the shared expert unfused): staged x 28 MiB, 32768 pool rows of x (224
+  // MiB), h of those and the shared expert's rows (72 MiB), 8 combine slots (448 MiB), and scales.
+  const int64_t buffer =
+      BufferLayout(BufferShape{.num_experts = 32, .max_tokens = 4096, .top_k = 8, .hidden = 7168, .intermediate = 2048})
+          .total_bytes();
+  EXPECT_NEAR(double(buffer), double((28 + 224 + 72 + 448) * kMiB), double(12 * kMiB));
+  EXPECT_EQ(item(p, "engine buffer").device_bytes, double(device_allocation_bytes(buffer)));
+  // Counts, offsets, the pool rows' weights and pointers, the shared expert's weights and
+  // pointers, the rank pointers: a page each.
+  EXPECT_EQ(item(p, "engine routing arrays").device_bytes, double(7 * kPage));
+  // The shared expert on its own: x 28 MiB, h 8 MiB, their scales, pointers and counts.
+  EXPECT_EQ(item(p, "shared expert's staged rows").device_bytes, double(36 * kMiB + 4 * kPage));
+  EXPECT_EQ(item(p, "fake quantizer").device_bytes, double(56 * kMiB + 5 * kPage));
+  // x, y and the shared expert's y, 56 MiB each; the routing's indices and weights; the saved amax
+  // of the 9 configurations. On the host: the fp32 and bf16 activations and the routing.
+  EXPECT_EQ(item(p, "inputs, outputs, routing").device_bytes, double(168 * kMiB + 11 * kPage));
+  EXPECT_EQ(item(p, "inputs, outputs, routing").host_bytes, double(4096 * 7168 * 6 + 32768 * 8));
+  // The layer's buffers exceed the copy ceiling's 2 GiB and cuBLASLt's (540 MiB) here.
+  EXPECT_EQ(item(p, "ceilings").device_bytes, 0.0);
+  EXPECT_GT(p.device_bytes, double(int64_t(2) << 30));
+  EXPECT_EQ(p.host_bytes, 35 * expert_host + double(4096 * 7168 * 6 + 32768 * 8));
+
+  // Fewer configurations: one saved amax each, "none" always among them.
+  o.configs = {"both-fp8", "none"};
+  EXPECT_EQ(item(plan_moe_bench_memory(o, "deepseek-v3"), "inputs, outputs, routing").device_bytes,
+            double(168 * kMiB + 4 * kPage));
+  // 8 tokens: the copy ceiling's 2 GiB is the peak; the plan counts what it needs beyond the layer.
+  o.tokens = {8};
+  const MemoryPlan small = plan_moe_bench_memory(o, "deepseek-v3");
+  EXPECT_GT(item(small, "ceilings").device_bytes, 0.0);
+  EXPECT_EQ(small.device_bytes, double(int64_t(2) << 30));
+  // A preset without a shared expert has neither its weights nor its rows.
+  const MemoryPlan qwen = plan_moe_bench_memory(o, "qwen3-30b-a3b");
+  for (const MemoryItem& m : qwen.items) EXPECT_EQ(m.what.find("shared"), std::string::npos) << m.what;
+}
+
+TEST_F(BenchMemory, MoeRefusedWhereTheGpuIsTooSmall) {
+  MoeBenchOptions o;  // deepseek-v3, EP8, up to 8192 tokens
+  const double need = plan_moe_bench_memory(o, "deepseek-v3").device_bytes;
+  fake_gpu(need / kUsableFraction);
+  check_moe_bench_memory(o);
+  fake_gpu(need / kUsableFraction - 1e6);
+  const std::string m = refusal([&] { check_moe_bench_memory(o); });
+  EXPECT_EQ(m.rfind("moefq bench moe: --preset deepseek-v3 --ep 8 --tokens 8192 (the largest of the sweep) needs ", 0), 0u)
+      << m;
+  for (const char* s : {" of GPU memory, ", " available: use fewer --tokens, a larger --ep or a smaller preset\n",
+                        "memory plan (GiB)", "engine buffer"})
+    EXPECT_NE(m.find(s), std::string::npos) << s << "\n" << m;
+  // Every preset is checked: the second one here is the larger.
+  o.presets = {"deepseek-v3", "deepseek-v4-pro"};
+  o.tokens = {128};
+  fake_gpu(plan_moe_bench_memory(o, "deepseek-v3").device_bytes / kUsableFraction);
+  EXPECT_GT(plan_moe_bench_memory(o, "deepseek-v4-pro").device_bytes, plan_moe_bench_memory(o, "deepseek-v3").device_bytes);
+  EXPECT_NE(refusal([&] { check_moe_bench_memory(o); }).find("--preset deepseek-v4-pro --ep 8 --tokens 128 needs "),
+            std::string::npos);
+  // A preset that does not split into --ep ranks is bad input naming both.
+  o.ep = 3;
+  EXPECT_NE(refusal([&] { check_moe_bench_memory(o); }).find("--ep 3: deepseek-v3's 256 experts do not split"),
+            std::string::npos);
 }
 
 // Refused with eval's rule: the plan may take 90% of the free memory; the message names the

@@ -1,4 +1,4 @@
-// The GPU micro-benchmarks' memory plans on a GPU (bench/bench_memory.h): a size just above what
+// The GPU benchmarks' memory plans on a GPU (bench/bench_memory.h): a size just above what
 // the GPU can hold is refused by the moefq binary (exit 2, before any work, nothing written), and
 // each plan covers what its benchmark takes from the GPU, measured with cudaMemGetInfo sampled
 // while the benchmark runs.
@@ -17,6 +17,7 @@
 #include "bench/bench_combine.h"
 #include "bench/bench_gemm.h"
 #include "bench/bench_memory.h"
+#include "bench/bench_moe.h"
 #include "cli/moefq_binary.h"
 #include "eval/layer_runner.h"
 #include "gpu_test.h"
@@ -131,6 +132,15 @@ TEST_F(BenchMemoryCuda, SizeJustAboveTheGpuIsRefused) {
   ASSERT_GT(tokens, 1) << "no --tokens just above the GPU's memory";
   expect_refused("bench combine --tokens " + std::to_string(tokens),
                  "moefq bench combine: --tokens " + std::to_string(tokens) + " --top-k 8 --hidden 7168 needs ");
+
+  MoeBenchOptions m;
+  const int64_t moe_tokens = smallest_refused(1, int64_t(1) << 22, limit, [&](int64_t v) {
+    m.tokens = {v};
+    return plan_moe_bench_memory(m, "deepseek-v3").device_bytes;
+  });
+  ASSERT_GT(moe_tokens, 1) << "no --tokens just above the GPU's memory";
+  expect_refused("bench moe --tokens " + std::to_string(moe_tokens),
+                 "moefq bench moe: --preset deepseek-v3 --ep 8 --tokens " + std::to_string(moe_tokens) + " needs ");
 }
 
 // Each plan is at least what its benchmark takes from the GPU at its peak (with 64 MiB for what
@@ -150,6 +160,11 @@ TEST_F(BenchMemoryCuda, PlansCoverWhatTheBenchmarksTake) {
   CombineBenchOptions c;
   c.reps = 2;
   c.launches_per_graph = 2;
+  MoeBenchOptions m;
+  m.tokens = {128, 4096};
+  m.configs = {"both-fp8"};
+  m.reps = 2;
+  m.calls_per_graph = 1;
   const struct {
     const char* name;
     double plan;
@@ -158,6 +173,7 @@ TEST_F(BenchMemoryCuda, PlansCoverWhatTheBenchmarksTake) {
       {"gemm", plan_gemm_bench_memory(g).device_bytes, [&] { return run_bench_gemm(g); }},
       {"qdq", plan_qdq_bench_memory(q, l2_bytes()).device_bytes, [&] { return run_bench_qdq(q); }},
       {"combine", plan_combine_bench_memory(c).device_bytes, [&] { return run_bench_combine(c); }},
+      {"moe", plan_moe_bench_memory(m, "deepseek-v3").device_bytes, [&] { return run_bench_moe(m); }},
   };
   for (const auto& k : cases) {
     SCOPED_TRACE(k.name);

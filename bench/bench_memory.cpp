@@ -205,6 +205,15 @@ MoeConfig moe_rank_config(const std::string& name, int64_t ep) {
   return c;
 }
 
+void check_moe_bench_options(const MoeBenchOptions& o) {
+  const std::vector<std::string> known = moe_bench_configs();
+  for (const auto& c : o.configs)
+    MOEFQ_CHECK(std::find(known.begin(), known.end(), c) != known.end(), "--configs: unknown configuration '", c, "'");
+  MOEFQ_CHECK(!o.tokens.empty(), "--tokens: no token counts");
+  for (int64_t t : o.tokens) MOEFQ_CHECK(t >= 1, "--tokens: ", t, " is not a positive token count");
+  for (const auto& p : o.presets) moe_rank_config(p, o.ep);
+}
+
 MemoryPlan plan_moe_bench_memory(const MoeBenchOptions& o, const std::string& name) {
   const MoeConfig c = moe_rank_config(name, o.ep);
   const int64_t T = largest(o.tokens), H = c.hidden, I = c.intermediate, E = c.num_experts, K = c.top_k;

@@ -81,15 +81,11 @@ LayerReference layer_reference(const std::string& preset, int64_t tokens) {
 }  // namespace
 
 int run_bench_moe(const MoeBenchOptions& o) {
-  MOEFQ_CHECK(cuda::device_count() > 0, "moefq bench moe: no CUDA device is visible");
+  check_moe_bench_options(o);  // bad names, counts and splits before any work
   std::vector<std::string> configs = o.configs.empty() ? moe_bench_configs() : o.configs;
-  for (const auto& c : configs)
-    MOEFQ_CHECK(config_recipes().count(c), "--configs: unknown configuration '", c, "'");
   configs.erase(std::remove(configs.begin(), configs.end(), "none"), configs.end());
   configs.insert(configs.begin(), "none");  // the baseline of every overhead, first
-  MOEFQ_CHECK(!o.tokens.empty(), "--tokens: no token counts");
-  for (int64_t t : o.tokens) MOEFQ_CHECK(t >= 1, "--tokens: ", t, " is not a positive token count");
-  for (const auto& p : o.presets) moe_rank_config(p, o.ep);  // bad names and splits before any work
+  MOEFQ_CHECK(cuda::device_count() > 0, "moefq bench moe: no CUDA device is visible");
   // A preset whose layer does not fit is refused before the first allocation.
   register_cuda_layer_runner();  // the GPU memory query the plan asks
   check_moe_bench_memory(o);

@@ -35,6 +35,10 @@ int run_bench_moe(const MoeBenchOptions& options);
 // slowest rank's figures) and writes the JSON.
 int run_bench_moe_ranks(const MoeBenchOptions& options);
 
+// The options run_bench_moe checks before it touches a device, in every build (bench_memory.cpp):
+// known configurations, token counts, presets that split into --ep ranks. Bad input otherwise.
+void check_moe_bench_options(const MoeBenchOptions& options);
+
 // The quantizer configurations run_bench_moe knows, in its order (in every build: the CLI's help
 // lists them).
 inline std::vector<std::string> moe_bench_configs() {

@@ -16,7 +16,10 @@ namespace {
 }  // namespace
 
 int run_bench_qdq(const QdqBenchOptions&) { no_cuda("qdq"); }
-int run_bench_moe(const MoeBenchOptions&) { no_cuda("moe"); }
+int run_bench_moe(const MoeBenchOptions& o) {
+  check_moe_bench_options(o);  // as the CUDA build does, before it looks for a device
+  no_cuda("moe");
+}
 int run_bench_moe_ranks(const MoeBenchOptions&) { no_cuda("moe"); }
 int run_bench_combine(const CombineBenchOptions&) { no_cuda("combine"); }
 int run_bench_gemm(const GemmBenchOptions&) { no_cuda("gemm"); }

@@ -419,7 +419,9 @@ TEST_F(Hostile, BenchSizesAreCheckedByOption) {
       {"bench gemm --tokens=-5", "--tokens"},      {"bench gemm --tokens 1 0", "--tokens"},
       {"bench qdq --rows 0", "--rows"},            {"bench qdq --cols 100", "--cols"},
       {"bench combine --hidden 0", "--hidden"},    {"bench combine --hidden 131072", "--hidden"},
-      {"bench moe --tokens 8 0", "--tokens"},      {"bench engine-cpu --tokens 0", "--tokens"}};
+      {"bench moe --tokens 8 0", "--tokens"},      {"bench engine-cpu --tokens 0", "--tokens"},
+      {"bench moe --ep 3", "--ep 3: deepseek-v3's 256 experts do not split into 3 ranks"},
+      {"bench moe --preset nope", "nope"},         {"bench moe --configs bogus", "--configs"}};
   for (const auto& [args, option] : cases) {
     const RunResult r = expect_refused(args, {option});
     EXPECT_EQ(r.err.find("CUDA"), std::string::npos) << "the sizes before the device\n" << describe(r);

@@ -65,6 +65,35 @@ double expert_host_bytes(int64_t H, int64_t I) { return double(3 * H * I) + doub
 
 int64_t largest(const std::vector<int64_t>& v) { return *std::max_element(v.begin(), v.end()); }
 
+// The CUDA engine's device allocations (cuda_engine.cu) for one rank it computes, of a layer of
+// `config` over `ranks` ranks: the rank's expert sets, its symmetric buffer (where it owns one: a
+// real rank's is a window of the communicator), the routing arrays and, with the shared expert
+// unfused, that expert's own staged rows. Item names start with `who`.
+void add_engine_memory(PlanBuilder& b, const std::string& who, const MoeConfig& c, int64_t ranks, int64_t T,
+                       bool fuse_shared, bool own_buffer) {
+  const int64_t H = c.hidden, I = c.intermediate, el = c.num_experts / ranks, Is = I * c.num_shared, hb = H / 128;
+  const BufferLayout layout(engine_buffer_shape(c, ranks, T, {}, EngineOptions{fuse_shared, 0}));
+  const int64_t P = layout.shape().pool_rows();
+  b.add(with_count(who + "expert weights, e4m3", el, "expert") + (Is > 0 ? " and shared" : ""), 0,
+        expert_set_device_bytes(el, H, I) + (Is > 0 ? expert_set_device_bytes(1, H, Is) : 0.0));
+  if (own_buffer) b.add(who + "buffer: staged x, pools, combine rows", 0, dev(layout.total_bytes(), 1));
+  // Counts and offsets, the pool rows' weights and output pointers, the shared expert's weights
+  // and output pointers, every rank's pointers (five each).
+  b.add(with_count(who + "routing arrays", P, "pool row"), 0,
+        2 * dev(el + 1, 4) + dev(P, 4) + dev(P, 8) + dev(T, 4) + dev(T, 8) + dev(ranks, 40));
+  // The shared expert run on its own: staged x and its scales, h and its scales, output pointers, counts.
+  if (Is > 0 && !fuse_shared)
+    b.add(who + "shared expert's staged rows", 0,
+          dev(T * H, 1) + dev(T * hb, 4) + dev(T * Is, 1) + dev(T * (Is / 128), 4) + dev(T, 8) + dev(2, 4));
+}
+
+// Host bytes of the repeated weights (bench/moe_inputs.h) while they are uploaded: `el` copies of
+// expert 0, the one they are copied from, the generated one, and the shared expert.
+double repeated_weights_host_bytes(const MoeConfig& c, int64_t el) {
+  return double(el + 2) * expert_host_bytes(c.hidden, c.intermediate) +
+         (c.num_shared > 0 ? expert_host_bytes(c.hidden, c.intermediate * c.num_shared) : 0.0);
+}
+
 }  // namespace
 
 int64_t device_allocation_bytes(int64_t bytes) {
@@ -216,28 +245,13 @@ void check_moe_bench_options(const MoeBenchOptions& o) {
 
 MemoryPlan plan_moe_bench_memory(const MoeBenchOptions& o, const std::string& name) {
   const MoeConfig c = moe_rank_config(name, o.ep);
-  const int64_t T = largest(o.tokens), H = c.hidden, I = c.intermediate, E = c.num_experts, K = c.top_k;
-  const int64_t Is = I * c.num_shared, hb = H / 128;
-  const BufferLayout layout(engine_buffer_shape(c, 1, T, {}, EngineOptions{false, 0}));
-  const int64_t P = layout.shape().pool_rows();
+  const int64_t T = largest(o.tokens), H = c.hidden, I = c.intermediate, K = c.top_k;
   const int64_t configs = o.configs.empty() ? int64_t(moe_bench_configs().size())
                                             : 1 + std::count_if(o.configs.begin(), o.configs.end(),
                                                                 [](const std::string& c) { return c != "none"; });
   PlanBuilder b;
-  // The host weights (expert 0 repeated, e4m3) live while the engine uploads them: E copies, the
-  // one they are copied from, the generated one, and the shared expert.
-  b.add(with_count("expert weights, e4m3", E, "expert") + (Is > 0 ? " and shared" : ""),
-        double(E + 2) * expert_host_bytes(H, I) + (Is > 0 ? expert_host_bytes(H, Is) : 0.0),
-        expert_set_device_bytes(E, H, I) + (Is > 0 ? expert_set_device_bytes(1, H, Is) : 0.0));
-  b.add("engine buffer: staged x, pools, combine rows", 0, dev(layout.total_bytes(), 1));
-  // Counts and offsets, the pool rows' weights and output pointers, the shared expert's weights
-  // and output pointers, the rank pointers.
-  b.add(with_count("engine routing arrays", P, "pool row"), 0,
-        2 * dev(E + 1, 4) + dev(P, 4) + dev(P, 8) + dev(T, 4) + dev(T, 8) + dev(1, 64));
-  // The shared expert run on its own: staged x and its scales, h and its scales, output pointers, counts.
-  if (Is > 0)
-    b.add("shared expert's staged rows", 0,
-          dev(T * H, 1) + dev(T * hb, 4) + dev(T * Is, 1) + dev(T * (Is / 128), 4) + dev(T, 8) + dev(2, 4));
+  add_engine_memory(b, "engine ", c, 1, T, false, true);
+  b.add("host weights while uploaded", repeated_weights_host_bytes(c, c.num_experts), 0);
   // The dispatch-quantized tokens; the calibration, dynamic and global amax, check records, clip counts.
   b.add("fake quantizer: dispatch QDQ rows, amax", 0, dev(T * H, 2) + 5 * dev(1, 64));
   // x, the layer's output and the shared expert's (bf16), the routing; each configuration's saved
@@ -249,6 +263,33 @@ MemoryPlan plan_moe_bench_memory(const MoeBenchOptions& o, const std::string& na
   const double ceiling = double(std::max(copy_ceiling_device_bytes(int64_t(1) << 30),
                                          cublaslt_ceiling_sizes(T * K, 2 * I, H, false, false, 1).device_bytes()));
   b.add("ceilings (run first) beyond the layer", 0, std::max(0.0, ceiling - layer));
+  return b.finish();
+}
+
+MemoryPlan plan_moe_ranks_bench_memory(const MoeBenchOptions& o, int64_t ranks, size_t preset_index) {
+  MOEFQ_ASSERT(preset_index < o.presets.size(), "moe plan: preset ", preset_index, " of ", o.presets.size());
+  const std::string& name = o.presets[preset_index];
+  const MoeConfig c = preset(name), lone = moe_rank_config(name, ranks);
+  const int64_t T = largest(o.tokens), H = c.hidden, K = c.top_k, el = lone.num_experts;
+  PlanBuilder b;
+  // The communicator keeps every window it registered: the all-to-all ceiling's (32 MiB per rank,
+  // with more than one rank), and each earlier preset's buffer.
+  double windows = ranks > 1 ? double(device_allocation_bytes(ranks * (int64_t(32) << 20))) : 0.0;
+  for (size_t i = 0; i < preset_index; ++i)
+    windows += dev(
+        BufferLayout(engine_buffer_shape(preset(o.presets[i]), ranks, T, {}, EngineOptions{true, 0})).total_bytes(), 1);
+  if (windows > 0) b.add("communicator windows of earlier steps", 0, windows);
+  b.add("this rank's window: staged x, pools, combine rows", 0,
+        dev(BufferLayout(engine_buffer_shape(c, ranks, T, {}, EngineOptions{true, 0})).total_bytes(), 1));
+  add_engine_memory(b, "real rank's ", c, ranks, T, true, false);
+  add_engine_memory(b, "lone GPU's ", lone, 1, T, true, true);
+  b.add("host weights while uploaded", repeated_weights_host_bytes(c, el), 0);
+  // x, the layer's output and the lone engine's (bf16); this rank's, the folded and the lone
+  // routing's indices, two sets of weights. On the host: the fp32 activations, x, every rank's
+  // routing, the lone and folded ones.
+  b.add(with_count("inputs, outputs, routing", T, "token"),
+        double(T * H) * 6 + double((ranks + 1) * T * K) * 8 + double(T * K) * 4,
+        3 * dev(T * H, 2) + 5 * dev(T * K, 4));
   return b.finish();
 }
 
@@ -275,13 +316,15 @@ void check_combine_bench_memory(const CombineBenchOptions& o) {
                      "use fewer --tokens, or a smaller --top-k or --hidden");
 }
 
-void check_moe_bench_memory(const MoeBenchOptions& o) {
+void check_moe_bench_memory(const MoeBenchOptions& o, int64_t real_ranks) {
   const int64_t tokens = largest(o.tokens);
-  for (const std::string& name : o.presets)
-    require_memory_fits(plan_moe_bench_memory(o, name),
-                       "moefq bench moe: --preset " + name + " --ep " + std::to_string(o.ep) + " --tokens " +
-                           std::to_string(tokens) + (o.tokens.size() > 1 ? " (the largest of the sweep)" : ""),
-                       "use fewer --tokens, a larger --ep or a smaller preset");
+  for (size_t i = 0; i < o.presets.size(); ++i)
+    require_memory_fits(real_ranks > 0 ? plan_moe_ranks_bench_memory(o, real_ranks, i) : plan_moe_bench_memory(o, o.presets[i]),
+                       "moefq bench moe" + std::string(real_ranks > 0 ? " --real-ranks" : "") + ": --preset " + o.presets[i] +
+                           " --ep " + std::to_string(o.ep) + " --tokens " + std::to_string(tokens) +
+                           (o.tokens.size() > 1 ? " (the largest of the sweep)" : ""),
+                       real_ranks > 0 ? "use fewer --tokens, more ranks or a smaller preset"
+                                      : "use fewer --tokens, a larger --ep or a smaller preset");
 }
 
 }  // namespace moefq::bench

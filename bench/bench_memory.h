@@ -98,6 +98,11 @@ MoeConfig moe_rank_config(const std::string& preset, int64_t ep);
 // the fake quantizer's, the benchmark's inputs and outputs, and what the ceilings (copy, cuBLASLt;
 // they run and free their buffers before the layer is allocated) need beyond all that.
 MemoryPlan plan_moe_bench_memory(const MoeBenchOptions& options, const std::string& preset);
+// The same for one of `ranks` real ranks (run_bench_moe_ranks), of options.presets[preset_index]:
+// the engine's buffer is a window of the communicator, which keeps the windows of the all-to-all
+// ceiling and of the presets before it; a second engine runs the same per-GPU work alone. What
+// NCCL itself takes is left to the headroom.
+MemoryPlan plan_moe_ranks_bench_memory(const MoeBenchOptions& options, int64_t ranks, size_t preset_index);
 
 // Each benchmark's plan checked: refused (bad input, exit 2) with the bytes needed and available,
 // the options to shrink and the plan, when it needs more than kUsableFraction of the GPU's free
@@ -105,7 +110,8 @@ MemoryPlan plan_moe_bench_memory(const MoeBenchOptions& options, const std::stri
 void check_gemm_bench_memory(const GemmBenchOptions& options);
 void check_qdq_bench_memory(const QdqBenchOptions& options, int64_t l2_bytes);
 void check_combine_bench_memory(const CombineBenchOptions& options);
-// Every preset's plan (they run one after another, each freeing its layer).
-void check_moe_bench_memory(const MoeBenchOptions& options);
+// Every preset's plan (they run one after another, each freeing its layer); real_ranks > 0: the
+// plan of one of that many real ranks.
+void check_moe_bench_memory(const MoeBenchOptions& options, int64_t real_ranks = 0);
 
 }  // namespace moefq::bench

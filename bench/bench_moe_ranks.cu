@@ -13,10 +13,12 @@
 #include <optional>
 
 #include "bench/bench_cuda_util.cuh"
+#include "bench/bench_memory.h"
 #include "bench/moe_inputs.h"
 #include "comm/nccl_comm.cuh"
 #include "cuda/cuda_engine.cuh"
 #include "cuda/host_api.h"
+#include "eval/layer_runner.h"
 #include "moefq/dist_env.h"
 #include "moefq/fileio.h"
 #include "moefq/synthetic.h"
@@ -98,13 +100,13 @@ int run_bench_moe_ranks(const MoeBenchOptions& o) {
   MOEFQ_CHECK(o.configs.empty(), "--configs: the real-rank benchmark times the unquantized layer; leave --configs out");
   MOEFQ_CHECK(o.ep == N, "--ep ", o.ep, ": with real ranks the expert-parallel degree is the job's ", N,
               " ranks (moefq launch -n)");
+  MOEFQ_CHECK(!o.tokens.empty(), "--tokens: no token counts");
   for (int64_t t : o.tokens) MOEFQ_CHECK(t >= 1, "--tokens: ", t, " is not a positive token count");
-  for (const auto& p : o.presets) {
-    const MoeConfig c = preset(p);
-    MOEFQ_CHECK(c.num_experts % N == 0 && c.num_experts / N >= c.top_k, p, "'s ", c.num_experts,
-                " experts do not split into ", N, " ranks of at least K = ", c.top_k);
-  }
+  for (const auto& p : o.presets) moe_rank_config(p, N);  // bad names and splits before any work
   MOEFQ_CHECK(cuda::device_count() > 0, "moefq bench moe: no CUDA device is visible");
+  // Every rank plans its own GPU before the communicator exists; one that refuses stops the job.
+  register_cuda_layer_runner();  // the GPU memory query the plan asks
+  check_moe_bench_memory(o, N);
   const bool root = d == 0;
   std::optional<AtomicFile> out;  // the JSON path is checked before any work
   if (root && !o.json.empty()) out.emplace(o.json);

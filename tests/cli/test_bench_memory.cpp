@@ -181,8 +181,8 @@ TEST_F(BenchMemory, MoePlanByHand) {
   // arrays a page; on the host 34 routed experts (E, the source of the copies, the generated one)
   // and the shared one, codes and scales.
   const double expert_host = double(3 * 7168 * 2048 + 3 * 56 * 16 * 4);
-  EXPECT_EQ(item(p, "expert weights").device_bytes, double((896 + 448 + 28 + 14) * kMiB + 4 * kPage));
-  EXPECT_EQ(item(p, "expert weights").host_bytes, 35 * expert_host);
+  EXPECT_EQ(item(p, "engine expert weights").device_bytes, double((896 + 448 + 28 + 14) * kMiB + 4 * kPage));
+  EXPECT_EQ(item(p, "host weights").host_bytes, 35 * expert_host);
   // The symmetric buffer (the shared expert unfused): staged x 28 MiB, 32768 pool rows of x (224
   // MiB), h of those and the shared expert's rows (72 MiB), 8 combine slots (448 MiB), and scales.
   const int64_t buffer =
@@ -194,7 +194,7 @@ TEST_F(BenchMemory, MoePlanByHand) {
   // pointers, the rank pointers: a page each.
   EXPECT_EQ(item(p, "engine routing arrays").device_bytes, double(7 * kPage));
   // The shared expert on its own: x 28 MiB, h 8 MiB, their scales, pointers and counts.
-  EXPECT_EQ(item(p, "shared expert's staged rows").device_bytes, double(36 * kMiB + 4 * kPage));
+  EXPECT_EQ(item(p, "engine shared expert's staged rows").device_bytes, double(36 * kMiB + 4 * kPage));
   EXPECT_EQ(item(p, "fake quantizer").device_bytes, double(56 * kMiB + 5 * kPage));
   // x, y and the shared expert's y, 56 MiB each; the routing's indices and weights; the saved amax
   // of the 9 configurations. On the host: the fp32 and bf16 activations and the routing.
@@ -217,6 +217,47 @@ TEST_F(BenchMemory, MoePlanByHand) {
   // A preset without a shared expert has neither its weights nor its rows.
   const MemoryPlan qwen = plan_moe_bench_memory(o, "qwen3-30b-a3b");
   for (const MemoryItem& m : qwen.items) EXPECT_EQ(m.what.find("shared"), std::string::npos) << m.what;
+}
+
+// One of 8 real ranks of deepseek-v3 at 4096 tokens: its buffer is a window of the communicator
+// (8 ranks' tokens can reach it: 262144 pool rows), the lone engine's its own; both hold the 32
+// local experts and the shared one, fused. The all-to-all ceiling's window stays registered.
+TEST_F(BenchMemory, MoeRealRanksPlanByHand) {
+  MoeBenchOptions o;
+  o.tokens = {4096};
+  const MemoryPlan p = plan_moe_ranks_bench_memory(o, 8, 0);
+  EXPECT_EQ(item(p, "communicator windows").device_bytes, double(256 * kMiB));
+  const auto window = [](int64_t ranks, int64_t shared) {
+    return double(device_allocation_bytes(
+        BufferLayout(BufferShape{.num_ranks = ranks, .num_experts = 256 / (ranks == 8 ? 1 : 8), .max_tokens = 4096,
+                                 .top_k = 8, .hidden = 7168, .intermediate = 2048, .shared_intermediate = shared})
+            .total_bytes()));
+  };
+  EXPECT_EQ(item(p, "this rank's window").device_bytes, window(8, 2048));
+  EXPECT_EQ(item(p, "lone GPU's buffer").device_bytes, window(1, 2048));
+  for (const char* who : {"real rank's expert weights", "lone GPU's expert weights"})
+    EXPECT_EQ(item(p, who).device_bytes, double((896 + 448 + 28 + 14) * kMiB + 4 * kPage)) << who;
+  // 262144 pool rows: their weights (1 MiB) and pointers (2 MiB) a page each, as the rest.
+  EXPECT_EQ(item(p, "real rank's routing arrays (262144 pool rows)").device_bytes, double(7 * kPage));
+  EXPECT_EQ(item(p, "lone GPU's routing arrays (32768 pool rows)").device_bytes, double(7 * kPage));
+  for (const MemoryItem& m : p.items) EXPECT_EQ(m.what.find("staged rows"), std::string::npos) << m.what;
+  EXPECT_EQ(item(p, "inputs, outputs, routing").device_bytes, double(168 * kMiB + 5 * kPage));
+  // A later preset also counts the windows of the earlier ones; one rank has no all-to-all window.
+  o.presets = {"deepseek-v3", "deepseek-v4-flash"};
+  const MemoryPlan later = plan_moe_ranks_bench_memory(o, 8, 1);
+  EXPECT_EQ(item(later, "communicator windows").device_bytes, double(256 * kMiB) + window(8, 2048));
+  for (const MemoryItem& m : plan_moe_ranks_bench_memory(o, 1, 0).items)
+    EXPECT_EQ(m.what.find("communicator windows"), std::string::npos) << m.what;
+  // A preset given twice registers its window twice.
+  o.presets = {"deepseek-v3", "deepseek-v3"};
+  EXPECT_EQ(item(plan_moe_ranks_bench_memory(o, 8, 1), "communicator windows").device_bytes,
+            double(256 * kMiB) + window(8, 2048));
+  // Refused as the simulated benchmark is, naming the real ranks.
+  fake_gpu(p.device_bytes / kUsableFraction - 1e6);
+  o.presets = {"deepseek-v3"};
+  const std::string m = refusal([&] { check_moe_bench_memory(o, 8); });
+  EXPECT_EQ(m.rfind("moefq bench moe --real-ranks: --preset deepseek-v3 --ep 8 --tokens 4096 needs ", 0), 0u) << m;
+  EXPECT_NE(m.find("use fewer --tokens, more ranks or a smaller preset"), std::string::npos) << m;
 }
 
 TEST_F(BenchMemory, MoeRefusedWhereTheGpuIsTooSmall) {

@@ -2,7 +2,6 @@
 
 #include <Python.h>
 
-
 #include "moefq/errors.h"
 
 namespace moefq::py {

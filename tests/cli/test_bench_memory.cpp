@@ -227,14 +227,15 @@ TEST_F(BenchMemory, MoeRealRanksPlanByHand) {
   o.tokens = {4096};
   const MemoryPlan p = plan_moe_ranks_bench_memory(o, 8, 0);
   EXPECT_EQ(item(p, "communicator windows").device_bytes, double(256 * kMiB));
-  const auto window = [](int64_t ranks, int64_t shared) {
+  // The buffer of `ranks` ranks over `experts` experts, the shared expert fused.
+  const auto buffer = [](int64_t ranks, int64_t experts) {
     return double(device_allocation_bytes(
-        BufferLayout(BufferShape{.num_ranks = ranks, .num_experts = 256 / (ranks == 8 ? 1 : 8), .max_tokens = 4096,
-                                 .top_k = 8, .hidden = 7168, .intermediate = 2048, .shared_intermediate = shared})
+        BufferLayout(BufferShape{.num_ranks = ranks, .num_experts = experts, .max_tokens = 4096, .top_k = 8,
+                                 .hidden = 7168, .intermediate = 2048, .shared_intermediate = 2048})
             .total_bytes()));
   };
-  EXPECT_EQ(item(p, "this rank's window").device_bytes, window(8, 2048));
-  EXPECT_EQ(item(p, "lone GPU's buffer").device_bytes, window(1, 2048));
+  EXPECT_EQ(item(p, "this rank's window").device_bytes, buffer(8, 256));
+  EXPECT_EQ(item(p, "lone GPU's buffer").device_bytes, buffer(1, 32));
   for (const char* who : {"real rank's expert weights", "lone GPU's expert weights"})
     EXPECT_EQ(item(p, who).device_bytes, double((896 + 448 + 28 + 14) * kMiB + 4 * kPage)) << who;
   // 262144 pool rows: their weights (1 MiB) and pointers (2 MiB) a page each, as the rest.
@@ -245,13 +246,13 @@ TEST_F(BenchMemory, MoeRealRanksPlanByHand) {
   // A later preset also counts the windows of the earlier ones; one rank has no all-to-all window.
   o.presets = {"deepseek-v3", "deepseek-v4-flash"};
   const MemoryPlan later = plan_moe_ranks_bench_memory(o, 8, 1);
-  EXPECT_EQ(item(later, "communicator windows").device_bytes, double(256 * kMiB) + window(8, 2048));
+  EXPECT_EQ(item(later, "communicator windows").device_bytes, double(256 * kMiB) + buffer(8, 256));
   for (const MemoryItem& m : plan_moe_ranks_bench_memory(o, 1, 0).items)
     EXPECT_EQ(m.what.find("communicator windows"), std::string::npos) << m.what;
   // A preset given twice registers its window twice.
   o.presets = {"deepseek-v3", "deepseek-v3"};
   EXPECT_EQ(item(plan_moe_ranks_bench_memory(o, 8, 1), "communicator windows").device_bytes,
-            double(256 * kMiB) + window(8, 2048));
+            double(256 * kMiB) + buffer(8, 256));
   // Refused as the simulated benchmark is, naming the real ranks.
   fake_gpu(p.device_bytes / kUsableFraction - 1e6);
   o.presets = {"deepseek-v3"};

@@ -134,7 +134,7 @@ TEST_F(BenchMemoryCuda, SizeJustAboveTheGpuIsRefused) {
                  "moefq bench combine: --tokens " + std::to_string(tokens) + " --top-k 8 --hidden 7168 needs ");
 
   MoeBenchOptions m;
-  const int64_t moe_tokens = smallest_refused(1, int64_t(1) << 22, limit, [&](int64_t v) {
+  const int64_t moe_tokens = smallest_refused(1, int64_t(1) << 20, limit, [&](int64_t v) {
     m.tokens = {v};
     return plan_moe_bench_memory(m, "deepseek-v3").device_bytes;
   });

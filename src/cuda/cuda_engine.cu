@@ -10,6 +10,7 @@
 #include "cuda/grouped_gemm.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/qdq_kernels.cuh"
+#include "cuda/warp_scan.cuh"
 #include "moefq/errors.h"
 
 namespace moefq::cuda {
@@ -92,12 +93,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const RankPtrs* rank
         for (int u = 0; u < kDispatchRun; ++u) hits |= uint32_t(i0 + u < n && idx[i0 + u] == e) << u;
       }
       const int mine = __popc(hits);
-      int incl = mine;  // inclusive scan over the warp's lanes
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
+      const int incl = warp_inclusive_sum(mine, lane);
       if (lane == 31) warp_hits[warp] = incl;
       __syncthreads();
       int pos = base + incl - mine, pass = 0;
@@ -127,12 +123,7 @@ __global__ void plan_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc, 
   for (int l0 = 0; l0 < el; l0 += 32) {
     const int le = l0 + lane;
     const int32_t n = le < el ? counts[le] : 0;
-    int32_t incl = n;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
+    const int32_t incl = warp_inclusive_sum(n, lane);
     if (le < el) {
       rp.counts[le] = n;
       rp.offsets[le] = run + incl - n;

@@ -65,6 +65,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemm_sm90.cuh"
 #include "cuda/pdl.cuh"
+#include "cuda/warp_scan.cuh"
 #include "moefq/errors.h"
 
 namespace moefq::cuda {
@@ -345,12 +346,7 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
     if (lane == 0) tile_prefix[0] = 0;
     for (int g0 = 0; g0 < p.num_groups; g0 += 32) {
       const int g = g0 + lane, c = g < p.num_groups ? p.counts[g] : 0;
-      int incl = (c > 0 ? (c + kBM - 1) / kBM : 0) * p.n_tiles;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
+      const int incl = warp_inclusive_sum((c > 0 ? (c + kBM - 1) / kBM : 0) * p.n_tiles, lane);
       if (g < p.num_groups) tile_prefix[g + 1] = total + incl;
       total += __shfl_sync(0xffffffffu, incl, 31);
     }

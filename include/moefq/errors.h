@@ -4,7 +4,9 @@
 #pragma once
 
 #include <charconv>
+#include <cstdint>
 #include <cstdio>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -25,6 +27,10 @@ class Error : public std::runtime_error {
  private:
   ErrorKind kind_;
 };
+
+// A tensor shape for messages: "[4, 128]". Past max_shown dimensions the rest is elided as
+// ", ... (N dims)", so that a shape from a hostile file cannot bloat a message.
+std::string shape_str(std::span<const int64_t> shape, size_t max_shown = SIZE_MAX);
 
 namespace detail {
 // One part of a message, appended as `std::ostream <<` would print it. Numbers are formatted

@@ -89,11 +89,7 @@ std::pair<int64_t, int64_t> Tensor::as_matrix() const {
   return {cols == 0 ? 0 : numel_ / cols, cols};
 }
 
-std::string Tensor::shape_str() const {
-  std::string s = "[";
-  for (size_t i = 0; i < shape_.size(); ++i) s += (i ? ", " : "") + std::to_string(shape_[i]);
-  return s + "]";
-}
+std::string Tensor::shape_str() const { return moefq::shape_str(shape_); }
 
 void Tensor::expect_elem(std::initializer_list<Elem> allowed, const char* expected) const {
   for (Elem e : allowed)

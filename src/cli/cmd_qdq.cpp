@@ -102,7 +102,8 @@ Result run_one(const std::string& name, const std::string& dtype, const std::vec
   return r;
 }
 
-std::string shape_str(const std::vector<int64_t>& shape) {
+// The table's compact "[4,128]".
+std::string shape_cell(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
   return s + "]";
@@ -113,7 +114,7 @@ void print_results(const std::vector<Result>& results) {
            "snr_db", "skipped"});
   for (const Result& r : results) {
     const auto m = [&](const std::string& cell) { return r.m.count > 0 ? cell : std::string("-"); };  // "-": nothing compared
-    t.add({r.tensor, r.dtype, shape_str(r.shape), r.format, r.amax_used ? fmt_num(r.amax, 6) : "-",
+    t.add({r.tensor, r.dtype, shape_cell(r.shape), r.format, r.amax_used ? fmt_num(r.amax, 6) : "-",
            m(fmt_num(r.m.rel_l2)), m(fmt_fixed(r.m.cosine, 6)), m(fmt_num(r.m.calc_diff)), m(fmt_num(r.m.max_abs)),
            m(fmt_fixed(r.m.snr_db, 2)), std::to_string(r.m.skipped_nonfinite)});
   }
@@ -248,7 +249,7 @@ int run_qdq(const QdqOptions& o, const CLI::App* sub) {
         continue;
       }
       std::fprintf(stderr, "[%zu/%zu] %s %s %s%s\n", i + 1, tensors.size(), t.name.c_str(), st_dtype_name(t.dtype),
-                   shape_str(t.shape).c_str(), elapsed_and_eta(start, double(before), double(data)).c_str());
+                   shape_cell(t.shape).c_str(), elapsed_and_eta(start, double(before), double(data)).c_str());
       if (t.dtype == StDtype::kBF16) {
         const auto x = read_elements<bf16>(file, t);
         std::vector<bf16> y;

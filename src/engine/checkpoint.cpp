@@ -47,12 +47,6 @@ void check_shapes_and_range(const MoeConfig& cfg, int64_t first_expert, int64_t 
               ") is outside the routed experts [0, ", cfg.num_experts, ")");
 }
 
-std::string shape_str(std::span<const int64_t> shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 // The tensors of a checkpoint directory: the index's weight map (or the single file's tensors)
 // and the shards opened so far, each opened once.
 class Checkpoint {

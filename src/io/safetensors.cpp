@@ -58,17 +58,8 @@ std::string quote(std::string_view s) {
   return out;
 }
 
-// A compact "[d0, d1, ...]"; long shapes are elided so a hostile header cannot bloat a message.
-std::string shape_str(const std::vector<int64_t>& shape) {
-  constexpr size_t kMaxShown = 8;
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size() && i < kMaxShown; ++i) {
-    if (i) out += ", ";
-    out += std::to_string(shape[i]);
-  }
-  if (shape.size() > kMaxShown) out += ", ... (" + std::to_string(shape.size()) + " dims)";
-  return out + "]";
-}
+// Dimensions a message shows of a shape read from a file.
+constexpr size_t kMaxShownDims = 8;
 
 // Product of the dims times `elem_size`, or nullopt when it does not fit in 64 bits. A zero dim
 // makes the tensor empty whatever the other dims are, so it is checked first.
@@ -181,7 +172,7 @@ TensorInfo parse_tensor_entry(const std::string& name, const Json& entry, uint64
     info.shape.push_back(static_cast<int64_t>(d));
   }
   const std::optional<uint64_t> num_bytes = checked_byte_count(info.shape, st_dtype_size(info.dtype));
-  MOEFQ_CHECK(num_bytes.has_value(), where, ": shape ", shape_str(info.shape), " of ", dtype_name,
+  MOEFQ_CHECK(num_bytes.has_value(), where, ": shape ", shape_str(info.shape, kMaxShownDims), " of ", dtype_name,
               " overflows: its byte count does not fit in 64 bits");
 
   const Json& offsets = require_field(entry, "data_offsets", where);
@@ -196,7 +187,7 @@ TensorInfo parse_tensor_entry(const std::string& name, const Json& entry, uint64
               "] has begin > end");
   MOEFQ_CHECK(info.end <= data_size, where, ": data_offsets [", info.begin, ", ", info.end,
               "] end out of range: the data buffer holds ", data_size, " bytes (truncated file?)");
-  MOEFQ_CHECK(*num_bytes == info.end - info.begin, where, ": shape ", shape_str(info.shape), " of ",
+  MOEFQ_CHECK(*num_bytes == info.end - info.begin, where, ": shape ", shape_str(info.shape, kMaxShownDims), " of ",
               dtype_name, " needs ", *num_bytes, " bytes but data_offsets [", info.begin, ", ",
               info.end, "] span ", info.end - info.begin, " bytes");
   return info;
@@ -244,7 +235,7 @@ std::optional<StDtype> parse_st_dtype(std::string_view name) {
 int64_t TensorInfo::numel() const {
   const std::optional<uint64_t> n = checked_byte_count(shape, 1);
   MOEFQ_ASSERT(n.has_value() && *n <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
-               "tensor ", quote(name), ": element count of shape ", shape_str(shape),
+               "tensor ", quote(name), ": element count of shape ", shape_str(shape, kMaxShownDims),
                " does not fit in int64");
   return static_cast<int64_t>(*n);
 }
@@ -351,13 +342,13 @@ void SafetensorsWriter::add(std::string name, StDtype dtype, std::vector<int64_t
               " is not valid UTF-8");
   MOEFQ_CHECK(!names_.contains(name), "safetensors: tensor ", quote(name), " added twice");
   for (int64_t d : shape)
-    MOEFQ_CHECK(d >= 0, "safetensors: tensor ", quote(name), ": shape ", shape_str(shape),
+    MOEFQ_CHECK(d >= 0, "safetensors: tensor ", quote(name), ": shape ", shape_str(shape, kMaxShownDims),
                 " has a negative dimension");
   const std::optional<uint64_t> num_bytes = checked_byte_count(shape, st_dtype_size(dtype));
   MOEFQ_CHECK(num_bytes.has_value(), "safetensors: tensor ", quote(name), ": shape ",
-              shape_str(shape), " overflows: its byte count does not fit in 64 bits");
+              shape_str(shape, kMaxShownDims), " overflows: its byte count does not fit in 64 bits");
   MOEFQ_CHECK(*num_bytes == bytes.size(), "safetensors: tensor ", quote(name), ": shape ",
-              shape_str(shape), " of ", st_dtype_name(dtype), " needs ", *num_bytes,
+              shape_str(shape, kMaxShownDims), " of ", st_dtype_name(dtype), " needs ", *num_bytes,
               " bytes but ", bytes.size(), " were given");
   names_.insert(name);
   tensors_.push_back({std::move(name), dtype, std::move(shape), {bytes.begin(), bytes.end()}});

@@ -3,7 +3,19 @@
 #include <cstdlib>
 #include <cstring>
 
-namespace moefq::detail {
+namespace moefq {
+
+std::string shape_str(std::span<const int64_t> shape, size_t max_shown) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size() && i < max_shown; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  if (shape.size() > max_shown) s += ", ... (" + std::to_string(shape.size()) + " dims)";
+  return s + "]";
+}
+
+namespace detail {
 
 void throw_error(ErrorKind kind, const char* stmt, const char* file, int line,
                  const std::string& message) {
@@ -15,4 +27,5 @@ void throw_error(ErrorKind kind, const char* stmt, const char* file, int line,
   throw Error(kind, concat(message, " [", stmt[0] ? stmt : "failed", " at ", base ? base + 1 : file, ":", line, "]"));
 }
 
-}  // namespace moefq::detail
+}  // namespace detail
+}  // namespace moefq

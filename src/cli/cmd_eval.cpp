@@ -218,10 +218,8 @@ std::function<int()> add_eval_command(CLI::App& app) {
                   "an accuracy budget: rows whose rel_l2 exceeds it are marked, and the answer names the recipe with "
                   "the fewest wire bytes within it on every layer")
       ->check(positive_number());
-  std::string wide_only;
-  for (const std::string& c : eval_wide_only_columns()) wide_only += (wide_only.empty() ? "" : ", ") + c;
   sub->add_flag("--wide", o->wide,
-                "print every column of the rows in the table (adds " + wide_only +
+                "print every column of the rows in the table (adds " + join(eval_wide_only_columns(), ", ") +
                     "); the default table keeps those that say what each recipe costs and saves");
   sub->footer(
       "Examples:\n"

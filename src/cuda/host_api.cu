@@ -1,6 +1,5 @@
 #include "cuda/host_api.h"
 
-
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
 #include "cuda/qdq_kernels.cuh"

@@ -465,7 +465,9 @@ def eval(**options):
     layers ("3-10", an integer or a list of integers), activations, synthetic, recipes (a file or
     unit name, or a list of them), recipe_root (where their imports are looked for first), ranks,
     tokens, calib_batches, eval_batches, seed, device ("auto", "cpu", "cuda"), pipeline, threads,
-    combine_weighting, load_calibration, max_rel_l2; out (also write report.json/.csv/.html there);
+    combine_weighting, load_calibration, max_rel_l2, calibration ("max", "percentile:99.99", "mse" or
+    a comma-separated list of them), link ("nvlink4", "ib400", ...) or link_gbps; out (also write
+    report.json/.csv/.html there);
     progress (True: progress lines on stderr, or a callable taking each line). Any other keyword is
     a ValueError. Ctrl-C stops the run at its next progress step (KeyboardInterrupt), writing
     nothing."""

@@ -34,7 +34,12 @@ const std::vector<Column>& columns() {
       {"recipe", false, [](const EvalRow& r) { return r.recipe; }},
       {"disp", false, [](const EvalRow& r) { return opt(r.dispatch_format); }},
       {"comb", false, [](const EvalRow& r) { return opt(r.combine_format); }},
-      {"calib", false, [](const EvalRow& r) { return r.calibration.empty() ? std::string("-") : r.calibration; },
+      // "p99.99" for "percentile 99.99": the column stays narrow.
+      {"calib", false,
+       [](const EvalRow& r) {
+         if (r.calibration.empty()) return std::string("-");
+         return r.calibration.rfind("percentile ", 0) == 0 ? "p" + r.calibration.substr(11) : r.calibration;
+       },
        Only::kCalibration},
       {"disp_amax", true, [](const EvalRow& r) { return opt(r.dispatch_amax); }},
       {"comb_amax", true, [](const EvalRow& r) { return opt(r.combine_amax); }},
@@ -169,7 +174,7 @@ std::vector<std::string> eval_footer_lines(const EvalResult& r, bool wide) {
                                "vs bf16"});
   if (r.setup.calibration != "max")
     legend.push_back({"calib", "the calibration method of the row's amax (" + r.setup.calibration +
-                                   "; -: the recipe has no calibrated amax)"});
+                                   "; pP: percentile P; -: the recipe has no calibrated amax)"});
   if (std::any_of(r.rows.begin(), r.rows.end(),
                   [](const EvalRow& x) { return x.dispatch_cast_fraction || x.combine_cast_fraction; }))
     legend.push_back({"cast_*", "logfmt10: the fraction of cast groups actually cast (calibration data); the rest go "

@@ -120,6 +120,7 @@ bool off(const char* v) {
   return s == "off" || s == "0" || s == "no" || s == "false";
 }
 
+// The variable's value times unit, or fallback (already in the unit's multiples) when it is unset.
 uint64_t env_u64(const char* name, uint64_t fallback, uint64_t unit) {
   const char* v = std::getenv(name);
   if (!v || !*v) return fallback;
@@ -162,7 +163,7 @@ WeightCacheSettings WeightCacheSettings::from_env() {
     s.enabled = false;  // nowhere to put it
   }
   s.min_bytes = env_u64("MOEFQ_CACHE_MIN_BYTES", s.min_bytes, 1);
-  s.max_bytes = env_u64("MOEFQ_CACHE_MAX_GB", 64, uint64_t(1) << 30);
+  s.max_bytes = env_u64("MOEFQ_CACHE_MAX_GB", s.max_bytes, uint64_t(1) << 30);
   return s;
 }
 

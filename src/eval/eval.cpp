@@ -104,6 +104,7 @@ void expand_calibration_methods(const EvalOptions& o, Prepared& p) {
   std::vector<NamedRecipe> recipes;
   std::vector<std::map<std::string, QuantizerConfig>> configs;
   std::set<std::string> names;
+  std::map<Format, std::string> skipped;  // mse left out: the recipes, by block format
   const bool several = o.calibration.size() > 1;
   for (size_t i = 0; i < p.recipes.size(); ++i) {
     std::vector<std::optional<CalibrationMethod>> ms;
@@ -118,9 +119,8 @@ void expand_calibration_methods(const EvalOptions& o, Prepared& p) {
       // mse needs an element-wise format (calibration_stats.h): a block format is left out, said so.
       const auto block = std::find_if(formats.begin(), formats.end(), [](Format f) { return format_block_size(f) > 0; });
       if (m && m->kind == CalibrationMethod::Kind::kMse && block != formats.end()) {
-        p.notes.push_back(p.recipes[i].name + ": no mse row: " + format_name(*block) + "'s error depends on its " +
-                          std::to_string(format_block_size(*block)) +
-                          "-element blocks, which the calibration statistics do not keep (use max or percentile)");
+        std::string& names = skipped[*block];
+        names += (names.empty() ? "" : ", ") + p.recipes[i].name;
         continue;
       }
       NamedRecipe r = p.recipes[i];
@@ -131,6 +131,10 @@ void expand_calibration_methods(const EvalOptions& o, Prepared& p) {
       p.methods.push_back(m);
     }
   }
+  for (const auto& [f, names] : skipped)
+    p.notes.push_back("no mse rows for " + names + ": " + format_name(f) + "'s error depends on its " +
+                      std::to_string(format_block_size(f)) +
+                      "-element blocks, which the calibration statistics do not keep (use max or percentile)");
   p.recipes = std::move(recipes);
   p.recipe_configs = std::move(configs);
 }

@@ -302,8 +302,9 @@ struct Point {
 };
 
 // An upper bound of a .lbl character's width (12 px sans-serif: about 6.7 px for lower case and
-// digits, "_" and "m" included) and the label's line height.
-constexpr double kLabelCharWidth = 7.2, kLabelLine = 13;
+// digits, "_" and "m" included), and the box a label's glyphs take around its baseline y (the
+// browser's bounding box of 12 px text: y - 12 to y + 3), one label every kLabelLine.
+constexpr double kLabelCharWidth = 7.2, kLabelAscent = 12, kLabelDescent = 3, kLabelLine = kLabelAscent + kLabelDescent;
 
 // The trade-off a user chooses on: rel_l2 (log10 y) against the wire bytes per token (linear x),
 // one labelled point per recipe; the budget as a dashed line when there is one.
@@ -350,8 +351,8 @@ std::string tradeoff_chart(const std::string& title, const std::vector<Point>& p
   }
   // Labels beside their points (right, or left where the right runs out of the chart), each as a
   // box of its estimated width (kLabelCharWidth per character) and kLabelLine high: the first
-  // baseline of cy + 4, cy + 4 + 13, cy + 4 - 13, cy + 4 + 26, ... whose box overlaps no label
-  // placed before (after 60 tries the last is taken: placing always ends).
+  // baseline of cy + 4, cy + 4 + 15, cy + 4 - 15, cy + 4 + 30, ... whose box lies within the chart
+  // and overlaps no label placed before (after 60 tries the last is taken: placing always ends).
   struct Box {
     double x0, x1, y0, y1;
   };
@@ -367,13 +368,17 @@ std::string tradeoff_chart(const std::string& title, const std::vector<Point>& p
     double ly = cy + 4;
     for (int k = 0; k < 60; ++k) {
       ly = cy + 4 + kLabelLine * double((k + 1) / 2) * (k % 2 ? 1 : -1);
-      const bool clear = ly - kLabelLine + 2 >= 0 && ly + 2 <= height &&
-                         std::none_of(placed.begin(), placed.end(), [&](const Box& b) {
-                           return x0 < b.x1 && b.x0 < x1 && ly - kLabelLine + 2 < b.y1 && b.y0 < ly + 2;
+      const double y0 = ly - kLabelAscent, y1 = ly + kLabelDescent;
+      const bool clear = y0 >= 0 && y1 <= height && std::none_of(placed.begin(), placed.end(), [&](const Box& b) {
+                           return x0 < b.x1 && b.x0 < x1 && y0 < b.y1 && b.y0 < y1;
                          });
       if (clear) break;
     }
-    placed.push_back({x0, x1, ly - kLabelLine + 2, ly + 2});
+    placed.push_back({x0, x1, ly - kLabelAscent, ly + kLabelDescent});
+    // A label moved off its point's line gets a thin leader to the point.
+    if (std::fabs(ly - (cy + 4)) > 1)
+      s += "<line class=\"leader\" x1=\"" + px(cx) + "\" y1=\"" + px(cy) + "\" x2=\"" + px(right ? x0 - 1 : x1 + 1) +
+           "\" y2=\"" + px(ly - 4) + "\"/>\n";
     s += "<text x=\"" + px(right ? x0 : x1) + "\" y=\"" + px(ly) + "\" class=\"lbl\"" +
          (right ? "" : " text-anchor=\"end\"") + ">" + esc(p.label) + "</text>\n";
   }
@@ -394,7 +399,7 @@ th{background:#f4f4f4;text-align:left}td.n{text-align:right;font-variant-numeric
 svg.chart{display:block;margin:8px 0;background:#fff}
 .ct{font-size:14px;font-weight:bold;fill:#222}.tick{font-size:11px;fill:#555}.lbl{font-size:12px;fill:#222}
 .val{font-size:11px;fill:#333}.grid{stroke:#e4e4e4;stroke-width:1}.axis{stroke:#888}
-.frame{fill:none;stroke:#bbb}.maxline{stroke:#222;stroke-width:1.5;stroke-dasharray:5 4}
+.frame{fill:none;stroke:#bbb}.leader{stroke:#aaa;stroke-width:0.8}.maxline{stroke:#222;stroke-width:1.5;stroke-dasharray:5 4}
 .pair{display:flex;flex-wrap:wrap;gap:12px}p.note{font-size:13px;color:#444}ul.warn{font-size:13px;color:#8a4b00}
 div.scroll{overflow-x:auto}th,td{white-space:nowrap}
 table.results th:nth-child(-n+2),table.results td:nth-child(-n+2){position:sticky;background:#fff;z-index:1}

@@ -180,6 +180,13 @@ TEST_F(WeightCache, SettingsFromTheEnvironment) {
     else
       ::unsetenv(name);
   };
+  // Unset: the defaults, 64 MiB and 64 GiB.
+  for (const char* v : {"MOEFQ_CACHE", "MOEFQ_CACHE_MIN_BYTES", "MOEFQ_CACHE_MAX_GB"}) with(v, nullptr);
+  with("MOEFQ_CACHE_DIR", "/d");
+  const WeightCacheSettings d = WeightCacheSettings::from_env();
+  EXPECT_TRUE(d.enabled);
+  EXPECT_EQ(d.min_bytes, uint64_t(64) << 20);
+  EXPECT_EQ(d.max_bytes, uint64_t(64) << 30);
   with("MOEFQ_CACHE_DIR", "/some/where");
   with("MOEFQ_CACHE", nullptr);
   with("MOEFQ_CACHE_MIN_BYTES", "1000");

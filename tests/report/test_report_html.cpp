@@ -441,13 +441,15 @@ TEST(ReportCsv, OneLinePerRowQuotedAndExact) {
                       "calc_diff,max_abs,snr_db,count,rel_l2_token_p50,rel_l2_token_p99,rel_l2_token_max,"
                       "rel_l2_non_outlier,dispatch_clipped_fraction,combine_clipped_fraction,"
                       "dispatch_wire_bytes_per_token,combine_wire_bytes_per_token,wire_saving_vs_bf16,over_budget,"
-                      "layout_check,combine_weighting,num_outlier_channels");
+                      "layout_check,combine_weighting,num_outlier_channels,calibration,dispatch_cast_fraction,"
+                      "combine_cast_fraction,dispatch_us,combine_us,saved_us");
   EXPECT_EQ(lines[1].substr(0, 9), "3,none,,,");
-  EXPECT_TRUE(lines[1].ends_with(",before,0")) << lines[1];
+  // No calibration method, cast fraction or link: the last six fields are empty.
+  EXPECT_TRUE(lines[1].ends_with(",before,0,,,,,,")) << lines[1];
   r.setup.combine_weighting = CombineWeighting::kAfter;
   r.rows[1].num_outlier_channels = 7;
-  EXPECT_TRUE(test::split_lines(eval_report_csv(r))[1].ends_with(",after,0"));
-  EXPECT_TRUE(test::split_lines(eval_report_csv(r))[2].ends_with(",after,7"));
+  EXPECT_TRUE(test::split_lines(eval_report_csv(r))[1].ends_with(",after,0,,,,,,"));
+  EXPECT_TRUE(test::split_lines(eval_report_csv(r))[2].ends_with(",after,7,,,,,,"));
   EXPECT_NE(lines[1].find(",inf,"), std::string::npos) << lines[1];
   EXPECT_EQ(lines[3].substr(0, 24), "3,\"my, \"\"odd\"\" recipe\",,");
   EXPECT_NE(lines[4].find(",0.30000000000000004,"), std::string::npos) << lines[4];

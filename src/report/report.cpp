@@ -203,7 +203,9 @@ std::string line_chart(const std::string& title, const std::vector<int64_t>& lay
   std::vector<double> all;
   for (const Series& s : series) all.insert(all.end(), s.values.begin(), s.values.end());
   const LogAxis ax(all);
-  const double left = 70, right = 190, top = 34, width = 920, height = 380, bottom = height - 50;
+  // Tall enough for the legend: one line per series.
+  const double left = 70, right = 190, top = 34, width = 920;
+  const double height = std::max(380.0, top + 8 + 18 * double(series.size()) + 10), bottom = height - 50;
   const double plot_w = width - left - right, plot_h = bottom - top;
   const auto xpos = [&](size_t i) {
     return layers.size() == 1 ? left + plot_w / 2 : left + plot_w * double(i) / double(layers.size() - 1);
@@ -351,8 +353,9 @@ std::string tradeoff_chart(const std::string& title, const std::vector<Point>& p
   }
   // Labels beside their points (right, or left where the right runs out of the chart), each as a
   // box of its estimated width (kLabelCharWidth per character) and kLabelLine high: the first
-  // baseline of cy + 4, cy + 4 + 15, cy + 4 - 15, cy + 4 + 30, ... whose box lies within the chart
-  // and overlaps no label placed before (after 60 tries the last is taken: placing always ends).
+  // baseline of cy + 4, cy + 4 + 15, cy + 4 - 15, cy + 4 + 30, ... whose box lies between the title
+  // and the x axis and overlaps no label placed before (after 60 tries the last is taken: placing
+  // always ends).
   struct Box {
     double x0, x1, y0, y1;
   };
@@ -369,7 +372,7 @@ std::string tradeoff_chart(const std::string& title, const std::vector<Point>& p
     for (int k = 0; k < 60; ++k) {
       ly = cy + 4 + kLabelLine * double((k + 1) / 2) * (k % 2 ? 1 : -1);
       const double y0 = ly - kLabelAscent, y1 = ly + kLabelDescent;
-      const bool clear = y0 >= 0 && y1 <= height && std::none_of(placed.begin(), placed.end(), [&](const Box& b) {
+      const bool clear = y0 >= top - 8 && y1 <= bottom && std::none_of(placed.begin(), placed.end(), [&](const Box& b) {
                            return x0 < b.x1 && b.x0 < x1 && y0 < b.y1 && b.y0 < y1;
                          });
       if (clear) break;

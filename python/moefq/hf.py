@@ -607,21 +607,36 @@ def _install(q):
 
 def _calibrate(q, model, forward_loop):
     """Max calibration of every enabled quantizer that needs an amax while forward_loop(model) runs; the other
-    quantizers pass data through meanwhile (as moefq's engine calibrates: no QDQ during calibration)."""
+    quantizers pass data through meanwhile (as moefq's engine calibrates: no QDQ during calibration). Every
+    quantizer that saw no data is named in one error; on any error none stores an amax."""
     mods = list(q.quantizers().values())
     calibrated = [m for m in mods if m.enabled and m.quantizer.needs_calibration]
     paused = [m for m in mods if m.enabled and not m.quantizer.needs_calibration]
     for m in paused:
         m.disable()
+    started = []
     try:
-        with contextlib.ExitStack() as stack:
-            for m in calibrated:
-                stack.enter_context(m.calibrate())
-            with torch.no_grad():
-                forward_loop(model)
+        for m in calibrated:
+            m.quantizer.start_calibration()
+            started.append(m)
+        with torch.no_grad():
+            forward_loop(model)
+        empty = [m.quantizer.name for m in calibrated if not m.quantizer.seen_data]
+        if empty:
+            raise ValueError(f"quantize_moe: no calibration data reached {', '.join(empty)}: forward_loop(model) "
+                             "must run the model on batches whose tokens reach these blocks")
+        for m in calibrated:
+            m.quantizer.finish_calibration()
+    except BaseException:
+        for m in started:
+            if m.quantizer.calibrating:
+                m.quantizer.abort_calibration()
+        raise
     finally:
         for m in paused:
             m.enable()
+        for m in calibrated:
+            m._sync_amax()
 
 
 def restore_moe(model):

@@ -368,17 +368,18 @@ class MoeBlock:
         else:
             xq = dq(x)
         # The (token, slot) pairs slot-major (k * T + t), grouped by expert: rows_flat[perm] gives [K, T, H].
-        ids = torch.where(active, idx.long(), torch.full_like(idx.long(), self.num_experts)).t().reshape(-1)
-        perm = torch.sort(ids, stable=True).indices  # torch 1.13 argsort has no stable flag
-        n_active = int(active.sum())
-        perm = perm[:n_active]
+        # An inactive slot is computed with the last expert (cheaper than a host sync to leave it out) and
+        # its row is never read: the combine gets its id as -1.
+        ids = torch.where(active, idx.long(), torch.full_like(idx.long(), self.num_experts - 1)).t().reshape(-1)
+        perm = torch.sort(ids, stable=True).indices  # torch 1.13's argsort has no stable flag
         ids_sorted = ids[perm]
         tokens = perm % T
-        counts = torch.bincount(ids_sorted, minlength=self.num_experts)[:self.num_experts]
+        # histc, not bincount: no host sync on CUDA.
+        counts = torch.histc(ids_sorted.float(), bins=self.num_experts, min=0, max=self.num_experts - 1).long()
         transposed = _transposed(self.experts, H)
         out = _expert_rows(self.experts, xq[tokens], ids_sorted, counts, transposed)
         weights = w.t().reshape(-1)[perm]
-        rows = x.new_zeros((K * T, H))
+        rows = x.new_empty((K * T, H))
         if self.combine_weighting == "before":
             rows[perm] = (out * weights[:, None]).to(x.dtype)
             topk_weights = None

@@ -430,3 +430,20 @@ def test_deepseek_v3_like_router_unchanged_under_patch():
     with torch.no_grad():
         block(x.reshape(1, -1, H))
     assert torch.equal(got[0][0], idx) and torch.equal(got[0][1], w)
+
+
+def test_bench_says_what_it_needs(capsys):
+    import importlib.util
+
+    from moefq import bench_hf
+    with pytest.raises(SystemExit) as e:
+        bench_hf.main(["--tokens", "0"])
+    assert e.value.code == 2 and "--tokens and --iters must be >= 1" in capsys.readouterr().err
+    if importlib.util.find_spec("transformers") is None:
+        with pytest.raises(SystemExit) as e:
+            bench_hf.main([])
+        assert e.value.code == 2 and "needs torch and transformers" in capsys.readouterr().err
+    elif not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            bench_hf.main([])
+        assert e.value.code == 2 and "needs a GPU" in capsys.readouterr().err

@@ -26,8 +26,8 @@ The contract (kept stable for the tools built on it, such as `moefq compare`):
     on any error the model is left as it was.
 - restore_moe(model) -> [module paths restored]: the original forwards back; on an unpatched model a no-op
   returning [].
-- MoeQuantization: .blocks (MoeBlock records: .layer, .path, .family, .class_name, .shared,
-  .dispatch_quantizer, .combine_quantizer, .block), .combine_weighting, .quantizers() -> {name: module},
+- MoeQuantization: .blocks (MoeBlock records: .layer, .path, .family, .class_name, .shared, .recipe (the
+  recipe's name or None), .dispatch_quantizer, .combine_quantizer, .block), .combine_weighting, .quantizers() -> {name: module},
   .amax() -> {name: float or None}, .save_calibration(path), .load_calibration(path_or_dict), .summary()
   (a text table, also str()).
 - find_moe_blocks(model) -> {decoder layer index: block}; moe_block_paths(model) -> {index: module path}.
@@ -71,7 +71,8 @@ _LAYER_PATHS = ("model.layers", "layers", "model.language_model.layers", "langua
 _BLOCK_ATTRS = ("mlp", "block_sparse_moe", "feed_forward", "moe")
 # transformers 4.x blocks by class name (DeepseekV3MoE, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, ...).
 _MOE_CLASS_SUFFIXES = ("MoE", "Moe", "SparseMoeBlock")
-_ATTR = "_moefq_quantization"
+_ATTR = "_moefq_quantization"  # the MoeQuantization, on the model
+_RECORD = "_moefq_block"  # its MoeBlock, on each patched block
 
 
 def _get(obj, path):
@@ -310,37 +311,35 @@ class _Probe:
         return torch.zeros_like(hidden_states)
 
 
-def _patched_forward(record):
-    """The forward that replaces the block's (bound to it as an instance attribute)."""
-
-    def forward(block, *args, **kwargs):
-        experts = record.experts
-        probe = _Probe()
-        experts.forward = probe
-        try:
-            result = type(block).forward(block, *args, **kwargs)
-        finally:
-            del experts.forward
-        if len(probe.calls) != 1:
-            raise ValueError(f"{record.path}: the block's forward called its experts {len(probe.calls)} times; "
-                             "moefq expects one call experts(x, top_k_index, top_k_weights)")
-        x, idx, w = probe.calls[0]
-        out = result[0] if isinstance(result, tuple) else result
-        y = record.routed_combine(x, idx, w, out.reshape(-1, out.shape[-1]) if record.shared != "none" else None)
-        y = y.reshape(out.shape)
-        if isinstance(result, tuple):
-            return (y,) + tuple(result[1:])
-        return y
-
-    return forward
+def _mega_moe_forward(block, *args, **kwargs):
+    """The forward that replaces a patched block's (bound to it as an instance attribute). It reads its
+    record from the block, so a copy.deepcopy of the model carries a working patch."""
+    record = block.__dict__[_RECORD]
+    experts = record.experts
+    probe = _Probe()
+    experts.forward = probe
+    try:
+        result = type(block).forward(block, *args, **kwargs)
+    finally:
+        del experts.forward
+    if len(probe.calls) != 1:
+        raise ValueError(f"{record.path}: the block's forward called its experts {len(probe.calls)} times; "
+                         "moefq expects one call experts(x, top_k_index, top_k_weights)")
+    x, idx, w = probe.calls[0]
+    out = result[0] if isinstance(result, tuple) else result
+    y = record.routed_combine(x, idx, w, out.reshape(-1, out.shape[-1]) if record.shared != "none" else None)
+    y = y.reshape(out.shape)
+    if isinstance(result, tuple):
+        return (y,) + tuple(result[1:])
+    return y
 
 
 class MoeBlock:
     """One patched block: where it is, what it is, its two quantizers (torch modules, submodules of its
     experts module)."""
 
-    def __init__(self, layer, path, block, dispatch_quantizer, combine_quantizer, combine_weighting):
-        self.layer, self.path, self.block = layer, path, block
+    def __init__(self, layer, path, block, dispatch_quantizer, combine_quantizer, combine_weighting, recipe):
+        self.layer, self.path, self.block, self.recipe = layer, path, block, recipe
         self.family, self.class_name, self.shared = _family(block), type(block).__name__, _shared_form(block)
         self.experts = _fused_experts(block)
         self.dispatch_quantizer, self.combine_quantizer = dispatch_quantizer, combine_quantizer
@@ -424,8 +423,8 @@ def _as_recipe(recipe):
 class MoeQuantization:
     """What quantize_moe replaced: one MoeBlock per patched block, in layer order."""
 
-    def __init__(self, model, blocks, combine_weighting, recipes):
-        self.model, self.blocks, self.combine_weighting, self._recipes = model, blocks, combine_weighting, recipes
+    def __init__(self, model, blocks, combine_weighting):
+        self.model, self.blocks, self.combine_weighting = model, blocks, combine_weighting
 
     def quantizers(self):
         """{name: module} of every quantizer, dispatch then combine per block, in layer order."""
@@ -575,8 +574,8 @@ def quantize_moe(model, recipe, forward_loop=None, *, combine_weighting=None, la
         if param is not None:
             dq.to(param.device)
             cq.to(param.device)
-        records.append(MoeBlock(i, path, block, dq, cq, weighting))
-    q = MoeQuantization(model, records, weighting, recipes)
+        records.append(MoeBlock(i, path, block, dq, cq, weighting, None if recipes[i] is None else recipes[i].name))
+    q = MoeQuantization(model, records, weighting)
 
     _install(q)
     try:
@@ -602,7 +601,8 @@ def _install(q):
     for r in q.blocks:
         r.experts.add_module("dispatch_quantizer", r.dispatch_quantizer)
         r.experts.add_module("combine_quantizer", r.combine_quantizer)
-        r.block.forward = types.MethodType(_patched_forward(r), r.block)
+        r.block.__dict__[_RECORD] = r
+        r.block.forward = types.MethodType(_mega_moe_forward, r.block)
     object.__setattr__(q.model, _ATTR, q)
 
 
@@ -649,6 +649,7 @@ def restore_moe(model):
         return []
     for r in q.blocks:
         r.block.__dict__.pop("forward", None)
+        r.block.__dict__.pop(_RECORD, None)
         for name in ("dispatch_quantizer", "combine_quantizer"):
             if name in r.experts._modules:
                 del r.experts._modules[name]

@@ -155,6 +155,10 @@ class MixtralSparseMoeBlock(Qwen3MoeSparseMoeBlock):
     pass
 
 
+class OlmoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
+    pass
+
+
 class Qwen2MoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
     """Qwen2-MoE / Qwen3-Next: the shared expert scaled by sigmoid(shared_expert_gate(x)), added last."""
 
@@ -172,6 +176,10 @@ class Qwen2MoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
         out = self.experts(x, idx, weights)
         out += shared
         return out.reshape(b, s, h)
+
+
+class Qwen3NextSparseMoeBlock(Qwen2MoeSparseMoeBlock):
+    pass
 
 
 class DeepseekV3TopkRouter(torch.nn.Module):
@@ -319,7 +327,9 @@ PerExpertMoe.__name__ = "Qwen3MoeSparseMoeBlock"
 FAMILIES = {
     "qwen3_moe": lambda: Qwen3MoeSparseMoeBlock(),
     "mixtral": lambda: MixtralSparseMoeBlock(norm_topk_prob=True),
+    "olmoe": lambda: OlmoeSparseMoeBlock(norm_topk_prob=False),
     "qwen2_moe": lambda: Qwen2MoeSparseMoeBlock(),
+    "qwen3_next": lambda: Qwen3NextSparseMoeBlock(),
     "deepseek_v3": lambda: DeepseekV3MoE(),
     "glm4_moe": lambda: Glm4MoeMoE(),
     "deepseek_v2": lambda: DeepseekV2Moe(),

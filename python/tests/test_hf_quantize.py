@@ -3,6 +3,8 @@ patched block against an independent re-sum written here, the dispatch QDQ on th
 calibration of the active slots only, restore bit for bit, state dicts and calibration files, the
 summation-order bound against the original block, and every refusal."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -447,3 +449,17 @@ def test_bench_says_what_it_needs(capsys):
         with pytest.raises(SystemExit) as e:
             bench_hf.main([])
         assert e.value.code == 2 and "needs a GPU" in capsys.readouterr().err
+
+
+def test_a_deep_copy_carries_the_patch(both_recipe):
+    model = tiny_model("glm4_moe")
+    q = mh.quantize_moe(model, both_recipe, loop_over(calib_batches()))
+    twin = copy.deepcopy(model)
+    ids = calib_batches(1, seed=8)[0]
+    with torch.no_grad():
+        assert same_bits(twin(ids), model(ids))
+    twin_q = twin._moefq_quantization
+    assert twin_q is not q and twin_q.amax() == q.amax()
+    assert twin_q.blocks[0].experts is block_of(twin).experts
+    assert mh.restore_moe(twin) == ["model.layers.1.mlp", "model.layers.2.mlp"]
+    assert "forward" in block_of(model).__dict__  # the original stays patched

@@ -48,9 +48,7 @@ quantizer re-sums the rows in fp32 from +0 in ascending slot order, the shared p
 unquantized, one rounding to bf16 (moefq.combine_qdq_resum, its CUDA kernels on the GPU).
 """
 
-import contextlib
 import inspect
-import math
 import os
 import types
 

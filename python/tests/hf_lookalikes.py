@@ -63,16 +63,22 @@ class FusedExperts(torch.nn.Module):
         return F.linear(self.act_fn(gate) * up, self.down_proj[e])
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        final = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for e in hit:
-            e = e[0]
-            pos, tok = torch.where(mask[e])
-            out = self.expert(e, hidden_states[tok]) * top_k_weights[tok, pos, None]
-            final.index_add_(0, tok, out.to(final.dtype))
-        return final
+        return eager_experts(self, hidden_states, top_k_index, top_k_weights)
+
+
+def eager_experts(experts, hidden_states, top_k_index, top_k_weights):
+    """The eager experts forward: each expert hit, on its tokens in (slot, token) order, weighted rows added
+    into a tensor of the input dtype (a rounding per add), expert after expert."""
+    final = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        mask = F.one_hot(top_k_index, num_classes=experts.num_experts).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit:
+        e = e[0]
+        pos, tok = torch.where(mask[e])
+        out = experts.expert(e, hidden_states[tok]) * top_k_weights[tok, pos, None]
+        final.index_add_(0, tok, out.to(final.dtype))
+    return final
 
 
 class GptOssExperts(torch.nn.Module):
@@ -98,14 +104,7 @@ class GptOssExperts(torch.nn.Module):
         return self._apply_gate(h) @ self.down_proj[e] + self.down_proj_bias[e]
 
     def forward(self, hidden_states, router_indices=None, routing_weights=None):
-        final = torch.zeros_like(hidden_states)
-        mask = F.one_hot(router_indices, num_classes=self.num_experts).permute(2, 1, 0)
-        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
-            e = e[0]
-            pos, tok = torch.where(mask[e])
-            out = self.expert(e, hidden_states[tok]) * routing_weights[tok, pos, None]
-            final.index_add_(0, tok, out.to(final.dtype))
-        return final
+        return eager_experts(self, hidden_states, router_indices, routing_weights)
 
 
 class GptOssTopKRouter(torch.nn.Module):

@@ -177,7 +177,7 @@ def test_dispatch_reaches_only_the_experts_input(both_recipe):
 def test_calibration_sees_the_active_slots_only(both_recipe):
     model = tiny_model("qwen3_moe")
     batches = calib_batches()
-    seen_x, seen_rows = [], []
+    seen_x = []
     block = block_of(model)
 
     def record(module, args):

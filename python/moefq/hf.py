@@ -324,9 +324,10 @@ def _mega_moe_forward(block, *args, **kwargs):
         raise ValueError(f"{record.path}: the block's forward called its experts {len(probe.calls)} times; "
                          "moefq expects one call experts(x, top_k_index, top_k_weights)")
     x, idx, w = probe.calls[0]
+    # With the probe's zeros for the routed part, the block's output is its non-routed part: the shared
+    # expert in the family's own form (whatever its attribute name), exact zeros without one.
     out = result[0] if isinstance(result, tuple) else result
-    y = record.routed_combine(x, idx, w, out.reshape(-1, out.shape[-1]) if record.shared != "none" else None)
-    y = y.reshape(out.shape)
+    y = record.routed_combine(x, idx, w, out.reshape(-1, out.shape[-1]).to(x.dtype)).reshape(out.shape)
     if isinstance(result, tuple):
         return (y,) + tuple(result[1:])
     return y

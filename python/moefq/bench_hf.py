@@ -81,7 +81,7 @@ def main(argv=None):
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         except TypeError:
             model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
-    model.eval()
+    model = model.to("cuda").eval()  # built there already where from_config honours the device context
     if not hasattr(model, "set_experts_implementation"):
         _fail(f"transformers {transformers.__version__} has no experts implementations (needs >= 5)")
     model.set_experts_implementation("grouped_mm")

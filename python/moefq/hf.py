@@ -449,10 +449,10 @@ class MoeQuantization:
         _load_calibration(self.quantizers(), calibration)
 
     def summary(self):
-        rows = [("layer", "module", "family", "class", "shared expert", "dispatch", "combine")]
+        rows = [("layer", "module", "family", "class", "shared expert", "recipe", "dispatch", "combine")]
         for b in self.blocks:
-            rows.append((str(b.layer), b.path, b.family, b.class_name, b.shared, _describe(b.dispatch_quantizer),
-                         _describe(b.combine_quantizer)))
+            rows.append((str(b.layer), b.path, b.family, b.class_name, b.shared, b.recipe or "-",
+                         _describe(b.dispatch_quantizer), _describe(b.combine_quantizer)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = [f"moefq: {len(self.blocks)} MoE block(s) computed as the Mega-MoE kernel does "
                  f"(combine_weighting: {self.combine_weighting})"]

@@ -242,20 +242,20 @@ class DeepseekV2Moe(torch.nn.Module):
         self.top_k, self.routed_scaling_factor = top_k, scaling
 
     def route_tokens_to_experts(self, router_logits):
-        scores = router_logits.softmax(dim=-1, dtype=torch.float32)
-        group_scores = scores.view(scores.shape[0], self.num_group, -1).max(dim=-1).values
+        b, s, e = router_logits.shape  # [batch, seq, experts], as the block passes them
+        scores = router_logits.view(-1, e).softmax(dim=-1, dtype=torch.float32)
+        group_scores = scores.view(b * s, self.num_group, -1).max(dim=-1).values
         group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
-        tmp = scores.masked_fill(~score_mask.reshape(scores.shape[0], -1).bool(), 0.0)
+        score_mask = group_mask.unsqueeze(-1).expand(b * s, self.num_group, self.num_experts // self.num_group)
+        tmp = scores.masked_fill(~score_mask.reshape(b * s, -1).bool(), 0.0)
         weights, idx = torch.topk(tmp, k=self.top_k, dim=-1, sorted=False)
         return idx, weights * self.routed_scaling_factor
 
     def forward(self, hidden_states):
         residuals, shape = hidden_states, hidden_states.shape
-        x = hidden_states.view(-1, shape[-1])
-        idx, weights = self.route_tokens_to_experts(F.linear(x.float(), self.gate.weight.float()))
-        out = self.experts(x, idx, weights).view(*shape)
+        idx, weights = self.route_tokens_to_experts(F.linear(hidden_states.float(), self.gate.weight.float()))
+        out = self.experts(hidden_states.view(-1, shape[-1]), idx, weights).view(*shape)
         return out + self.shared_experts(residuals)
 
 

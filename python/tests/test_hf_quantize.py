@@ -66,7 +66,7 @@ def route(block, x):
     if name in ("DeepseekV3MoE", "Glm4MoeMoE"):
         return block.route_tokens_to_experts(block.gate(x))
     if name == "DeepseekV2Moe":
-        return block.route_tokens_to_experts(F.linear(x.float(), block.gate.weight.float()))
+        return block.route_tokens_to_experts(F.linear(x.float(), block.gate.weight.float())[None])
     router = block.router if hasattr(block, "router") else block.gate
     _, w, idx = router(x)
     return idx, w

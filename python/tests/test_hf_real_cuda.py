@@ -21,8 +21,9 @@ if not torch.cuda.is_available() or moefq.cuda_device_count() == 0:
 BOTH = "$import: [moe_dispatch_fp8, moe_combine_nvfp4]\nalgorithm: max\n"
 COMMON = dict(vocab_size=128, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
               max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6)
+# DeepSeek's attention (MLA): its head_dim is the rotary part's.
 MLA = dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-           num_key_value_heads=4)
+           num_key_value_heads=4, head_dim=16)
 # model_type: (config keywords, expected block class, top-k)
 FAMILIES = {
     "qwen3_moe": (dict(intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,

@@ -16,7 +16,7 @@ The contract (kept stable for the tools built on it, such as `moefq compare`):
     dict are patched with both quantizers off).
   - layers: the decoder layer indices to patch (default every MoE block); the others stay original.
   - calibration: a moefq calibration file or a dict {quantizer name: amax} loaded instead of calibrating
-    (forward_loop may then be None).
+    (forward_loop must then be None).
   - forward_loop(model): runs the calibration data; the quantizers that need an amax collect max |x| (the
     dispatch quantizer over the tokens sent to an expert, the combine quantizer over the active rows),
     every quantizer passes data through meanwhile, the amax is the MAX of what each one saw.
@@ -545,6 +545,8 @@ def quantize_moe(model, recipe, forward_loop=None, *, combine_weighting=None, la
     when verbose). See the module docstring for the contract."""
     from .torch import CombineQuantizer, DispatchQuantizer
 
+    if forward_loop is not None and calibration is not None:
+        raise ValueError("quantize_moe: give forward_loop (to calibrate) or calibration (to load), not both")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("quantize_moe: the model's MoE blocks are already patched by moefq; call "
                          "moefq.hf.restore_moe(model) first")
@@ -611,6 +613,8 @@ def _calibrate(q, model, forward_loop):
     quantizer that saw no data is named in one error; on any error none stores an amax."""
     mods = list(q.quantizers().values())
     calibrated = [m for m in mods if m.enabled and m.quantizer.needs_calibration]
+    if not calibrated:
+        return  # nothing to calibrate: the loop is not run
     paused = [m for m in mods if m.enabled and not m.quantizer.needs_calibration]
     for m in paused:
         m.disable()

@@ -366,6 +366,12 @@ def test_refusals(both_recipe, tmp_path):
     after.write_text("$import: [moe_combine_nvfp4]\nalgorithm: max\ncombine_weighting: after\n")
     with pytest.raises(ValueError, match="combine_weighting: after, but combine_weighting='before'"):
         mh.quantize_moe(model, str(after), combine_weighting="before")
+    with pytest.raises(ValueError, match="give forward_loop .* or calibration .*, not both"):
+        mh.quantize_moe(model, both_recipe, loop_over(calib_batches()), calibration={})
+    ran = []
+    mh.quantize_moe(model, "moe_combine_mxfp8", lambda m: ran.append(1))  # nothing needs calibration
+    assert ran == []
+    mh.restore_moe(model)
     with pytest.raises(TypeError, match="recipe must be"):
         mh.quantize_moe(model, 3)
     keys = set(model.state_dict())

@@ -27,9 +27,9 @@ The contract (kept stable for the tools built on it, such as `moefq compare`):
 - restore_moe(model) -> [module paths restored]: the original forwards back; on an unpatched model a no-op
   returning [].
 - MoeQuantization: .blocks (MoeBlock records: .layer, .path, .family, .class_name, .shared, .recipe (the
-  recipe's name or None), .dispatch_quantizer, .combine_quantizer, .block), .combine_weighting, .quantizers() -> {name: module},
-  .amax() -> {name: float or None}, .save_calibration(path), .load_calibration(path_or_dict), .summary()
-  (a text table, also str()).
+  recipe's name or None), .dispatch_quantizer, .combine_quantizer, .block), .combine_weighting,
+  .quantizers() -> {name: module}, .amax() -> {name: float or None}, .save_calibration(path),
+  .load_calibration(path_or_dict), .summary() (a text table, also str()).
 - find_moe_blocks(model) -> {decoder layer index: block}; moe_block_paths(model) -> {index: module path}.
 - The quantizers are submodules of each block's experts module, named
   `<block path>.experts.dispatch_quantizer` / `.combine_quantizer` (model.layers.3.mlp.experts....), so a

@@ -261,8 +261,8 @@ def test_per_layer_recipes_and_layer_selection(both_recipe):
     mh.restore_moe(model)
     sel = both_recipe.replace("both.yaml", "sel.yaml")
     with open(sel, "w") as f:
-        f.write("quant_cfg:\n  - quantizer_name: '*layers.2.*combine_quantizer'\n    cfg: {num_bits: e4m3, axis: null}\n"
-                "algorithm: max\n")
+        f.write("quant_cfg:\n  - quantizer_name: '*layers.2.*combine_quantizer'\n"
+                "    cfg: {num_bits: e4m3, axis: null}\nalgorithm: max\n")
     q = mh.quantize_moe(model, sel, loop_over(calib_batches()))
     assert [b.layer for b in q.blocks if b.combine_quantizer.enabled] == [2]
 
@@ -379,7 +379,8 @@ def test_refusals(both_recipe, tmp_path):
     # is left unpatched.
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.dispatch_quantizer.* without an amax"):
         mh.quantize_moe(model, both_recipe)
-    with pytest.raises(ValueError, match="no calibration data reached model.layers.1.mlp.experts.dispatch_quantizer, model.layers.1.mlp.experts.combine_quantizer, model.layers.2"):
+    with pytest.raises(ValueError, match="no calibration data reached model.layers.1.mlp.experts.dispatch_quantizer, "
+                                         "model.layers.1.mlp.experts.combine_quantizer, model.layers.2"):
         mh.quantize_moe(model, both_recipe, lambda m: None)
     with pytest.raises(ValueError, match="calibration: no quantizer named nope"):
         mh.quantize_moe(model, both_recipe, calibration={"nope": 1.0})

@@ -15,8 +15,9 @@ The contract (kept stable for the tools built on it, such as `moefq compare`):
     the kernel's summation order); or a dict {decoder layer index: recipe or None} (layers absent from the
     dict are patched with both quantizers off).
   - layers: the decoder layer indices to patch (default every MoE block); the others stay original.
-  - calibration: a moefq calibration file or a dict {quantizer name: amax} loaded instead of calibrating
-    (forward_loop must then be None).
+  - calibration: a moefq calibration file, a dict {quantizer name: amax} or a state dict saved from a
+    patched model (its ..._quantizer._amax entries), loaded instead of calibrating (forward_loop must then
+    be None).
   - forward_loop(model): runs the calibration data; the quantizers that need an amax collect max |x| (the
     dispatch quantizer over the tokens sent to an expert, the combine quantizer over the active rows),
     every quantizer passes data through meanwhile, the amax is the MAX of what each one saw.
@@ -476,6 +477,10 @@ def _describe(m):
 
 
 def _load_calibration(quantizers, calibration):
+    if isinstance(calibration, dict) and any(str(k).endswith("._amax") for k in calibration):
+        # A state dict (the model's, saved while patched): the quantizers' _amax entries, the rest ignored.
+        calibration = {k[:-len("._amax")]: float(v) for k, v in calibration.items()
+                       if k.endswith("._amax") and k[:-len("._amax")] in quantizers}
     if isinstance(calibration, dict):
         unknown = sorted(set(calibration) - set(quantizers))
         if unknown:

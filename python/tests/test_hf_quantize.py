@@ -236,6 +236,8 @@ def test_state_dict_and_calibration_file_round_trip(tmp_path, both_recipe):
     assert set(q2.amax().values()) == {1.0}
     other.load_state_dict(state)
     assert q2.amax() == amax
+    mh.restore_moe(other)
+    assert mh.quantize_moe(other, both_recipe, calibration=state).amax() == amax  # straight from a state dict
     ids = calib_batches(1, seed=7)[0]
     with torch.no_grad():
         assert same_bits(other(ids), model(ids))

@@ -252,14 +252,21 @@ def _grouped_mm_fn():
     return fn if fn is not None else getattr(torch, "_grouped_mm", None)
 
 
+def _grouped_mm_for(x, w):
+    """torch's grouped GEMM where it serves: CUDA bf16 tensors and a torch that has one; else None."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16:
+        return _grouped_mm_fn()
+    return None
+
+
 def _expert_rows(experts, xq, idx_sorted, counts, transposed):
     """out [S, H] for the S (token, slot) pairs in expert order: xq [S, H] sorted by expert, counts per expert.
     CUDA bf16 with torch's grouped GEMM: two grouped GEMMs; otherwise one pair of GEMMs per expert that has
     tokens (a loop over experts, never over tokens)."""
     W1, W2 = experts.gate_up_proj, experts.down_proj
     b1, b2 = _bias(experts, "gate_up_proj_bias"), _bias(experts, "down_proj_bias")
-    gmm = _grouped_mm_fn()
-    if gmm is not None and xq.is_cuda and xq.dtype == torch.bfloat16 and W1.dtype == torch.bfloat16:
+    gmm = _grouped_mm_for(xq, W1)
+    if gmm is not None:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         try:
             h = gmm(xq, W1 if transposed else W1.transpose(-2, -1), offs=offs)

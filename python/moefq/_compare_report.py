@@ -74,7 +74,7 @@ def table_text(report):
               "ppl_ratio: PPL(run) / PPL(original), ± an error that accounts for their correlation",
               "blk_l2:    the worst MoE block's output relative L2 against the original model's (errors compound)",
               "B/token:   dispatch + combine bytes per token per destination rank (mean over MoE layers); saving: vs bf16",
-              "off:       moefq's MoE with both quantizers off: the kernel's summation order alone"]
+              "none:      moefq's MoE with both quantizers off: the kernel's summation order alone"]
     for recipe, rows in report.get("sensitivity", {}).items():
         top = rows[:10]
         lines += ["", f"sensitivity to {recipe} (one layer at a time, most sensitive first):"]
@@ -332,7 +332,7 @@ def html_text(report):
         ["run", "disp", "comb", "KL mean", "KL p99", "KL max", "same top-1 %", "PPL ratio", "worst block rel-L2",
          "B/token", "saving"], _rows(report))
     s += ('<p class="note">KL: KL(original || run) per scored token, mean ± standard error. PPL ratio ± an error '
-          'that accounts for the correlation of the two models\' per-token log-likelihoods. off: both quantizers '
+          'that accounts for the correlation of the two models\' per-token log-likelihoods. none: both quantizers '
           'off (the kernel\'s summation order alone).</p>\n')
     s += "<h2>Per-token KL distribution</h2>\n" + kl_distribution_svg(report)
     for recipe, rows in report.get("sensitivity", {}).items():

@@ -2,7 +2,7 @@
 negative log-likelihood against a reference model's log-probabilities, and the summaries
 llama.cpp's perplexity tool prints with --kl-divergence (mean with its standard error, percentiles,
 the perplexity ratio and difference with an uncertainty that accounts for the correlation of the
-two models' per-token log-likelihoods). numpy only: the caller brings float32 log-probabilities."""
+two models' per-token log-likelihoods). The per-token figures come from numpy arrays or torch tensors (computed on their device)."""
 
 import math
 
@@ -15,20 +15,45 @@ KL_PERCENTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99, "p99_9": 0.999}
 def token_stats(ref_logprobs, logprobs, targets):
     """Per scored token, from log-probabilities [N, V] (float32; the reference's and the model's)
     and the next tokens [N]: (kl [N] float64, same_top1 [N] bool, nll [N] float64, nll_ref [N]
-    float64). KL(ref || model) = sum_v p_ref(v) (log p_ref(v) - log p(v)), summed in float64 over
-    the whole vocabulary (no cut-off: identical inputs give exactly 0)."""
+    float64), numpy arrays. KL(ref || model) = sum_v p_ref(v) (log p_ref(v) - log p(v)), summed in
+    float64 over the whole vocabulary (no cut-off: identical inputs give exactly 0). Torch tensors
+    are computed where they lie (a GPU) and only the per-token figures come back."""
+    torch = _torch_if(logprobs)
+    if torch is not None:
+        lp = logprobs.float()
+        ref = torch.as_tensor(ref_logprobs, device=lp.device).float()
+        t = torch.as_tensor(np.asarray(targets, dtype=np.int64), device=lp.device)
+        _check_shapes(tuple(ref.shape), tuple(lp.shape), tuple(t.shape))
+        ref64, lp64 = ref.double(), lp.double()
+        kl = (ref64.exp() * (ref64 - lp64)).sum(dim=1)
+        same = ref.argmax(dim=1) == lp.argmax(dim=1)
+        rows = torch.arange(t.numel(), device=lp.device)
+        out = (kl, same, -lp64[rows, t], -ref64[rows, t])
+        return tuple(x.cpu().numpy() for x in out)
     ref = np.asarray(ref_logprobs, dtype=np.float32)
     lp = np.asarray(logprobs, dtype=np.float32)
-    if ref.shape != lp.shape or ref.ndim != 2:
-        raise ValueError(f"token_stats: log-probabilities of shapes {ref.shape} and {lp.shape}; expected two [N, V]")
     t = np.asarray(targets, dtype=np.int64)
-    if t.shape != (ref.shape[0],):
-        raise ValueError(f"token_stats: targets of shape {t.shape}; expected [{ref.shape[0]}]")
+    _check_shapes(ref.shape, lp.shape, t.shape)
     ref64, lp64 = ref.astype(np.float64), lp.astype(np.float64)
     kl = np.sum(np.exp(ref64) * (ref64 - lp64), axis=1)
     same = np.argmax(ref, axis=1) == np.argmax(lp, axis=1)
     rows = np.arange(t.size)
     return kl, same, -lp64[rows, t], -ref64[rows, t]
+
+
+def _torch_if(x):
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if isinstance(x, torch.Tensor) else None
+
+
+def _check_shapes(ref, lp, t):
+    if ref != lp or len(ref) != 2:
+        raise ValueError(f"token_stats: log-probabilities of shapes {list(ref)} and {list(lp)}; expected two [N, V]")
+    if t != (ref[0],):
+        raise ValueError(f"token_stats: targets of shape {list(t)}; expected [{ref[0]}]")
 
 
 def mean_and_error(x):

@@ -108,7 +108,8 @@ def _load_recipes(recipes, recipe_root):
             try:
                 rec = moefq.load_recipe(r, recipe_root)
             except (ValueError, RuntimeError) as e:
-                raise CompareError(f"recipe '{r}': {e}") from None
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise CompareError(msg if r in msg else f"recipe '{r}': {msg}") from None
             nr = _NamedRecipe(rec.name, rec)
         if nr.name in names:
             raise CompareError(f"two recipes are named '{nr.name}' (recipes are named by their file stem); "
@@ -189,8 +190,13 @@ def model_fingerprint(model):
     parts = [type(model).__name__, text]
     with torch.no_grad():
         for name, p in model.named_parameters():
-            d = p.detach().double()
-            parts.append(f"{name}:{list(p.shape)}:{p.dtype}:{float(d.sum()):.6e}:{float(d.abs().sum()):.6e}")
+            # In slices of 16M elements: no float64 copy of a whole (fused experts) weight at once.
+            total = absolute = 0.0
+            for part in p.detach().reshape(-1).split(1 << 24):
+                d = part.double()
+                total += float(d.sum())
+                absolute += float(d.abs().sum())
+            parts.append(f"{name}:{list(p.shape)}:{p.dtype}:{total:.6e}:{absolute:.6e}")
     return _sha256(*parts)
 
 
@@ -449,7 +455,8 @@ class _Comparer:
                 def hook(mod, inp, out, l=l):
                     y = _block_output(out)
                     self.hidden[l] = int(y.shape[-1])
-                    sink(l, y)
+                    if sink is not None:
+                        sink(l, y)
                 handles.append(b.register_forward_hook(hook))
         try:
             with torch.no_grad():
@@ -468,16 +475,15 @@ class _Comparer:
         return logits[0]
 
     def _scored_logprobs(self, logits):
-        """float32 numpy [scored, V]: log-softmax (in float64) of the scored positions."""
-        lp = self.torch.log_softmax(logits[self.first:self.ctx - 1].double(), dim=-1).float()
-        return lp.cpu().numpy()
+        """float32 [scored, V] on the model's device: log-softmax (in float64) of the scored positions."""
+        return self.torch.log_softmax(logits[self.first:self.ctx - 1].double(), dim=-1).float()
 
     # -- the reference
 
     def _reference_chunk(self, c, want_blocks=True):
         """(logprobs [scored, V] float32, {layer: block output} of the original model or None)."""
         if self.ref_logprobs is not None:
-            return self.ref_logprobs[c], None
+            return self.torch.from_numpy(np.ascontiguousarray(self.ref_logprobs[c])).to(self.device), None
         outs = {}
         logits = self._forward(self.chunk_tokens[c], self.blocks if want_blocks else None,
                                lambda l, y: outs.__setitem__(l, y.detach().clone()))
@@ -512,7 +518,7 @@ class _Comparer:
         """quantize_moe for a run; returns {layer: patched block module}."""
         kind, spec = run.spec
         hf = self.hf
-        if kind == "off":
+        if kind == "none":
             q = hf.quantize_moe(self.model, None)
         else:
             cw, calib = spec["cw"], self.amax.get(spec["cw"])
@@ -548,7 +554,7 @@ class _Comparer:
         return {"cw": cws.pop() if cws else (self.combine_weighting or "before"), "needs": needs}
 
     def _make_runs(self):
-        runs = [_Run("off", "off", ("off", None))]
+        runs = [_Run("none", "none", ("none", None))]
         for r in self.recipes:
             spec = self._spec_for({l: r.name for l in self.layers})
             spec["recipe"] = r.recipe
@@ -569,7 +575,7 @@ class _Comparer:
         """Patches and restores once per recipe run before the long loop: a recipe the model cannot
         take fails here, before any scored forward."""
         for run in runs:
-            if run.kind in ("off", "recipe"):
+            if run.kind in ("none", "recipe"):
                 try:
                     self._patch(run)
                 except ValueError as e:
@@ -584,7 +590,7 @@ class _Comparer:
             ref_lp, ref_blocks = self._reference_chunk(c)
             self.timings["original"] = self.timings.get("original", 0.0) + time.monotonic() - t0
             if keep_reference and self.saved_logprobs is not None:
-                self.saved_logprobs.append(ref_lp)
+                self.saved_logprobs.append(ref_lp.cpu().numpy())
             if self.ref_logprobs is None:
                 progress.step(f"chunk {c + 1}/{self.chunks} original")
             targets = self.chunk_tokens[c][self.first + 1:]
@@ -599,7 +605,7 @@ class _Comparer:
                             e = float((y.double() - r.double()).pow(2).sum())
                             run.err2[l] = run.err2.get(l, 0.0) + e
                             run.ref2[l] = run.ref2.get(l, 0.0) + float(r.double().pow(2).sum())
-                    logits = self._forward(self.chunk_tokens[c], mods if sink else None, sink)
+                    logits = self._forward(self.chunk_tokens[c], mods, sink)
                 finally:
                     self.hf.restore_moe(self.model)
                 kl, same, nll, nll_ref = stats.token_stats(ref_lp, self._scored_logprobs(logits), targets)
@@ -682,12 +688,13 @@ class _Comparer:
         return wire_bytes_per_row(f[dn][0], H) + wire_bytes_per_row(f[cn][0], H)
 
     def describe_assignment(self, assign):
-        """'combine_nvfp4 on every MoE layer except 0, 1 (combine_fp8) and 58 (bf16)'."""
-        label = lambda r: r if r else "bf16 (none)"
+        """'combine_nvfp4 on every MoE layer except layers 0, 1 (combine_fp8) and 58 (bf16)'; bf16:
+        both quantizers off."""
+        label = lambda r: r if r else "bf16"
         counts = {}
         for l in self.layers:
             counts[assign[l]] = counts.get(assign[l], 0) + 1
-        base = max(counts, key=lambda r: (counts[r], r is None, r or ""))
+        base = max(counts, key=lambda r: (counts[r], r is not None))
         others = {}
         for l in self.layers:
             if assign[l] != base:
@@ -695,7 +702,7 @@ class _Comparer:
         text = f"{label(base)} on every MoE layer"
         if not others:
             return text
-        parts = [f"{_join_ints(ls)} ({label(r)})" for r, ls in others.items()]
+        parts = [f"{', '.join(map(str, ls))} ({label(r)})" for r, ls in others.items()]
         return text + " except layer" + ("s " if sum(map(len, others.values())) > 1 else " ") + _join_words(parts)
 
     def _pick(self, runs, progress, off_kl):
@@ -722,38 +729,43 @@ class _Comparer:
             verified = None
         return {"max_kl": self.max_kl, "met": True, "assignment": {str(l): assign[l] for l in self.layers},
                 "description": self.describe_assignment(assign), "tries": tries,
-                "verified_run": verified.name if verified else "off"}, verified
+                "verified_run": verified.name if verified else "none"}, verified
 
     # -- the whole comparison
 
     def run(self):
         runs = self._make_runs()
-        per_chunk = len(runs) + (0 if self.ref_logprobs is not None else 1)
+        orig = 0 if self.ref_logprobs is not None else 1
+        # With a budget the both-off run goes first, alone: when even it exceeds the budget, no
+        # assignment can meet it, and the run stops before the long part.
+        phases = [runs[:1], runs[1:]] if self.max_kl is not None and len(runs) > 1 else [runs]
         n_cw = len({self.cw_of[r.name] for r in self.recipes if any(n for _, n in self.formats[r.name].values())})
-        progress = _Progress(self.chunks * per_chunk + n_cw * self.calib_chunks, self.progress_on)
+        progress = _Progress(self.chunks * (len(runs) + orig * len(phases)) + n_cw * self.calib_chunks,
+                             self.progress_on)
         self.amax = self._calibrate(progress)
         self._validate(runs)
         t0 = time.monotonic()
-        self._execute(runs, progress, keep_reference=True)
+        off = runs[0]
+        for i, phase in enumerate(phases):
+            self._execute(phase, progress, keep_reference=i == 0)
+            off_kl = off.figures()["kl"]["mean"]
+            if self.max_kl is not None and off_kl > self.max_kl:
+                raise CompareError(f"--max-kl {self.max_kl:g}: no assignment meets it; the best reachable is "
+                                   f"{off_kl:.6g}, every layer unquantized (the kernel's summation order alone)")
         self.timings["scored_runs"] = time.monotonic() - t0
+        pick = verified = None
+        if self.max_kl is not None:
+            pick, verified = self._pick(runs, progress, off_kl)
+            if verified is None:
+                pick["verified_run"] = "none"
         if self.saved_logprobs is not None:
             save_reference(self.save_reference_path, np.concatenate(self.saved_logprobs, axis=0),
                            self.chunk_tokens.reshape(-1), self.fingerprint)
-        off = runs[0]
-        off_kl = off.figures()["kl"]["mean"]
-        pick = verified = None
-        if self.max_kl is not None:
-            if off_kl > self.max_kl:
-                raise CompareError(f"--max-kl {self.max_kl:g}: no assignment meets it; the best reachable is "
-                                   f"{off_kl:.6g}, every layer unquantized (the kernel's summation order alone)")
-            pick, verified = self._pick(runs, progress, off_kl)
-            if verified is None:
-                pick["verified_run"] = "off"
         return self._report(runs, pick, verified)
 
     def _run_entry(self, run):
         f = run.figures()
-        if run.kind == "off":
+        if run.kind == "none":
             by_layer, fmts = {}, (None, None)
         elif run.kind == "recipe":
             by_layer, fmts = {l: run.recipe for l in self.layers}, self._layer_formats(run.recipe)
@@ -778,7 +790,10 @@ class _Comparer:
 
     def _report(self, runs, pick, verified):
         import moefq
+        # The both-off run, then the recipes best first by mean KL (ties keep the sweep order), then
+        # the verified pick.
         entries = [self._run_entry(r) for r in runs if r.kind != "layer"]
+        entries = entries[:1] + sorted(entries[1:], key=lambda e: _sort_key(e["kl"]["mean"]))
         if verified is not None:
             entries.append(self._run_entry(verified))
         sens = {}
@@ -791,13 +806,13 @@ class _Comparer:
                     "ppl_ratio": f["ppl_ratio"]["value"],
                     "block_rel_l2": r.block_rel_l2().get(r.layer) if r.err2 else None})
         for rows in sens.values():
-            rows.sort(key=lambda x: -x["kl_mean"] if math.isfinite(x["kl_mean"]) else 0)
+            rows.sort(key=lambda x: _sort_key(-x["kl_mean"]))
             for i, x in enumerate(rows):
                 x["rank"] = i + 1
-        off = next(e for e in entries if e["kind"] == "off")
+        off = next(e for e in entries if e["kind"] == "none")
         cheapest = None
         if self.max_kl is not None:
-            ok = [e for e in entries if e["kind"] in ("off", "recipe") and e["kl"]["mean"] <= self.max_kl]
+            ok = [e for e in entries if e["kind"] in ("none", "recipe") and e["kl"]["mean"] <= self.max_kl]
             if ok:
                 cheapest = min(ok, key=lambda e: (e["wire_bytes_per_token"], e["kl"]["mean"]))["name"]
         return {
@@ -827,16 +842,16 @@ class _Comparer:
         }
 
 
+def _sort_key(v):
+    return (0, v) if math.isfinite(v) else (1, 0.0)
+
+
 def _field(rec, *names):
     for n in names:
         v = rec.get(n) if isinstance(rec, dict) else getattr(rec, n, None)
         if v is not None:
             return v
     return None
-
-
-def _join_ints(ls):
-    return _join_words([str(x) for x in ls])
 
 
 def _join_words(ws):
@@ -1058,6 +1073,7 @@ def main(argv=None):
         import torch
         torch.manual_seed(args.seed)
         # Checks that need no model first, so bad input costs nothing.
+        _check_model_dir(args.model)
         if args.out is not None:
             check_out_dir(args.out)
         if args.save_reference is not None:
@@ -1073,7 +1089,6 @@ def main(argv=None):
                 raise CompareError(f"--tokens {args.tokens}: {tokens.size} tokens, shorter than one chunk of "
                                    f"--ctx {args.ctx}")
         device = _resolve_device(args.device)
-        _check_model_dir(args.model)
         if args.recipes:
             _load_recipes(args.recipes, args.recipe_root)
         model = _load_model(args.model, device, args.dtype)
@@ -1090,8 +1105,8 @@ def main(argv=None):
                     recipe_root=args.recipe_root)
         print(f"done in {time.monotonic() - t0:.1f} s")
         return 0
-    except CompareError as e:
-        return _fail(str(e))
+    except ValueError as e:  # CompareError, and moefq's own refusals (a recipe the model cannot take)
+        return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     except KeyboardInterrupt:
         return _fail("interrupted; nothing written")
 

@@ -245,7 +245,7 @@ def sensitivity_svg(recipe, rows, layers):
     vals = [by.get(l) for l in layers]
     ax = _LogAxis(vals)
     n = len(layers)
-    W = max(420, min(1100, 70 + 40 + n * 22))
+    W = max(640, min(1100, 70 + 40 + n * 22))
     H, left, right, top, bottom = 320, 70, 40, 34, 270
     bw = (W - left - right) / max(n, 1)
     Y = lambda v: bottom - ax.frac(v) * (bottom - top)

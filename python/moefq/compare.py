@@ -88,23 +88,28 @@ _CALIBRATION_RECIPE = "$import: [moe_dispatch_fp8, moe_combine_fp8]\nalgorithm: 
 
 
 def _load_recipes(recipes, recipe_root):
-    """[_NamedRecipe] of the names (files, unit names); None: the default sweep. `none` is dropped
-    (the both-off run is always made)."""
+    """[_NamedRecipe] of the names (files, unit names, the default sweep's names such as both_nvfp4,
+    moefq.Recipe objects); None: the default sweep. `none` is dropped (the both-off run is always
+    made)."""
     import moefq
     if recipes is None:
         return default_recipes()
     if isinstance(recipes, (str, os.PathLike)):
         recipes = [recipes]
     out, names = [], set()
+    sweep = {x.name: x for x in default_recipes()}
     for r in recipes:
+        if not isinstance(r, (_NamedRecipe, moefq.Recipe)):
+            r = os.fspath(r)
+            if r == "none":
+                continue
+            if r in sweep and not os.path.exists(r):   # a name of the default sweep: both_nvfp4, ...
+                r = sweep[r]
         if isinstance(r, _NamedRecipe):
             nr = r
         elif isinstance(r, moefq.Recipe):
             nr = _NamedRecipe(r.name, r)
         else:
-            r = os.fspath(r)
-            if r == "none":
-                continue
             try:
                 rec = moefq.load_recipe(r, recipe_root)
             except (ValueError, RuntimeError) as e:
@@ -1043,7 +1048,9 @@ def _load_model(d, device, dtype):
     import torch
     kw = {"local_files_only": True}
     if dtype != "auto":
-        kw["torch_dtype"] = getattr(torch, dtype)
+        # transformers 5 names it dtype; 4.x torch_dtype.
+        major = int(transformers.__version__.split(".")[0])
+        kw["dtype" if major >= 5 else "torch_dtype"] = getattr(torch, dtype)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(d, **kw)
     except (OSError, ValueError, KeyError) as e:
@@ -1060,7 +1067,7 @@ def _tokenize(d, path):
     import transformers
     try:
         tok = transformers.AutoTokenizer.from_pretrained(d, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError):
+    except Exception:  # noqa: BLE001 (whatever stops the tokenizer from loading: there is none to use)
         raise CompareError(f"--model {d}: has no tokenizer to read --text with; give --tokens instead") from None
     with open(path, encoding="utf-8") as f:
         text = f.read()

@@ -147,17 +147,29 @@ def _csv_cell(v):
 # ---------------------------------------------------------------------------------------------
 # HTML
 
-_STYLE = """body{font-family:sans-serif;margin:24px;color:#222;max-width:1100px}
-h1{font-size:22px;margin-bottom:4px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
-dl.meta{display:grid;grid-template-columns:max-content auto;gap:2px 16px;font-size:13px}
-dl.meta dt{font-weight:bold}dl.meta dd{margin:0}
-table{border-collapse:collapse;font-size:12px}th,td{padding:3px 8px;border-bottom:1px solid #eee}
-th{background:#f4f4f4;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
-svg.chart{display:block;margin:8px 0;background:#fff}
-.ct{font-size:14px;font-weight:bold;fill:#222}.tick{font-size:11px;fill:#555}.lbl{font-size:12px;fill:#222}
-.grid{stroke:#e4e4e4;stroke-width:1}.frame{fill:none;stroke:#bbb}.budget{stroke:#222;stroke-width:1.5;stroke-dasharray:5 4}
-.front{fill:none;stroke:#999;stroke-width:1.5;stroke-dasharray:2 3}p.note{font-size:13px;color:#444}
-div.scroll{overflow-x:auto}"""
+# The look of moefq eval's report.html, one rule per line.
+_STYLE = "\n".join([
+    'body{font-family:sans-serif;margin:24px;color:#222;max-width:1100px}',
+    'h1{font-size:22px;margin-bottom:4px}',
+    'h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}',
+    'dl.meta{display:grid;grid-template-columns:max-content auto;gap:2px 16px;font-size:13px}',
+    'dl.meta dt{font-weight:bold}',
+    'dl.meta dd{margin:0}',
+    'table{border-collapse:collapse;font-size:12px}',
+    'th,td{padding:3px 8px;border-bottom:1px solid #eee}',
+    'th{background:#f4f4f4;text-align:left}',
+    'td.n{text-align:right;font-variant-numeric:tabular-nums}',
+    'svg.chart{display:block;margin:8px 0;background:#fff}',
+    '.ct{font-size:14px;font-weight:bold;fill:#222}',
+    '.tick{font-size:11px;fill:#555}',
+    '.lbl{font-size:12px;fill:#222}',
+    '.grid{stroke:#e4e4e4;stroke-width:1}',
+    '.frame{fill:none;stroke:#bbb}',
+    '.budget{stroke:#222;stroke-width:1.5;stroke-dasharray:5 4}',
+    '.front{fill:none;stroke:#999;stroke-width:1.5;stroke-dasharray:2 3}',
+    'p.note{font-size:13px;color:#444}',
+    'div.scroll{overflow-x:auto}',
+])
 
 
 def _esc(s):

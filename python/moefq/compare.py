@@ -381,6 +381,12 @@ class _Comparer:
         if not self.blocks:
             raise CompareError(f"the model ({type(model).__name__}) has no MoE block moefq can quantize")
         self.layers = sorted(self.blocks)
+        torch_ = self.torch
+        for l, b in self.blocks.items():
+            p = next(b.parameters(), None)
+            if p is not None and p.dtype != torch_.bfloat16:
+                raise CompareError(f"the MoE block of layer {l} holds {str(p.dtype).replace('torch.', '')} weights; "
+                                   "moefq computes MoE blocks in bf16: load the model in bfloat16 (--dtype bfloat16)")
         paths = {id(m): name for name, m in model.named_modules()}
         self.paths = {l: paths[id(b)] for l, b in self.blocks.items()}
         self.qnames = {l: (f"{p}.experts.dispatch_quantizer", f"{p}.experts.combine_quantizer")

@@ -376,6 +376,7 @@ def test_refusals(tmp_path):
         assert not out.exists()
 
     refused("has no MoE block", m=DenseLM())
+    refused("holds float32 weights", m=TinyCausalLM(layers=2).float())
     refused("shorter than one chunk", t=tokens[:CTX - 1])
     refused(r"need 160", chunks=4, calib_chunks=1)
     refused("not enough for", calib_chunks=4)

@@ -16,7 +16,7 @@ The contract (kept stable for the tools built on it, such as `moefq compare`):
     dict are patched with both quantizers off).
   - layers: the decoder layer indices to patch (default every MoE block); the others stay original.
   - calibration: a moefq calibration file or a dict {quantizer name: amax} loaded instead of calibrating
-    (forward_loop may then be None).
+    (forward_loop must then be None).
   - forward_loop(model): runs the calibration data; the quantizers that need an amax collect max |x| (the
     dispatch quantizer over the tokens sent to an expert, the combine quantizer over the active rows),
     every quantizer passes data through meanwhile, the amax is the MAX of what each one saw.
@@ -26,10 +26,10 @@ The contract (kept stable for the tools built on it, such as `moefq compare`):
     on any error the model is left as it was.
 - restore_moe(model) -> [module paths restored]: the original forwards back; on an unpatched model a no-op
   returning [].
-- MoeQuantization: .blocks (MoeBlock records: .layer, .path, .family, .class_name, .shared,
-  .dispatch_quantizer, .combine_quantizer, .block), .combine_weighting, .quantizers() -> {name: module},
-  .amax() -> {name: float or None}, .save_calibration(path), .load_calibration(path_or_dict), .summary()
-  (a text table, also str()).
+- MoeQuantization: .blocks (MoeBlock records: .layer, .path, .family, .class_name, .shared, .recipe (the
+  recipe's name or None), .dispatch_quantizer, .combine_quantizer, .block), .combine_weighting,
+  .quantizers() -> {name: module}, .amax() -> {name: float or None}, .save_calibration(path),
+  .load_calibration(path_or_dict), .summary() (a text table, also str()).
 - find_moe_blocks(model) -> {decoder layer index: block}; moe_block_paths(model) -> {index: module path}.
 - The quantizers are submodules of each block's experts module, named
   `<block path>.experts.dispatch_quantizer` / `.combine_quantizer` (model.layers.3.mlp.experts....), so a
@@ -48,9 +48,7 @@ quantizer re-sums the rows in fp32 from +0 in ascending slot order, the shared p
 unquantized, one rounding to bf16 (moefq.combine_qdq_resum, its CUDA kernels on the GPU).
 """
 
-import contextlib
 import inspect
-import math
 import os
 import types
 
@@ -71,7 +69,8 @@ _LAYER_PATHS = ("model.layers", "layers", "model.language_model.layers", "langua
 _BLOCK_ATTRS = ("mlp", "block_sparse_moe", "feed_forward", "moe")
 # transformers 4.x blocks by class name (DeepseekV3MoE, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, ...).
 _MOE_CLASS_SUFFIXES = ("MoE", "Moe", "SparseMoeBlock")
-_ATTR = "_moefq_quantization"
+_ATTR = "_moefq_quantization"  # the MoeQuantization, on the model
+_RECORD = "_moefq_block"  # its MoeBlock, on each patched block
 
 
 def _get(obj, path):
@@ -310,37 +309,36 @@ class _Probe:
         return torch.zeros_like(hidden_states)
 
 
-def _patched_forward(record):
-    """The forward that replaces the block's (bound to it as an instance attribute)."""
-
-    def forward(block, *args, **kwargs):
-        experts = record.experts
-        probe = _Probe()
-        experts.forward = probe
-        try:
-            result = type(block).forward(block, *args, **kwargs)
-        finally:
-            del experts.forward
-        if len(probe.calls) != 1:
-            raise ValueError(f"{record.path}: the block's forward called its experts {len(probe.calls)} times; "
-                             "moefq expects one call experts(x, top_k_index, top_k_weights)")
-        x, idx, w = probe.calls[0]
-        out = result[0] if isinstance(result, tuple) else result
-        y = record.routed_combine(x, idx, w, out.reshape(-1, out.shape[-1]) if record.shared != "none" else None)
-        y = y.reshape(out.shape)
-        if isinstance(result, tuple):
-            return (y,) + tuple(result[1:])
-        return y
-
-    return forward
+def _mega_moe_forward(block, *args, **kwargs):
+    """The forward that replaces a patched block's (bound to it as an instance attribute). It reads its
+    record from the block, so a copy.deepcopy of the model carries a working patch."""
+    record = block.__dict__[_RECORD]
+    experts = record.experts
+    probe = _Probe()
+    experts.forward = probe
+    try:
+        result = type(block).forward(block, *args, **kwargs)
+    finally:
+        del experts.forward
+    if len(probe.calls) != 1:
+        raise ValueError(f"{record.path}: the block's forward called its experts {len(probe.calls)} times; "
+                         "moefq expects one call experts(x, top_k_index, top_k_weights)")
+    x, idx, w = probe.calls[0]
+    # With the probe's zeros for the routed part, the block's output is its non-routed part: the shared
+    # expert in the family's own form (whatever its attribute name), exact zeros without one.
+    out = result[0] if isinstance(result, tuple) else result
+    y = record.routed_combine(x, idx, w, out.reshape(-1, out.shape[-1]).to(x.dtype)).reshape(out.shape)
+    if isinstance(result, tuple):
+        return (y,) + tuple(result[1:])
+    return y
 
 
 class MoeBlock:
     """One patched block: where it is, what it is, its two quantizers (torch modules, submodules of its
     experts module)."""
 
-    def __init__(self, layer, path, block, dispatch_quantizer, combine_quantizer, combine_weighting):
-        self.layer, self.path, self.block = layer, path, block
+    def __init__(self, layer, path, block, dispatch_quantizer, combine_quantizer, combine_weighting, recipe):
+        self.layer, self.path, self.block, self.recipe = layer, path, block, recipe
         self.family, self.class_name, self.shared = _family(block), type(block).__name__, _shared_form(block)
         self.experts = _fused_experts(block)
         self.dispatch_quantizer, self.combine_quantizer = dispatch_quantizer, combine_quantizer
@@ -368,17 +366,18 @@ class MoeBlock:
         else:
             xq = dq(x)
         # The (token, slot) pairs slot-major (k * T + t), grouped by expert: rows_flat[perm] gives [K, T, H].
-        ids = torch.where(active, idx.long(), torch.full_like(idx.long(), self.num_experts)).t().reshape(-1)
-        perm = torch.sort(ids, stable=True).indices  # torch 1.13 argsort has no stable flag
-        n_active = int(active.sum())
-        perm = perm[:n_active]
+        # An inactive slot is computed with the last expert (cheaper than a host sync to leave it out) and
+        # its row is never read: the combine gets its id as -1.
+        ids = torch.where(active, idx.long(), torch.full_like(idx.long(), self.num_experts - 1)).t().reshape(-1)
+        perm = torch.sort(ids, stable=True).indices  # torch 1.13's argsort has no stable flag
         ids_sorted = ids[perm]
         tokens = perm % T
-        counts = torch.bincount(ids_sorted, minlength=self.num_experts)[:self.num_experts]
+        # histc, not bincount: no host sync on CUDA.
+        counts = torch.histc(ids_sorted.float(), bins=self.num_experts, min=0, max=self.num_experts - 1).long()
         transposed = _transposed(self.experts, H)
         out = _expert_rows(self.experts, xq[tokens], ids_sorted, counts, transposed)
         weights = w.t().reshape(-1)[perm]
-        rows = x.new_zeros((K * T, H))
+        rows = x.new_empty((K * T, H))
         if self.combine_weighting == "before":
             rows[perm] = (out * weights[:, None]).to(x.dtype)
             topk_weights = None
@@ -423,8 +422,8 @@ def _as_recipe(recipe):
 class MoeQuantization:
     """What quantize_moe replaced: one MoeBlock per patched block, in layer order."""
 
-    def __init__(self, model, blocks, combine_weighting, recipes):
-        self.model, self.blocks, self.combine_weighting, self._recipes = model, blocks, combine_weighting, recipes
+    def __init__(self, model, blocks, combine_weighting):
+        self.model, self.blocks, self.combine_weighting = model, blocks, combine_weighting
 
     def quantizers(self):
         """{name: module} of every quantizer, dispatch then combine per block, in layer order."""
@@ -450,10 +449,10 @@ class MoeQuantization:
         _load_calibration(self.quantizers(), calibration)
 
     def summary(self):
-        rows = [("layer", "module", "family", "class", "shared expert", "dispatch", "combine")]
+        rows = [("layer", "module", "family", "class", "shared expert", "recipe", "dispatch", "combine")]
         for b in self.blocks:
-            rows.append((str(b.layer), b.path, b.family, b.class_name, b.shared, _describe(b.dispatch_quantizer),
-                         _describe(b.combine_quantizer)))
+            rows.append((str(b.layer), b.path, b.family, b.class_name, b.shared, b.recipe or "-",
+                         _describe(b.dispatch_quantizer), _describe(b.combine_quantizer)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = [f"moefq: {len(self.blocks)} MoE block(s) computed as the Mega-MoE kernel does "
                  f"(combine_weighting: {self.combine_weighting})"]
@@ -546,6 +545,8 @@ def quantize_moe(model, recipe, forward_loop=None, *, combine_weighting=None, la
     when verbose). See the module docstring for the contract."""
     from .torch import CombineQuantizer, DispatchQuantizer
 
+    if forward_loop is not None and calibration is not None:
+        raise ValueError("quantize_moe: give forward_loop (to calibrate) or calibration (to load), not both")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("quantize_moe: the model's MoE blocks are already patched by moefq; call "
                          "moefq.hf.restore_moe(model) first")
@@ -574,8 +575,8 @@ def quantize_moe(model, recipe, forward_loop=None, *, combine_weighting=None, la
         if param is not None:
             dq.to(param.device)
             cq.to(param.device)
-        records.append(MoeBlock(i, path, block, dq, cq, weighting))
-    q = MoeQuantization(model, records, weighting, recipes)
+        records.append(MoeBlock(i, path, block, dq, cq, weighting, None if recipes[i] is None else recipes[i].name))
+    q = MoeQuantization(model, records, weighting)
 
     _install(q)
     try:
@@ -601,27 +602,45 @@ def _install(q):
     for r in q.blocks:
         r.experts.add_module("dispatch_quantizer", r.dispatch_quantizer)
         r.experts.add_module("combine_quantizer", r.combine_quantizer)
-        r.block.forward = types.MethodType(_patched_forward(r), r.block)
+        r.block.__dict__[_RECORD] = r
+        r.block.forward = types.MethodType(_mega_moe_forward, r.block)
     object.__setattr__(q.model, _ATTR, q)
 
 
 def _calibrate(q, model, forward_loop):
     """Max calibration of every enabled quantizer that needs an amax while forward_loop(model) runs; the other
-    quantizers pass data through meanwhile (as moefq's engine calibrates: no QDQ during calibration)."""
+    quantizers pass data through meanwhile (as moefq's engine calibrates: no QDQ during calibration). Every
+    quantizer that saw no data is named in one error; on any error none stores an amax."""
     mods = list(q.quantizers().values())
     calibrated = [m for m in mods if m.enabled and m.quantizer.needs_calibration]
+    if not calibrated:
+        return  # nothing to calibrate: the loop is not run
     paused = [m for m in mods if m.enabled and not m.quantizer.needs_calibration]
     for m in paused:
         m.disable()
+    started = []
     try:
-        with contextlib.ExitStack() as stack:
-            for m in calibrated:
-                stack.enter_context(m.calibrate())
-            with torch.no_grad():
-                forward_loop(model)
+        for m in calibrated:
+            m.quantizer.start_calibration()
+            started.append(m)
+        with torch.no_grad():
+            forward_loop(model)
+        empty = [m.quantizer.name for m in calibrated if not m.quantizer.seen_data]
+        if empty:
+            raise ValueError(f"quantize_moe: no calibration data reached {', '.join(empty)}: forward_loop(model) "
+                             "must run the model on batches whose tokens reach these blocks")
+        for m in calibrated:
+            m.quantizer.finish_calibration()
+    except BaseException:
+        for m in started:
+            if m.quantizer.calibrating:
+                m.quantizer.abort_calibration()
+        raise
     finally:
         for m in paused:
             m.enable()
+        for m in calibrated:
+            m._sync_amax()
 
 
 def restore_moe(model):
@@ -633,6 +652,7 @@ def restore_moe(model):
         return []
     for r in q.blocks:
         r.block.__dict__.pop("forward", None)
+        r.block.__dict__.pop(_RECORD, None)
         for name in ("dispatch_quantizer", "combine_quantizer"):
             if name in r.experts._modules:
                 del r.experts._modules[name]

@@ -1,4 +1,5 @@
-"""moefq's quantizers as torch.nn.Modules, to put into a model's MoE, and capture_moe_inputs, which
+"""moefq's quantizers as torch.nn.Modules, to put into a model's MoE, and (from moefq.hf) quantize_moe /
+restore_moe, which put them into every MoE block of a Hugging Face model, and capture_moe_inputs, which
 records a Hugging Face model's MoE inputs into the activations file `moefq eval --activations` reads.
 
 DispatchQuantizer sits where the tokens leave for the experts (x -> QDQ(x)); CombineQuantizer

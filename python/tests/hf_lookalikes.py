@@ -63,16 +63,22 @@ class FusedExperts(torch.nn.Module):
         return F.linear(self.act_fn(gate) * up, self.down_proj[e])
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        final = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for e in hit:
-            e = e[0]
-            pos, tok = torch.where(mask[e])
-            out = self.expert(e, hidden_states[tok]) * top_k_weights[tok, pos, None]
-            final.index_add_(0, tok, out.to(final.dtype))
-        return final
+        return eager_experts(self, hidden_states, top_k_index, top_k_weights)
+
+
+def eager_experts(experts, hidden_states, top_k_index, top_k_weights):
+    """The eager experts forward: each expert hit, on its tokens in (slot, token) order, weighted rows added
+    into a tensor of the input dtype (a rounding per add), expert after expert."""
+    final = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        mask = F.one_hot(top_k_index, num_classes=experts.num_experts).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit:
+        e = e[0]
+        pos, tok = torch.where(mask[e])
+        out = experts.expert(e, hidden_states[tok]) * top_k_weights[tok, pos, None]
+        final.index_add_(0, tok, out.to(final.dtype))
+    return final
 
 
 class GptOssExperts(torch.nn.Module):
@@ -98,14 +104,7 @@ class GptOssExperts(torch.nn.Module):
         return self._apply_gate(h) @ self.down_proj[e] + self.down_proj_bias[e]
 
     def forward(self, hidden_states, router_indices=None, routing_weights=None):
-        final = torch.zeros_like(hidden_states)
-        mask = F.one_hot(router_indices, num_classes=self.num_experts).permute(2, 1, 0)
-        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
-            e = e[0]
-            pos, tok = torch.where(mask[e])
-            out = self.expert(e, hidden_states[tok]) * routing_weights[tok, pos, None]
-            final.index_add_(0, tok, out.to(final.dtype))
-        return final
+        return eager_experts(self, hidden_states, router_indices, routing_weights)
 
 
 class GptOssTopKRouter(torch.nn.Module):
@@ -155,6 +154,10 @@ class MixtralSparseMoeBlock(Qwen3MoeSparseMoeBlock):
     pass
 
 
+class OlmoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
+    pass
+
+
 class Qwen2MoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
     """Qwen2-MoE / Qwen3-Next: the shared expert scaled by sigmoid(shared_expert_gate(x)), added last."""
 
@@ -172,6 +175,10 @@ class Qwen2MoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
         out = self.experts(x, idx, weights)
         out += shared
         return out.reshape(b, s, h)
+
+
+class Qwen3NextSparseMoeBlock(Qwen2MoeSparseMoeBlock):
+    pass
 
 
 class DeepseekV3TopkRouter(torch.nn.Module):
@@ -235,20 +242,20 @@ class DeepseekV2Moe(torch.nn.Module):
         self.top_k, self.routed_scaling_factor = top_k, scaling
 
     def route_tokens_to_experts(self, router_logits):
-        scores = router_logits.softmax(dim=-1, dtype=torch.float32)
-        group_scores = scores.view(scores.shape[0], self.num_group, -1).max(dim=-1).values
+        b, s, e = router_logits.shape  # [batch, seq, experts], as the block passes them
+        scores = router_logits.view(-1, e).softmax(dim=-1, dtype=torch.float32)
+        group_scores = scores.view(b * s, self.num_group, -1).max(dim=-1).values
         group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
-        tmp = scores.masked_fill(~score_mask.reshape(scores.shape[0], -1).bool(), 0.0)
+        score_mask = group_mask.unsqueeze(-1).expand(b * s, self.num_group, self.num_experts // self.num_group)
+        tmp = scores.masked_fill(~score_mask.reshape(b * s, -1).bool(), 0.0)
         weights, idx = torch.topk(tmp, k=self.top_k, dim=-1, sorted=False)
         return idx, weights * self.routed_scaling_factor
 
     def forward(self, hidden_states):
         residuals, shape = hidden_states, hidden_states.shape
-        x = hidden_states.view(-1, shape[-1])
-        idx, weights = self.route_tokens_to_experts(F.linear(x.float(), self.gate.weight.float()))
-        out = self.experts(x, idx, weights).view(*shape)
+        idx, weights = self.route_tokens_to_experts(F.linear(hidden_states.float(), self.gate.weight.float()))
+        out = self.experts(hidden_states.view(-1, shape[-1]), idx, weights).view(*shape)
         return out + self.shared_experts(residuals)
 
 
@@ -319,7 +326,9 @@ PerExpertMoe.__name__ = "Qwen3MoeSparseMoeBlock"
 FAMILIES = {
     "qwen3_moe": lambda: Qwen3MoeSparseMoeBlock(),
     "mixtral": lambda: MixtralSparseMoeBlock(norm_topk_prob=True),
+    "olmoe": lambda: OlmoeSparseMoeBlock(norm_topk_prob=False),
     "qwen2_moe": lambda: Qwen2MoeSparseMoeBlock(),
+    "qwen3_next": lambda: Qwen3NextSparseMoeBlock(),
     "deepseek_v3": lambda: DeepseekV3MoE(),
     "glm4_moe": lambda: Glm4MoeMoE(),
     "deepseek_v2": lambda: DeepseekV2Moe(),

@@ -133,7 +133,7 @@ class Qwen3MoeSparseMoeBlock(torch.nn.Module):
 
 
 class QuantizedQwen3Moe(torch.nn.Module):
-    """docs/python.md's worked example, as written there."""
+    """The quantizer modules inside MoE code of your own (a block of one Linear per expert, routed by hand)."""
 
     def __init__(self, block, fmt="nvfp4"):
         super().__init__()
@@ -156,7 +156,7 @@ class QuantizedQwen3Moe(torch.nn.Module):
         return self.combine(rows).reshape(shape), logits
 
 
-def test_docs_example_trains():
+def test_hand_written_block_trains():
     torch.manual_seed(4)
     m = QuantizedQwen3Moe(Qwen3MoeSparseMoeBlock(64, 4, 2).bfloat16())
     h = torch.randn(2, 8, 64).bfloat16()

@@ -428,6 +428,9 @@ class _Comparer:
                 raise CompareError(f"--max-kl {max_kl}: must be a finite number >= 0")
             if not self.sensitivity:
                 self.sensitivity = [r.name for r in self.recipes]
+            if len({self.cw_of[r] for r in self.sensitivity}) > 1:
+                raise CompareError("--max-kl: the recipes to pick from use both combine weightings (one model runs "
+                                   "one); name recipes of one with --sensitivity R ...")
         self.max_kl = max_kl
         self.recipe_by_name = {r.name: r for r in self.recipes}
 
@@ -543,12 +546,7 @@ class _Comparer:
                 q = hf.quantize_moe(self.model, spec["recipe"], layers=[spec["layer"]], **kw)
             else:
                 q = hf.quantize_moe(self.model, spec["assignment"], **kw)
-        mods = {}
-        for rec in q.blocks:
-            layer = _field(rec, "layer", "layer_index", "index")
-            path = _field(rec, "module_path", "path", "name")
-            mods[int(layer)] = self.model.get_submodule(path) if path else self.blocks[int(layer)]
-        return mods
+        return {int(rec.layer): rec.block for rec in q.blocks}
 
     def _spec_for(self, recipes_by_layer):
         """A run's spec for {layer: recipe name or None}: the recipes, the combine weighting, which
@@ -723,7 +721,10 @@ class _Comparer:
                 sens.setdefault(run.recipe, {})[run.layer] = run.figures()["kl"]["mean"]
         target, assign, tries, verified = self.max_kl, None, [], None
         for attempt in range(4):
+            before = assign
             assign, est = self._greedy(sens, off_kl, target, assign)
+            if assign == before:
+                break  # no move left that the estimate favours: fall back below
             run = self._assignment_run(f"pick{attempt + 1}" if attempt else "pick", assign)
             progress.add(self.chunks * (1 if self.ref_logprobs is not None else 2))
             self._execute([run], progress)
@@ -855,14 +856,6 @@ class _Comparer:
 
 def _sort_key(v):
     return (0, v) if math.isfinite(v) else (1, 0.0)
-
-
-def _field(rec, *names):
-    for n in names:
-        v = rec.get(n) if isinstance(rec, dict) else getattr(rec, n, None)
-        if v is not None:
-            return v
-    return None
 
 
 def _join_words(ws):

@@ -386,6 +386,7 @@ def test_refusals(tmp_path):
     refused("'no_such_recipe' is neither a recipe file", recipes=["no_such_recipe"])
     (tmp_path / "after.yaml").write_text("$import: [moe_combine_fp8]\ncombine_weighting: after\n")
     refused("combine_weighting after", recipes=[str(tmp_path / "after.yaml")], combine_weighting="before")
+    refused("both combine weightings", recipes=[str(tmp_path / "after.yaml"), "moe_combine_fp8"], max_kl=0.1)
     refused("needs a calibrated amax", calib_chunks=0)
     refused("--sensitivity both_fp8: not one of the recipes", sensitivity=["both_fp8"])
     refused("--max-kl -1", max_kl=-1.0)
@@ -460,3 +461,17 @@ def test_cli_refusals(tmp_path):
 def test_cli_help():
     rc, so, _ = _cli("--help")
     assert rc == 0 and "--max-kl" in so and "--save-reference" in so and "--calib-chunks" in so
+
+
+def test_both_combine_weightings_calibrate_once_each(tmp_path):
+    (tmp_path / "combine_fp8_after.yaml").write_text("$import: [moe_combine_fp8]\ncombine_weighting: after\n")
+    model = TinyCausalLM(layers=2)
+    rep = mc.run_compare(model, _tokens(4), ctx=CTX, calib_chunks=1,
+                         recipes=[str(tmp_path / "combine_fp8_after.yaml"), "moe_combine_fp8"])
+    assert sorted(rep["calibration"]) == ["after", "before"]
+    assert rep["config"]["combine_weighting"] == {"combine_fp8_after": "after", "moe_combine_fp8": "before"}
+    name = "model.layers.0.mlp.experts.combine_quantizer"
+    # The rows are unweighted with "after": another max, hence its own calibration.
+    assert rep["calibration"]["after"][name] != rep["calibration"]["before"][name]
+    by = {e["name"]: e for e in rep["runs"]}
+    assert by["combine_fp8_after"]["kl"]["mean"] > 0 and by["moe_combine_fp8"]["kl"]["mean"] > 0

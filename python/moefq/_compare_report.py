@@ -49,7 +49,9 @@ def _rows(report):
 
 def _format_table(head, rows, right):
     w = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
-    line = lambda r: " ".join((str(c).rjust(w[i]) if right[i] else str(c).ljust(w[i])) for i, c in enumerate(r)).rstrip()
+    def line(r):
+        return " ".join((str(c).rjust(w[i]) if right[i] else str(c).ljust(w[i])) for i, c in enumerate(r)).rstrip()
+
     out = [line(head), "-" * len(line(head))]
     out += [line(r) for r in rows]
     return out
@@ -62,7 +64,8 @@ def table_text(report):
     o = report["original"]["ppl"]
     lines = [f"moefq compare: {c['model']} ({c['model_class']}), {len(c['moe_layers'])} MoE layers, {c['device']} "
              f"{c['dtype']}",
-             f"tokens: {c['chunks']} chunks of {c['ctx']}, {c['scored_tokens']} scored (the second half of each chunk); "
+             f"tokens: {c['chunks']} chunks of {c['ctx']}, {c['scored_tokens']} scored (the second half of each "
+             "chunk); "
              f"{c['calib_chunks']} calibration chunks",
              f"original model: perplexity {_g(o['value'], 6)} ± {_g(o['error'], 2)}", ""]
     head = ["run", "disp", "comb", "kl_mean", "kl_p99", "kl_max", "top1_%", "ppl_ratio", "blk_l2", "B/token",
@@ -73,7 +76,8 @@ def table_text(report):
               "top1_%:    how often the run's most likely token is the original's (± binomial error)",
               "ppl_ratio: PPL(run) / PPL(original), ± an error that accounts for their correlation",
               "blk_l2:    the worst MoE block's output relative L2 against the original model's (errors compound)",
-              "B/token:   dispatch + combine bytes per token per destination rank (mean over MoE layers); saving: vs bf16",
+              "B/token:   dispatch + combine bytes per token per destination rank (mean over MoE layers); saving: "
+              "vs bf16",
               "none:      moefq's MoE with both quantizers off: the kernel's summation order alone"]
     for recipe, rows in report.get("sensitivity", {}).items():
         top = rows[:10]
@@ -201,7 +205,8 @@ class _LogAxis:
 
 def _svg_open(w, h, title):
     return (f'<svg class="chart" role="img" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-            f'viewBox="0 0 {w} {h}">\n<title>{_esc(title)}</title>\n<text x="70" y="20" class="ct">{_esc(title)}</text>\n')
+            f'viewBox="0 0 {w} {h}">\n<title>{_esc(title)}</title>\n'
+            f'<text x="70" y="20" class="ct">{_esc(title)}</text>\n')
 
 
 def pareto_svg(report):
@@ -243,7 +248,8 @@ def pareto_svg(report):
     for i, (b, k, name) in enumerate(good):
         c = _COLOURS[i % len(_COLOURS)]
         s += (f'<circle cx="{_px(X(b))}" cy="{_px(Y(k))}" r="4" fill="{c}"><title>{_esc(name)}: KL {_g(k)}, {b:.0f} '
-              f'B/token</title></circle>\n<text x="{_px(X(b) + 6)}" y="{_px(Y(k) - 5)}" class="lbl">{_esc(name)}</text>\n')
+              f'B/token</title></circle>\n'
+              f'<text x="{_px(X(b) + 6)}" y="{_px(Y(k) - 5)}" class="lbl">{_esc(name)}</text>\n')
     zero = [name for b, k, name in pts if not (math.isfinite(k) and k > 0)]
     s += "</svg>\n"
     if zero:
@@ -306,7 +312,8 @@ def kl_distribution_svg(report):
         c = _COLOURS[i % len(_COLOURS)]
         mids = [(edges[j] + edges[j + 1]) / 2 for j in range(len(f))]
         pts = " ".join(f"{_px(X(m))},{_px(Y(v))}" for m, v in zip(mids, f))
-        s += f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{pts}"><title>{_esc(e["name"])}</title></polyline>\n'
+        s += (f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{pts}">'
+              f'<title>{_esc(e["name"])}</title></polyline>\n')
         ly = top + 8 + 16 * i
         s += (f'<line x1="{W - right + 14}" y1="{ly}" x2="{W - right + 40}" y2="{ly}" stroke="{c}" stroke-width="2"/>\n'
               f'<text x="{W - right + 46}" y="{ly + 4}" class="lbl">{_esc(e["name"])}</text>\n')
@@ -322,7 +329,7 @@ def _html_table(head, rows):
 
 
 def html_text(report):
-    c = report["config"]
+    c, o = report["config"], report["original"]["ppl"]
     title = f"moefq compare: {c['model']}"
     s = (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{_esc(title)}</title>\n'
          f"<style>\n{_STYLE}\n</style>\n</head>\n<body>\n<h1>{_esc(title)}</h1>\n")
@@ -330,7 +337,7 @@ def html_text(report):
             ("MoE layers", f"{len(c['moe_layers'])}: {', '.join(map(str, c['moe_layers']))}"),
             ("tokens", f"{c['chunks']} chunks of {c['ctx']}; {c['scored_tokens']} scored"),
             ("scoring", c["scoring"]), ("calibration", f"{c['calib_chunks']} chunks; {c['calibration']}"),
-            ("original perplexity", f"{_g(report['original']['ppl']['value'], 6)} ± {_g(report['original']['ppl']['error'], 2)}"),
+            ("original perplexity", f"{_g(o['value'], 6)} ± {_g(o['error'], 2)}"),
             ("reference", c["reference"]["loaded"] or "computed in this run"),
             ("generated", f"{report['generated']} by moefq {report['version']} in {report['wall_seconds']:.1f} s")]
     if c.get("max_kl") is not None:
@@ -338,7 +345,8 @@ def html_text(report):
     s += '<dl class="meta">' + "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in meta) + "</dl>\n"
     p = report.get("pick")
     if p:
-        s += f'<h2>The pick</h2>\n<p class="note"><b>{_esc(p["description"])}</b> (verified: run {_esc(p["verified_run"])}).</p>\n'
+        s += (f'<h2>The pick</h2>\n<p class="note"><b>{_esc(p["description"])}</b> '
+              f'(verified: run {_esc(p["verified_run"])}).</p>\n')
     s += "<h2>Cost against wire bytes</h2>\n" + pareto_svg(report)
     s += "<h2>Runs</h2>\n" + _html_table(
         ["run", "disp", "comb", "KL mean", "KL p99", "KL max", "same top-1 %", "PPL ratio", "worst block rel-L2",

@@ -2,7 +2,8 @@
 negative log-likelihood against a reference model's log-probabilities, and the summaries
 llama.cpp's perplexity tool prints with --kl-divergence (mean with its standard error, percentiles,
 the perplexity ratio and difference with an uncertainty that accounts for the correlation of the
-two models' per-token log-likelihoods). The per-token figures come from numpy arrays or torch tensors (computed on their device)."""
+two models' per-token log-likelihoods). The per-token figures come from numpy arrays or torch
+tensors (computed on their device)."""
 
 import math
 
@@ -114,7 +115,8 @@ def summarize(kl, same, nll, nll_ref):
     out["nll_correlation"] = c / (s * s_ref) if s > 0 and s_ref > 0 else float("nan")
     out["ln_ppl_ratio"] = {"value": ln_ratio, "error": ln_err}
     out["ppl_ratio"] = {"value": math.exp(ln_ratio), "error": math.exp(ln_ratio) * ln_err}
-    out["ppl_diff"] = {"value": ppl - ppl_ref, "error": math.sqrt(max(u * u + u_ref * u_ref - 2 * ppl * ppl_ref * c, 0.0))}
+    diff_var = u * u + u_ref * u_ref - 2 * ppl * ppl_ref * c
+    out["ppl_diff"] = {"value": ppl - ppl_ref, "error": math.sqrt(max(diff_var, 0.0))}
     return out
 
 

@@ -78,7 +78,8 @@ def default_recipes():
     for f in ("fp8", "nvfp4", "mxfp8", "mxfp4"):
         for side in ("dispatch", "combine", "both"):
             units = f"moe_dispatch_{f}, moe_combine_{f}" if side == "both" else f"moe_{side}_{f}"
-            out.append(_NamedRecipe(f"{side}_{f}", _parse_recipe(f"$import: [{units}]\nalgorithm: max\n", f"{side}_{f}")))
+            name = f"{side}_{f}"
+            out.append(_NamedRecipe(name, _parse_recipe(f"$import: [{units}]\nalgorithm: max\n", name)))
     return out
 
 
@@ -421,7 +422,8 @@ class _Comparer:
             sensitivity = [s if isinstance(s, str) else s.name for s in sensitivity]
             for s in sensitivity:
                 if s not in known:
-                    raise CompareError(f"--sensitivity {s}: not one of the recipes of the run ({', '.join(sorted(known))})")
+                    raise CompareError(f"--sensitivity {s}: not one of the recipes of the run "
+                                       f"({', '.join(sorted(known))})")
         self.sensitivity = list(sensitivity or [])
         if max_kl is not None:
             if not (isinstance(max_kl, (int, float)) and math.isfinite(max_kl) and max_kl >= 0):
@@ -485,7 +487,8 @@ class _Comparer:
             self.vocab = int(logits.shape[-1])
             self.fingerprint["vocab"] = self.vocab
         elif logits.shape[-1] != self.vocab:
-            raise CompareError(f"the model returned {logits.shape[-1]} logits per token; its vocabulary is {self.vocab}")
+            raise CompareError(f"the model returned {logits.shape[-1]} logits per token; its vocabulary is "
+                               f"{self.vocab}")
         return logits[0]
 
     def _scored_logprobs(self, logits):
@@ -729,7 +732,8 @@ class _Comparer:
             progress.add(self.chunks * (1 if self.ref_logprobs is not None else 2))
             self._execute([run], progress)
             kl = run.figures()["kl"]["mean"]
-            tries.append({"assignment": {str(l): assign[l] for l in self.layers}, "estimated_kl": est, "measured_kl": kl})
+            tries.append({"assignment": {str(l): assign[l] for l in self.layers}, "estimated_kl": est,
+                          "measured_kl": kl})
             verified = run
             if kl <= self.max_kl or all(assign[l] is None for l in self.layers):
                 break
@@ -978,14 +982,16 @@ def _parser():
         description="The whole-model cost of each dispatch/combine recipe on a transformers causal LM: KL "
                     "divergence from the original model, same top-1, perplexity, per-layer sensitivity and a "
                     "per-layer pick within a KL budget (docs/compare.md).")
-    p.add_argument("--model", required=True, metavar="DIR", help="a local transformers model directory (nothing is downloaded)")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="a local transformers model directory (nothing is downloaded)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", metavar="FILE", help="a text file, tokenized with the model's tokenizer")
     src.add_argument("--tokens", metavar="FILE", help="token ids: .npy, .pt, or whitespace-separated integers")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512); the second half is scored")
     p.add_argument("--chunks", type=int, default=None, help="scored chunks (default: all the text holds)")
     p.add_argument("--calib-chunks", type=int, default=2, help="calibration chunks after the scored ones (default 2)")
-    p.add_argument("--recipes", nargs="+", metavar="RECIPE", help="recipe files or unit names (default: moefq eval's sweep)")
+    p.add_argument("--recipes", nargs="+", metavar="RECIPE",
+                   help="recipe files, unit names or the sweep's names (both_nvfp4, ...); default: moefq eval's sweep")
     p.add_argument("--recipe-root", default="", metavar="DIR", help="where recipe imports are looked up first")
     p.add_argument("--combine-weighting", choices=("before", "after"), default=None)
     p.add_argument("--device", default="auto", help="auto (cuda when a GPU is visible), cpu, cuda or cuda:N")
@@ -993,9 +999,10 @@ def _parser():
                    help="the model's dtype (default bfloat16; auto: the checkpoint's)")
     p.add_argument("--out", metavar="DIR", help="write report.json, report.csv, report.html there")
     p.add_argument("--save-reference", metavar="FILE", help="save the original model's log-probabilities")
-    p.add_argument("--reference", metavar="FILE", help="read the original model's log-probabilities instead of running it")
+    p.add_argument("--reference", metavar="FILE",
+                   help="read the original model's log-probabilities instead of running it")
     p.add_argument("--sensitivity", nargs="*", metavar="RECIPE", default=None,
-                   help="quantize one layer at a time with these recipes (none named: every recipe) and rank the layers")
+                   help="quantize one layer at a time with these recipes (none named: every recipe), rank the layers")
     p.add_argument("--max-kl", type=float, default=None, metavar="X",
                    help="the cheapest per-layer assignment with mean KL <= X, verified by a full run")
     p.add_argument("--seed", type=int, default=0, help="torch's seed (default 0)")
@@ -1101,7 +1108,8 @@ def main(argv=None):
         if tokens is None:
             tokens = _tokenize(args.model, args.text)
             if tokens.size < args.ctx:
-                raise CompareError(f"--text {args.text}: {tokens.size} tokens, shorter than one chunk of --ctx {args.ctx}")
+                raise CompareError(f"--text {args.text}: {tokens.size} tokens, shorter than one chunk of --ctx "
+                                   f"{args.ctx}")
         sensitivity = None if args.sensitivity is None else (args.sensitivity or True)
         t0 = time.monotonic()
         run_compare(model, tokens, ctx=args.ctx, chunks=args.chunks, calib_chunks=args.calib_chunks,

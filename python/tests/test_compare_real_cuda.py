@@ -4,7 +4,6 @@ with save_pretrained, run through `python3 -m moefq.compare` on the GPU: the rep
 file reused, the sensitivity ranking and the pick, and the refusals that need a real model."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -21,40 +20,42 @@ import moefq  # noqa: E402
 if not moefq.built_with_cuda:
     pytest.skip("moefq built without CUDA", allow_module_level=True)
 
-VOCAB, CTX = 256, 64
-
-
-def _config(family):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                  num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=512)
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                                           decoder_sparse_step=1, mlp_only_layers=[], **common)
-    if family == "deepseek_v3":
-        return transformers.DeepseekV3Config(num_key_value_heads=4, n_routed_experts=16, n_shared_experts=1,
-                                             num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
-                                             q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                                             v_head_dim=16, **common)
-    raise ValueError(family)
-
-
+VOCAB, CTX = 128, 64
+COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6)
+FAMILIES = {
+    "qwen3_moe": dict(intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                      num_hidden_layers=3, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
+    # DeepSeek's attention (MLA): its head_dim is the rotary part's; layer 0 dense.
+    "deepseek_v3": dict(intermediate_size=256, moe_intermediate_size=64, n_routed_experts=16, num_experts_per_tok=4,
+                        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, num_key_value_heads=4, head_dim=16),
+}
 MOE_LAYERS = {"qwen3_moe": [0, 1, 2], "deepseek_v3": [1, 2]}
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
 def saved(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(request.param)
+    """A tiny random-weight model of the family, saved with save_pretrained, and random token ids."""
+    family = request.param
+    d = tmp_path_factory.mktemp(family)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
-    # Larger weights than the default init (0.02), so that the next-token distributions are not flat.
+    cfg = transformers.AutoConfig.for_model(family, **dict(COMMON, **FAMILIES[family]))
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    # The default init (std 0.02) gives flat next-token distributions and tiny expert outputs; larger
+    # experts and head weights make the recipes' costs measurable.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.mul_(10.0)
+            if name.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3:
+                p.normal_(0, 0.1)
+        model.get_output_embeddings().weight.normal_(0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.2, 0.2)
     model.save_pretrained(d / "model")
-    tokens = np.random.default_rng(0).integers(0, VOCAB, CTX * 6)
-    np.save(d / "tokens.npy", tokens)
-    return request.param, d
+    np.save(d / "tokens.npy", np.random.default_rng(0).integers(0, VOCAB, CTX * 6))
+    return family, d
 
 
 def _cli(*args):

@@ -395,6 +395,13 @@ class _Comparer:
         self.all_qnames = [n for l in self.layers for n in self.qnames[l]]
         self.param = next(model.parameters())
         self.device = self.param.device
+        # transformers' forward keeps a KV cache unless told not to: memory a scoring pass never uses.
+        import inspect
+        try:
+            params = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        self.forward_kwargs = {"use_cache": False} if "use_cache" in params else {}
 
         self.recipes = _load_recipes(recipes, recipe_root)
         self.combine_weighting = combine_weighting
@@ -477,7 +484,7 @@ class _Comparer:
         try:
             with torch.no_grad():
                 x = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
-                logits = _logits_of(self.model(x))
+                logits = _logits_of(self.model(x, **self.forward_kwargs))
         finally:
             for h in handles:
                 h.remove()

@@ -476,3 +476,19 @@ def test_both_combine_weightings_calibrate_once_each(tmp_path):
     assert rep["calibration"]["after"][name] != rep["calibration"]["before"][name]
     by = {e["name"]: e for e in rep["runs"]}
     assert by["combine_fp8_after"]["kl"]["mean"] > 0 and by["moe_combine_fp8"]["kl"]["mean"] > 0
+
+
+def test_report_html_renders(small_run, tmp_path):
+    """report.html in headless Chromium (where there is one): the charts are in the DOM."""
+    import shutil
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    if browser is None:
+        pytest.skip("no Chromium to render the report with")
+    _, _, _, d = small_run
+    p = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path}",
+                        "--dump-dom", (d / "out" / "report.html").as_uri()], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    dom = p.stdout
+    assert dom.count("<svg") >= 2 and dom.count("<circle") >= 4 and "<polyline" in dom and "The pick" not in dom
+    assert "mean KL divergence against wire bytes per token" in dom and "per-token KL divergence" in dom

@@ -857,6 +857,8 @@ class _Comparer:
             "calibration": self.amax,
             "original": {"ppl": off["ppl_ref"]},
             "runs": entries,
+            "sort": "runs: none first, then the recipes best first by mean KL, then the verified pick; sensitivity: "
+                    "most sensitive layer first",
             "sensitivity": sens,
             "cheapest_recipe_within_budget": cheapest,
             "pick": pick,

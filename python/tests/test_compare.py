@@ -492,3 +492,27 @@ def test_report_html_renders(small_run, tmp_path):
     dom = p.stdout
     assert dom.count("<svg") >= 2 and dom.count("<circle") >= 4 and "<polyline" in dom and "The pick" not in dom
     assert "mean KL divergence against wire bytes per token" in dom and "per-token KL divergence" in dom
+
+
+def test_greedy_pick_on_given_sensitivities():
+    """The greedy on hand-made one-layer KLs: every layer starts on its cheapest recipe, and the move
+    saving the most KL per wire byte is made until the estimate fits."""
+    c = mc._Comparer.__new__(mc._Comparer)
+    c.layers, c.hidden = [0, 1, 2], {0: 64, 1: 64, 2: 64}
+    c.qnames = {l: (f"l{l}.dispatch", f"l{l}.combine") for l in c.layers}
+    c.formats = {r: {n: ((fmt, True) if n.endswith("combine") else (None, False))
+                     for l in c.layers for n in c.qnames[l]} for r, fmt in (("nv", "nvfp4"), ("f8", "fp8"))}
+    sens = {"nv": {0: 0.01, 1: 0.2, 2: 0.01}, "f8": {0: 0.001, 1: 0.02, 2: 0.001}}
+    # Bytes per layer: nv 128 + 36 = 164, f8 128 + 64 = 192, bf16 256.
+    assert c._layer_wire(0, "nv") == 164 and c._layer_wire(0, "f8") == 192 and c._layer_wire(0, None) == 256
+    assign, est = c._greedy(sens, 0.0003, 1.0)
+    assert assign == {0: "nv", 1: "nv", 2: "nv"} and est == pytest.approx(0.22)
+    # Layer 1 to fp8 saves 0.18 for 28 bytes: the best move by far.
+    assign, est = c._greedy(sens, 0.0003, 0.05)
+    assert assign == {0: "nv", 1: "f8", 2: "nv"} and est == pytest.approx(0.04)
+    # Then layers 0 and 2 to fp8 (0.009 per 28 bytes) before layer 1 to bf16 (0.0199 per 64 bytes).
+    assign, est = c._greedy(sens, 0.0003, 0.025, start=assign)
+    assert assign == {0: "f8", 1: "f8", 2: "f8"} and est == pytest.approx(0.022)
+    # Nothing fits below the bf16 floor: every layer ends on bf16 (the estimate: the none run's KL).
+    assign, est = c._greedy(sens, 0.0003, 1e-9)
+    assert assign == {0: None, 1: None, 2: None} and est == pytest.approx(0.0003)

@@ -15,8 +15,9 @@ The contract (kept stable for the tools built on it, such as `moefq compare`):
     the kernel's summation order); or a dict {decoder layer index: recipe or None} (layers absent from the
     dict are patched with both quantizers off).
   - layers: the decoder layer indices to patch (default every MoE block); the others stay original.
-  - calibration: a moefq calibration file or a dict {quantizer name: amax} loaded instead of calibrating
-    (forward_loop must then be None).
+  - calibration: a moefq calibration file, a dict {quantizer name: amax} or a state dict saved from a
+    patched model (its ..._quantizer._amax entries), loaded instead of calibrating (forward_loop must then
+    be None).
   - forward_loop(model): runs the calibration data; the quantizers that need an amax collect max |x| (the
     dispatch quantizer over the tokens sent to an expert, the combine quantizer over the active rows),
     every quantizer passes data through meanwhile, the amax is the MAX of what each one saw.
@@ -251,14 +252,21 @@ def _grouped_mm_fn():
     return fn if fn is not None else getattr(torch, "_grouped_mm", None)
 
 
+def _grouped_mm_for(x, w):
+    """torch's grouped GEMM where it serves: CUDA bf16 tensors and a torch that has one; else None."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16:
+        return _grouped_mm_fn()
+    return None
+
+
 def _expert_rows(experts, xq, idx_sorted, counts, transposed):
     """out [S, H] for the S (token, slot) pairs in expert order: xq [S, H] sorted by expert, counts per expert.
     CUDA bf16 with torch's grouped GEMM: two grouped GEMMs; otherwise one pair of GEMMs per expert that has
     tokens (a loop over experts, never over tokens)."""
     W1, W2 = experts.gate_up_proj, experts.down_proj
     b1, b2 = _bias(experts, "gate_up_proj_bias"), _bias(experts, "down_proj_bias")
-    gmm = _grouped_mm_fn()
-    if gmm is not None and xq.is_cuda and xq.dtype == torch.bfloat16 and W1.dtype == torch.bfloat16:
+    gmm = _grouped_mm_for(xq, W1)
+    if gmm is not None:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         try:
             h = gmm(xq, W1 if transposed else W1.transpose(-2, -1), offs=offs)
@@ -476,6 +484,10 @@ def _describe(m):
 
 
 def _load_calibration(quantizers, calibration):
+    if isinstance(calibration, dict) and any(str(k).endswith("._amax") for k in calibration):
+        # A state dict (the model's, saved while patched): the quantizers' _amax entries, the rest ignored.
+        calibration = {k[:-len("._amax")]: float(v) for k, v in calibration.items()
+                       if k.endswith("._amax") and k[:-len("._amax")] in quantizers}
     if isinstance(calibration, dict):
         unknown = sorted(set(calibration) - set(quantizers))
         if unknown:

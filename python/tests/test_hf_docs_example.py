@@ -20,7 +20,7 @@ import moefq
 from hf_lookalikes import ForCausalLM, Qwen3MoeSparseMoeBlock
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "python.md")
-HEADING = "### A worked example: capture, evaluate, quantize the whole model"
+HEADING = "### A worked example: capture the MoE inputs, quantize the whole model"
 
 
 def example_code():

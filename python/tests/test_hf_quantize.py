@@ -236,6 +236,8 @@ def test_state_dict_and_calibration_file_round_trip(tmp_path, both_recipe):
     assert set(q2.amax().values()) == {1.0}
     other.load_state_dict(state)
     assert q2.amax() == amax
+    mh.restore_moe(other)
+    assert mh.quantize_moe(other, both_recipe, calibration=state).amax() == amax  # straight from a state dict
     ids = calib_batches(1, seed=7)[0]
     with torch.no_grad():
         assert same_bits(other(ids), model(ids))
@@ -469,3 +471,31 @@ def test_a_deep_copy_carries_the_patch(both_recipe):
     assert twin_q.blocks[0].experts is block_of(twin).experts
     assert mh.restore_moe(twin) == ["model.layers.1.mlp", "model.layers.2.mlp"]
     assert "forward" in block_of(model).__dict__  # the original stays patched
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_the_grouped_gemm_path(family, monkeypatch):
+    # On CUDA the experts run as two grouped GEMMs (offsets per expert, biases gathered by expert id); a
+    # grouped GEMM written here with torch's semantics runs that path on the CPU: the same bits as the
+    # per-expert loop, including inactive slots mapped to the last expert.
+    calls = []
+
+    def grouped_mm(a, b, offs):
+        calls.append(offs)
+        out = a.new_empty((a.shape[0], b.shape[-1]))
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            out[start:end] = a[start:end] @ b[g]
+            start = end
+        return out
+
+    model = tiny_model(family)
+    x = tokens(seed=12)
+    mh.quantize_moe(model, None)
+    with torch.no_grad():
+        want = first(block_of(model)(x))
+        monkeypatch.setattr(mh, "_grouped_mm_for", lambda x_, w_: grouped_mm)
+        got = first(block_of(model)(x))
+    assert len(calls) == 2 and calls[0].dtype == torch.int32 and int(calls[0][-1]) == x.shape[1] * (
+        block_of(model).top_k if family == "deepseek_v3" else block_of(model).router.top_k)
+    assert same_bits(got, want)

@@ -217,6 +217,8 @@ def test_vision_language_wrapper():
 def test_grouped_mm_and_the_loop_agree():
     # On CUDA the experts run as two grouped GEMMs where torch has them; the per-expert loop is the
     # fallback. Both are the same computation; the GEMMs may round differently (a few ulps).
+    if mh._grouped_mm_fn() is None:
+        pytest.skip(f"torch {torch.__version__} has no grouped GEMM")
     model = build("deepseek_v3")
     ids = batches(1)[0]
     mh.quantize_moe(model, None)

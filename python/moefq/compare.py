@@ -182,17 +182,21 @@ def _sha256(*parts):
 
 
 def model_fingerprint(model):
-    """A hash of the model: its config (when it has one: transformers' JSON), and per parameter its
+    """A hash of the model: its config (when it has one: its fields as JSON), and per parameter its
     name, shape, dtype and checksums (sum and sum of |w| in float64, 6 significant digits), so that
     another model of the same config (other weights, another dtype) does not match."""
     import torch
     cfg = getattr(model, "config", None)
     text = ""
     if cfg is not None:
+        # The config's fields without where it was loaded from (_name_or_path), other private state
+        # and the library's version: the same model copied elsewhere matches.
         try:
-            text = cfg.to_json_string(use_diff=False)
+            d = cfg.to_dict()
         except (AttributeError, TypeError):
-            text = repr(cfg)
+            d = dict(vars(cfg))
+        d = {k: v for k, v in d.items() if not k.startswith("_") and k != "transformers_version"}
+        text = json.dumps(d, sort_keys=True, default=str)
     parts = [type(model).__name__, text]
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -516,3 +516,25 @@ def test_greedy_pick_on_given_sensitivities():
     # Nothing fits below the bf16 floor: every layer ends on bf16 (the estimate: the none run's KL).
     assign, est = c._greedy(sens, 0.0003, 1e-9)
     assert assign == {0: None, 1: None, 2: None} and est == pytest.approx(0.0003)
+
+
+def test_model_fingerprint():
+    """Config fields and weights count; where the model was loaded from does not."""
+    class Config:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+        def to_dict(self):
+            return dict(self.__dict__)
+
+    a, b = TinyCausalLM(layers=2), TinyCausalLM(layers=2)
+    a.config = Config(hidden_size=32, _name_or_path="/here", transformers_version="5.17.0")
+    b.config = Config(hidden_size=32, _name_or_path="/elsewhere", transformers_version="5.18.0")
+    assert mc.model_fingerprint(a) == mc.model_fingerprint(b)
+    b.config.hidden_size = 33
+    assert mc.model_fingerprint(a) != mc.model_fingerprint(b)
+    b.config.hidden_size = 32
+    with torch.no_grad():
+        b.lm_head.weight[0, 0] += 1
+    assert mc.model_fingerprint(a) != mc.model_fingerprint(b)
+    assert mc.model_fingerprint(a) != mc.model_fingerprint(TinyCausalLM(layers=2).float())

@@ -77,7 +77,7 @@ def test_refused_cuda_tensor_is_released():
 def test_cuda_concurrent_forward_on_one_layer_matches_serial(own_streams):
     """Threads sharing one CUDA layer (on torch's default stream, or each on a stream of its own):
     each call gets its serial result; the layer's one workspace is never used by two calls at once."""
-    import threading
+    from test_bindings_hardening_threads import run_in_threads
 
     L = moefq.MoeLayer("tiny", ranks=4, max_tokens=64, device="cuda")
     xs = [tokens(200 + i, 64 + 32 * (i % 3)) for i in range(12)]
@@ -98,9 +98,5 @@ def test_cuda_concurrent_forward_on_one_layer_matches_serial(own_streams):
                     except Exception as e:  # noqa: BLE001 - any error is a failure, reported below
                         errors.append(repr(e))
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(work, 4)
     assert errors == []

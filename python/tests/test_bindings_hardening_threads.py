@@ -30,7 +30,16 @@ def run_python(code, timeout=240):
                           timeout=timeout)
 
 
-# ---- Item 1: the ids a forward validated are the ids it uses.
+def run_in_threads(work, n):
+    """work(k) on n threads at once, k = 0..n-1; returns when all have ended."""
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+# ---- The ids a forward validated are the ids it uses.
 
 def test_forward_uses_the_ids_it_validated_while_another_thread_writes_them():
     torch = pytest.importorskip("torch")
@@ -71,7 +80,7 @@ def test_forward_uses_the_ids_it_validated_while_another_thread_writes_them():
     assert "calls" in r.stdout
 
 
-# ---- Item 2: one layer, several threads: each call gets the serial result.
+# ---- One layer, several threads: each call gets the serial result.
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_concurrent_forward_on_one_layer_matches_serial(shared):
@@ -93,11 +102,7 @@ def test_concurrent_forward_on_one_layer_matches_serial(shared):
                 if results[i] is not None and not np.array_equal(results[i], serial[i]):
                     errors.append(f"call {i} differs from the serial result")
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(work, 4)
     assert errors == []
     for got, want in zip(results, serial):
         np.testing.assert_array_equal(got, want)
@@ -163,7 +168,7 @@ def test_quantizer_state_changes_wait_for_collects():
         assert q.amax == 16.0
 
 
-# ---- Item 3: a shape whose element count or byte size overflows is refused where tensors enter.
+# ---- A shape whose element count or byte size overflows is refused where tensors enter.
 
 def capsule_with_shape(arr, shape):
     import ctypes

@@ -136,15 +136,15 @@ std::string parent_of(const std::string& path) {
 // The template of a temporary beside `path`: its name followed by `suffix` (".tmp.XXXXXX"), the
 // name cut short where needed so that the temporary's name fits the directory's limit (NAME_MAX):
 // any name legal for the target is legal for its temporary.
-std::string temp_template(const std::string& path, std::string_view kSuffix = ".tmp.XXXXXX") {
+std::string temp_template(const std::string& path, std::string_view suffix = ".tmp.XXXXXX") {
   const std::string dir = parent_of(path);
   long name_max = ::pathconf(dir.c_str(), _PC_NAME_MAX);
   if (name_max <= 0) name_max = NAME_MAX;
   std::string base = fs::path(path).filename().string();
-  const size_t keep = size_t(name_max) > kSuffix.size() ? size_t(name_max) - kSuffix.size() : 1;
+  const size_t keep = size_t(name_max) > suffix.size() ? size_t(name_max) - suffix.size() : 1;
   if (base.size() > keep) base.resize(keep);
   const std::string prefix = fs::path(path).has_parent_path() ? fs::path(path).parent_path().string() + "/" : "";
-  return prefix + base + std::string(kSuffix);
+  return prefix + base + std::string(suffix);
 }
 
 // Whether the entry at `path` (not followed) is the root of a mount: a mount point, or a file or
@@ -163,7 +163,6 @@ void check_not_mount_root(const std::string& path, const std::string& w) {
   MOEFQ_CHECK(!is_mount_root(path), w, ": is a mount point (something is mounted there), which cannot be "
               "replaced; give another name");
 }
-
 
 // Creates a file (mode 0666, opened for writing) or a directory (mode 0777) named `tmpl` with its
 // trailing XXXXXX replaced by random letters, and returns the file's descriptor (0 for a

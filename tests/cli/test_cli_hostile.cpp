@@ -640,6 +640,9 @@ TEST_F(Hostile, DeepAndWideDocumentsAreRefusedBeforeParsing) {
   wide += "]}";
   std::ofstream(path("wide.json")) << wide;
   expect_refused("eval " + kEval + " --load-calibration wide.json", {"wide.json", "JSON values"});
+  std::ofstream(path("deep_config.json")) << std::string(1 << 20, '{');
+  expect_refused("eval --config deep_config.json --device cpu", {"deep_config.json", "nests deeper"},
+                 "ulimit -s 256;");
   test::write_checkpoint(path("ckpt"), {{1, 7}});
   fs::remove(path("ckpt/model.safetensors"));
   std::ofstream(path("ckpt/model.safetensors.index.json")) << std::string(1 << 20, '{');

@@ -118,7 +118,7 @@ void print_results(const std::vector<Result>& results) {
            "snr_db", "skipped"});
   for (const Result& r : results) {
     const auto m = [&](const std::string& cell) { return r.m.count > 0 ? cell : std::string("-"); };  // "-": nothing compared
-    t.add({terminal_safe(r.tensor), r.dtype, shape_cell(r.shape), r.format, r.amax_used ? fmt_num(r.amax, 6) : "-",
+    t.add({r.tensor, r.dtype, shape_cell(r.shape), r.format, r.amax_used ? fmt_num(r.amax, 6) : "-",
            m(fmt_num(r.m.rel_l2)), m(fmt_fixed(r.m.cosine, 6)), m(fmt_num(r.m.calc_diff)), m(fmt_num(r.m.max_abs)),
            m(fmt_fixed(r.m.snr_db, 2)), std::to_string(r.m.skipped_nonfinite)});
   }

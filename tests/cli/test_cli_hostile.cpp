@@ -597,9 +597,17 @@ TEST_F(Hostile, NamesAreEscapedWhenPrinted) {
   }
   EXPECT_NE(r.out.find("evil\\nrel_l2 0\\x1b[2J"), std::string::npos) << describe(r);
   EXPECT_NE(r.err.find("evil\\nrel_l2 0\\x1b[2J"), std::string::npos) << describe(r);
-  r = expect_refused("qdq --in evil.safetensors --out e2.safetensors --format fp8 --device cpu --tensor $'a\\x1b[31mb'",
+  r = expect_refused("qdq --in evil.safetensors --out e2.safetensors --format fp8 --device cpu "
+                     "--tensor \"$(printf 'a\\033[31mb')\"",
                      {"a\\x1b[31mb"});
   EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << describe(r);
+  // A recipe named so: eval's progress lines and table.
+  fs::copy_file(fs::path(MOEFQ_RECIPE_DIR) / "configs/ptq/units/moe_combine_fp8.yaml", path("ev\x1b[31mil.yaml"));
+  r = moefq("eval " + kEvalBase + " --tokens 32 --recipe \"$(printf 'ev\\033[31mil.yaml')\"");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << describe(r);
+  EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << describe(r);
+  EXPECT_NE(r.out.find("ev\\x1b[31mil"), std::string::npos) << describe(r);
 }
 
 // 23. The terminating signals a user or a scheduler sends (SIGQUIT, SIGUSR1, SIGALRM...) remove the

@@ -561,6 +561,22 @@ TEST_F(Hostile, NonFiniteCheckpointTensorsAreNamed) {
                                        {needle, "must be finite"});
     EXPECT_EQ(r.err.find("calibration data"), std::string::npos) << describe(r);
   }
+  // All-zero block scales are finite, but every recipe would look perfect: a warning, on stderr
+  // beside the table and in the report.
+  write("zero_scales", [](LayerWeights& lw) {
+    for (auto* experts : {&lw.experts, &lw.shared})
+      for (ExpertWeights& e : *experts) {
+        std::fill(e.gate_up_scale.begin(), e.gate_up_scale.end(), 0.0f);
+        std::fill(e.down_scale.begin(), e.down_scale.end(), 0.0f);
+      }
+  });
+  const RunResult r = moefq("eval --checkpoint zero_scales --layers 1 --device cpu --ranks 2 --tokens 16 "
+                            "--calib-batches 1 --eval-batches 1 --recipe moe_combine_fp8 --out zrep");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_NE(r.err.find("warning: layer 1: the reference output is all zero"), std::string::npos) << describe(r);
+  const json report = json::parse(read_text(path("zrep/report.json")));
+  ASSERT_EQ(report.at("warnings").size(), 1u) << report.at("warnings").dump();
+  EXPECT_NE(report.at("warnings")[0].get<std::string>().find("reference output is all zero"), std::string::npos);
 }
 
 // 21. Exit status 3 is for internal errors only, and a path the system refuses (a symbolic link

@@ -265,7 +265,8 @@ def apply_recipe(recipe, quantizer_names):
 
 def save_calibration(path, quantizers):
     """Writes the quantizers' amax to a calibration file (written atomically)."""
-    _C.save_calibration(_os.fspath(path), list(quantizers))
+    path = _C.check_output_path(_os.fspath(path), "save_calibration: path")
+    _C.save_calibration(path, list(quantizers))
 
 
 def load_calibration(path, quantizers):
@@ -404,7 +405,7 @@ class MoeLayer:
                                         _t.real_number(combine_amax, "set_calibrated_amax: combine_amax"))
 
     def save_calibration(self, path):
-        self._layer.save_calibration(_os.fspath(path))
+        self._layer.save_calibration(_C.check_output_path(_os.fspath(path), "MoeLayer.save_calibration: path"))
 
     def load_calibration(self, path):
         self._layer.load_calibration(_os.fspath(path))
@@ -451,6 +452,8 @@ def _eval_options(options):
     for key in ("config", "checkpoint", "activations", "load_calibration", "recipe_root", "out"):
         if o.get(key) is not None:
             o[key] = _os.fspath(o[key])
+    if o.get("out") == "":
+        raise ValueError("out: empty path; give a directory name (or leave out out= to write no reports)")
     if o.get("progress") is True:
         import sys
         o["progress"] = lambda line: print("  " + line, file=sys.stderr)
@@ -489,8 +492,9 @@ _ST_NUMPY = {"BF16": "uint16", "F32": "float32", "I32": "int32", "I64": "int64"}
 def save_safetensors(path, tensors, metadata=None):
     """Writes CPU tensors {name: tensor} (bf16, float32, int32, int64; numpy uint16 is bf16) to a
     safetensors file, atomically (a temporary file renamed)."""
+    path = _C.check_output_path(_os.fspath(path), "save_safetensors: path")
     items = [(str(name), _t.capsule(t, f"save_safetensors: tensor '{name}'")) for name, t in tensors.items()]
-    _C.save_safetensors(_os.fspath(path), items, {str(k): str(v) for k, v in (metadata or {}).items()})
+    _C.save_safetensors(path, items, {str(k): str(v) for k, v in (metadata or {}).items()})
 
 
 def load_safetensors(path, framework="numpy"):

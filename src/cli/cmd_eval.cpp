@@ -103,7 +103,7 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
     o.eval.backend_kind = "mega_moe";
     o.eval.device_name = cpu_device_name(o.eval.num_threads);
   }
-  o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
+  o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", terminal_safe(line).c_str()); };
 }
 
 // The inputs an output must not replace: the files named on the command line and every file of
@@ -138,10 +138,10 @@ std::string layer_list(const std::vector<int64_t>& layers) {
 void print_header(const char* tool, const EvalSetup& s) {
   const std::string evals = s.eval_batches > 0 ? " + " + std::to_string(s.eval_batches) + " evaluation" : "";
   std::printf("%s: %s, %s %s, %lld ranks x %lld tokens, %d calibration%s batches, seed %llu\n", tool,
-              s.model_source.c_str(), s.layers.size() == 1 ? "layer" : "layers", layer_list(s.layers).c_str(),
+              terminal_safe(s.model_source).c_str(), s.layers.size() == 1 ? "layer" : "layers", layer_list(s.layers).c_str(),
               (long long)s.ranks, (long long)s.tokens, s.calib_batches, evals.c_str(), (unsigned long long)s.seed);
   std::printf("weights: %s\nactivations: %s\ndevice: %s; router weight applied %s the combine\n",
-              s.weights_source.c_str(), s.activations_source.c_str(), s.device.c_str(),
+              terminal_safe(s.weights_source).c_str(), terminal_safe(s.activations_source).c_str(), s.device.c_str(),
               combine_weighting_name(s.combine_weighting));
 }
 
@@ -157,10 +157,10 @@ int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {
     std::fprintf(stderr, "moefq eval: wrote %s/report.json, report.csv, report.html\n", o.out.c_str());
   }
   print_header("moefq eval", r.setup);
-  std::printf("calibration: %s\n\n", r.calibration.source.c_str());
+  std::printf("calibration: %s\n\n", terminal_safe(r.calibration.source).c_str());
   for (const std::string& line : eval_table_lines(r, o.wide)) std::printf("%s\n", line.c_str());
   for (const std::string& line : eval_footer_lines(r, o.wide)) std::printf("%s\n", line.c_str());
-  for (const std::string& w : r.warnings) std::fprintf(stderr, "moefq eval: warning: %s\n", w.c_str());
+  for (const std::string& w : r.warnings) std::fprintf(stderr, "moefq eval: warning: %s\n", terminal_safe(w, true).c_str());
   finish_stdout();
   return 0;
 }

@@ -654,6 +654,7 @@ EvalResult run_eval(const EvalOptions& options) {
     const int64_t num_outliers = int64_t(std::count(outliers.begin(), outliers.end(), true));
 
     std::vector<EvalRow> rows(num_recipes);
+    bool zero_reference = false;  // the reference output compared against was all zero
     for (size_t k = 0; k < order.size(); ++k) {
       const size_t i = order[k];
       const RecipeStats& st = pass.steps[k];
@@ -685,6 +686,7 @@ EvalResult run_eval(const EvalOptions& options) {
       MetricSums all;
       for (const MetricSums& tk : st.tokens) all.merge(tk);
       row.metrics = finalize_metrics(all);
+      zero_reference = zero_reference || (all.count > 0 && all.ref2 == 0);
       const TokenShape shape = token_shape(st.tokens);
       row.rel_l2_token_p50 = shape.p50;
       row.rel_l2_token_p99 = shape.p99;
@@ -723,6 +725,10 @@ EvalResult run_eval(const EvalOptions& options) {
                                   " elements lie beyond the calibrated amax and saturate (" + names +
                                   "); calibrate on more data, or on data more like the evaluation's");
     }
+    // All-zero weights or block scales make every recipe look perfect (rel_l2 0, cosine 1).
+    if (zero_reference)
+      result.warnings.push_back(L + ": the reference output is all zero (all-zero weights or block scales?), so every "
+                                    "recipe's error is 0 and says nothing about it; check the checkpoint");
     std::stable_sort(rows.begin(), rows.end(), [](const EvalRow& a, const EvalRow& b) {
       return less_rel_l2(a.metrics.rel_l2, b.metrics.rel_l2);
     });

@@ -6,12 +6,14 @@
 // agreement, the shared expert run on its own, and the default per model.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <vector>
 
 #include "checkpoint_test_util.h"
+#include "eval/layer_runner.h"
 #include "moefq/checkpoint.h"
 #include "moefq/cpu_engine.h"
 #include "moefq/expert_backend.h"
@@ -195,6 +197,30 @@ TEST(StagingBackends, SharedExpertAloneEqualsTheFusedSlot) {
     EXPECT_TRUE(test::bytes_equal(buf + eng.layout().combine_row_offset(c.top_k, t), alone.data() + t * c.hidden,
                                   size_t(c.hidden), 2))
         << "token " << t;
+}
+
+// The eval's memory plan sizes the engine buffers with the run's staging (bf16 staged rows).
+TEST(StagingMemoryPlan, EvalCountsTheBf16Buffers) {
+  RunnerSetup s;
+  s.config = preset("tiny");
+  s.ranks = 4;
+  s.tokens = 256;
+  s.calib_batches = s.eval_batches = 1;
+  double bytes[2] = {0, 0};
+  for (Staging st : {Staging::kE4m3, Staging::kNone}) {
+    s.staging = st;
+    EngineOptions o;
+    o.fuse_shared = false;  // the eval runs the shared expert on its own
+    o.staging = st;
+    const double want = 4.0 * double(BufferLayout(engine_buffer_shape(s.config, 4, 256, {}, o)).total_bytes());
+    const MemoryPlan plan = plan_run_memory(s, EvalDevice::kCpu);
+    const auto it = std::find_if(plan.items.begin(), plan.items.end(),
+                                 [](const MemoryItem& m) { return m.what == "engine buffers (4 ranks)"; });
+    ASSERT_NE(it, plan.items.end());
+    EXPECT_EQ(it->host_bytes, want) << staging_name(st);
+    bytes[st == Staging::kNone] = it->host_bytes;
+  }
+  EXPECT_GT(bytes[1], bytes[0]);
 }
 
 TEST(StagingDefault, FollowsTheWeightsTheModelShips) {

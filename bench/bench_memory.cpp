@@ -87,11 +87,12 @@ void add_engine_memory(PlanBuilder& b, const std::string& who, const MoeConfig& 
   b.add(with_count(who + "routing arrays", P, "pool row"), 0,
         2 * dev(el + 1, 4) + dev(P, 4) + dev(P, 8) + dev(T, 4) + dev(T, 8) + dev(ranks, 40));
   // The shared expert run on its own: staged x and its scales, h and its scales (staging none: bf16
-  // h only), output pointers, counts.
+  // x and h, no scales), output pointers, counts.
   const bool scaled = st == Staging::kE4m3;
   if (Is > 0 && !fuse_shared)
     b.add(who + "shared expert's staged rows", 0,
-          (scaled ? dev(T * H, 1) + dev(T * hb, 4) + dev(T * Is, 1) + dev(T * (Is / 128), 4) : dev(T * Is, 2)) +
+          (scaled ? dev(T * H, 1) + dev(T * hb, 4) + dev(T * Is, 1) + dev(T * (Is / 128), 4)
+                  : dev(T * H, 2) + dev(T * Is, 2)) +
               dev(T, 8) + dev(2, 4));
 }
 

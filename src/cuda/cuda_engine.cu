@@ -274,7 +274,7 @@ struct CudaEngine::RankState {
   DeviceBuffer<bf16*> row_out;            // [pool_rows]
   DeviceBuffer<float> ones;               // [T]: the shared expert's weight
   DeviceBuffer<bf16*> shared_out;         // [T]: slot K's combine rows
-  // shared_expert() on its own: staged x, its h (e4m3 with scales, or bf16 h and no staged x with
+  // shared_expert() on its own: staged x, its h (e4m3 with scales, or bf16 and no scales with
   // staging none), its output rows and counts.
   DeviceBuffer<uint8_t> solo_x8, solo_h8;
   DeviceBuffer<float> solo_xs, solo_hs;
@@ -433,7 +433,7 @@ void CudaEngine::init(std::span<const LayerWeights> w, const WeightFill* fill) {
     rs->shared_out = DeviceBuffer<bf16*>(out);
     if (cfg_.num_shared > 0 && !sh.fused_shared_slots()) {
       const bool scaled = sh.staging == Staging::kE4m3;
-      rs->solo_x8 = DeviceBuffer<uint8_t>(scaled ? size_t(T * H) : 0);
+      rs->solo_x8 = DeviceBuffer<uint8_t>(size_t(T * H * sh.staged_elem_bytes()));
       rs->solo_xs = DeviceBuffer<float>(scaled ? size_t(T * (H / kB)) : 0);
       rs->solo_h8 = DeviceBuffer<uint8_t>(size_t(T * Is * sh.staged_elem_bytes()));
       rs->solo_hs = DeviceBuffer<float>(scaled ? size_t(T * (Is / kB)) : 0);
@@ -600,9 +600,13 @@ void CudaEngine::shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y, 
   const int64_t H = cfg_.hidden, Is = rs.shared.inter;
   const Staging st = layout_.shape().staging;
   const bool scaled = st == Staging::kE4m3;
-  // Staging none: the GEMM reads the caller's bf16 x as it is.
-  if (scaled) launch_stage_e4m3(x, rs.solo_x8.get(), rs.solo_xs.get(), n, H, stream);
-  const uint8_t* a = scaled ? rs.solo_x8.get() : reinterpret_cast<const uint8_t*>(x);
+  // Staging none: a copy of the bf16 x (the GEMM's 16-byte loads need an aligned base, which a
+  // caller's view need not have).
+  if (scaled)
+    launch_stage_e4m3(x, rs.solo_x8.get(), rs.solo_xs.get(), n, H, stream);
+  else
+    MOEFQ_CUDA_CHECK(cudaMemcpyAsync(rs.solo_x8.get(), x, size_t(n * H) * 2, cudaMemcpyDeviceToDevice, stream));
+  const uint8_t* a = rs.solo_x8.get();
   const bool pdl = pdl_enabled();  // each of the kernels below follows a kernel (the first: the staging's)
   launch_chained(row_pointers_kernel, dim3(unsigned((n + 255) / 256)), dim3(256), 0, stream, pdl && scaled, y, n, H,
                  rs.solo_out.get());

@@ -54,15 +54,13 @@ struct BenchCase {
   std::function<int()> action;
 };
 
-}  // namespace
-
-namespace {
 // --staging e4m3|none into `staging` (unset: the model's default, weights.h's default_staging).
 void add_staging_option(CLI::App* sub, std::optional<Staging>& staging) {
   sub->add_option_function<std::string>(
       "--staging", [&staging](const std::string& v) { staging = staging_from_name(v, "--staging"); },
       "activations into the expert GEMMs: e4m3 (1x128 scales) or none (bf16); default: as the model is served");
 }
+
 }  // namespace
 
 std::function<int()> add_bench_command(CLI::App& app) {

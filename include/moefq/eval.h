@@ -51,6 +51,10 @@ struct EvalOptions {
   // rows and their calibrated amax depend on it. nullopt: the recipes' own combine_weighting (they
   // must agree), else before. A recipe that names another mode than this is an error.
   std::optional<CombineWeighting> combine_weighting;
+  // The activations into the expert GEMMs, i.e. the baseline every recipe is compared with
+  // (weights.h): nullopt follows the model (default_staging: the checkpoint's weight format, else
+  // the architecture's).
+  std::optional<Staging> staging;
   int64_t ranks = 4;    // simulated expert-parallel ranks (must divide E)
   int64_t tokens = 256;  // tokens per rank per batch
   int calib_batches = 2, eval_batches = 2;
@@ -113,6 +117,7 @@ struct EvalSetup {
   std::vector<int64_t> layers;
   std::vector<std::string> recipe_names;
   CombineWeighting combine_weighting = CombineWeighting::kBefore;  // the run's, resolved
+  Staging staging = Staging::kE4m3;  // the run's, resolved: the baseline (staging_baseline)
   int64_t ranks = 0, tokens = 0;
   int calib_batches = 0, eval_batches = 0;
   uint64_t seed = 0;

@@ -283,13 +283,17 @@ class MoeLayer:
     .combine_quantizer); both are disabled until configure(recipe). forward takes tokens [N, H]
     bf16 (N <= ranks x max_tokens, cut into R consecutive parts, one per rank) and returns the
     routed output plus the shared expert's (run on the unquantized x), as `moefq eval` adds them.
+    staging: the activations into the expert GEMMs, "e4m3" (1x128 scales, the FP8 Mega-MoE engine)
+    or "none" (bf16); None: as the model is served (e4m3 for e4m3 checkpoints, DeepSeek-V3/V4 and
+    Kimi; none for bf16 checkpoints, Qwen3, Mixtral, OLMoE and GLM).
     """
 
     def __init__(self, preset=None, *, config=None, checkpoint=None, layer=0, ranks=1, max_tokens=256,
-                 device="cpu", seed=1, synthetic="model", threads=0, recipe=None, combine_weighting="before"):
+                 device="cpu", seed=1, synthetic="model", threads=0, recipe=None, combine_weighting="before",
+                 staging=None):
         self._layer = _C.MoeLayer(preset or "", _os.fspath(config) if config else "",
                                   _os.fspath(checkpoint) if checkpoint else "", layer, ranks, max_tokens, device, seed,
-                                  synthetic, threads, combine_weighting)
+                                  synthetic, threads, combine_weighting, "" if staging is None else staging)
         if recipe is not None:
             self.configure(recipe)
 
@@ -302,6 +306,8 @@ class MoeLayer:
     quantizer_names = property(lambda self: self._layer.quantizer_names)
     combine_weighting = property(lambda self: self._layer.combine_weighting,
                                  doc="Where the router weight is applied: 'before' or 'after' the combine.")
+    staging = property(lambda self: self._layer.staging,
+                       doc="The activations into the expert GEMMs: 'e4m3' (1x128 scales) or 'none' (bf16).")
 
     def configure(self, recipe):
         """Configures both quantizers from a recipe (a Recipe, a file or a unit name; None: both off).
@@ -468,7 +474,8 @@ def eval(**options):
     layers ("3-10", an integer or a list of integers), activations, synthetic, recipes (a file or
     unit name, or a list of them), recipe_root (where their imports are looked for first), ranks,
     tokens, calib_batches, eval_batches, seed, device ("auto", "cpu", "cuda"), pipeline, threads,
-    combine_weighting, load_calibration, max_rel_l2; out (also write report.json/.csv/.html there);
+    combine_weighting, staging ("e4m3" or "none"; default: as the model is served), load_calibration,
+    max_rel_l2; out (also write report.json/.csv/.html there);
     progress (True: progress lines on stderr, or a callable taking each line). Any other keyword is
     a ValueError. Ctrl-C stops the run at its next progress step (KeyboardInterrupt), writing
     nothing."""

@@ -15,6 +15,7 @@
 #include "bindings.h"
 #include "eval/layer_runner.h"
 #include "moefq/calibration_file.h"
+#include "moefq/checkpoint.h"
 #include "moefq/errors.h"
 #include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
@@ -41,6 +42,7 @@ struct LayerOptions {
   std::string synthetic = "model";
   int num_threads = 0;
   std::string combine_weighting = "before";
+  std::string staging;  // empty: default_staging (the checkpoint's weight format, else the model's)
 };
 
 // The largest max_tokens a layer takes: below it the buffer sizes (integers) cannot overflow.
@@ -111,6 +113,8 @@ class MoeLayer {
     const auto kind = parse_synthetic_kind(o.synthetic);
     MOEFQ_CHECK(kind.has_value(), "MoeLayer: synthetic must be 'model' or 'gaussian', got '", o.synthetic, "'");
     MOEFQ_CHECK(o.num_threads >= 0, "MoeLayer: threads must be >= 0");
+    const std::optional<Staging> staging =
+        o.staging.empty() ? std::nullopt : std::optional(staging_from_name(o.staging, "MoeLayer: staging"));
     const auto weighting = parse_combine_weighting(o.combine_weighting);
     MOEFQ_CHECK(weighting.has_value(), "MoeLayer: combine_weighting must be 'before' or 'after', got '",
                 o.combine_weighting, "'");
@@ -120,6 +124,9 @@ class MoeLayer {
     s.synthetic = *kind;
     s.checkpoint_dir = o.checkpoint;
     s.num_threads = o.num_threads;
+    s.staging = staging.value_or(default_staging(
+        s.config, o.checkpoint.empty() ? std::nullopt
+                                       : std::optional(checkpoint_weight_format(o.checkpoint, o.layer, s.config))));
     check_layer_memory(s, cuda_);
     cfg_ = s.config;
     ranks_ = o.ranks;
@@ -134,6 +141,8 @@ class MoeLayer {
     eo.num_threads = o.num_threads;
     eo.combine_weighting = *weighting;
     weighting_ = *weighting;
+    eo.staging = s.staging;
+    staging_ = s.staging;
     if (!cuda_) {
       host_ = std::make_unique<FakeQuantMoe>(make_expert_backend("mega_moe", cfg_, ranks_, max_tokens_, std::move(w), eo),
                                              o.layer);
@@ -169,6 +178,7 @@ class MoeLayer {
   int device_id() const { return device_id_; }
   bool has_shared() const { return cfg_.num_shared > 0; }
   std::string combine_weighting() const { return combine_weighting_name(weighting_); }
+  std::string staging() const { return staging_name(staging_); }
 
   std::vector<std::string> quantizer_names() const {
     return {MoeQuantizers::dispatch_name(layer_), MoeQuantizers::combine_name(layer_)};
@@ -404,6 +414,7 @@ class MoeLayer {
   int64_t layer_ = 0, ranks_ = 1, max_tokens_ = 0;
   int threads_ = 0;
   CombineWeighting weighting_ = CombineWeighting::kBefore;
+  Staging staging_ = Staging::kE4m3;
   MoeConfig cfg_;
   std::string source_;
   std::vector<float> gate_, bias_;
@@ -439,17 +450,19 @@ void init_layer(pybind11::module_& m) {
   py::class_<MoeLayer>(m, "MoeLayer")
       .def(py::init([](const std::string& preset, const std::string& config, const std::string& checkpoint,
                        int64_t layer, int64_t ranks, int64_t max_tokens, const std::string& device, int64_t seed,
-                       const std::string& synthetic, int threads, const std::string& combine_weighting) {
+                       const std::string& synthetic, int threads, const std::string& combine_weighting,
+                       const std::string& staging) {
              MOEFQ_CHECK(seed >= 0, "MoeLayer: seed must be >= 0, got ", seed);
              LayerOptions o{preset, config, checkpoint, layer, ranks, max_tokens, device, uint64_t(seed), synthetic,
-                            threads, combine_weighting};
+                            threads, combine_weighting, staging};
              py::gil_scoped_release release;  // weights are generated or loaded meanwhile
              return std::make_unique<MoeLayer>(o);
            }),
            py::arg("preset"), py::arg("config"), py::arg("checkpoint"), py::arg("layer"), py::arg("ranks"),
            py::arg("max_tokens"), py::arg("device"), py::arg("seed"), py::arg("synthetic"), py::arg("threads"),
-           py::arg("combine_weighting"))
+           py::arg("combine_weighting"), py::arg("staging"))
       .def_property_readonly("combine_weighting", &MoeLayer::combine_weighting)
+      .def_property_readonly("staging", &MoeLayer::staging)
       .def_property_readonly("config", [](const MoeLayer& l) { return config_dict(l.config()); })
       .def_property_readonly("source", &MoeLayer::source)
       .def_property_readonly("ranks", &MoeLayer::ranks)

@@ -31,6 +31,7 @@ namespace fs = std::filesystem;
 struct EvalCliOptions {
   EvalOptions eval;
   std::string layers, device = "auto", out, save, synthetic = "model", pipeline = "device", combine_weighting;
+  std::string staging;
   int64_t seed = 1;  // parsed signed so that a negative seed is an error, not a wrapped value
   double max_rel_l2 = 0;
   bool wide = false;  // eval: every column of the rows in the terminal table
@@ -65,6 +66,10 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
   sub->add_option("--combine-weighting", o.combine_weighting,
                   "where the layer applies the router weight: before (default: the combine rows are weighted) or "
                   "after (the combine weights the unweighted rows, after their QDQ); default: the recipes' own");
+  sub->add_option("--staging", o.staging,
+                  "the activations into the expert GEMMs, i.e. the baseline: e4m3 (1x128 scales, the FP8 Mega-MoE "
+                  "engine) or none (bf16, as a bf16 model is served); default: as the model is served (e4m3 for "
+                  "e4m3 checkpoints and DeepSeek-V3/V4, Kimi; none for bf16 checkpoints, Qwen3, Mixtral, OLMoE, GLM)");
   sub->add_option("--pipeline", o.pipeline,
                   "with a GPU: device (default: the layer stays on the GPU) or host (the CUDA engine behind host "
                   "tensors, the earlier path, kept to compare with)");
@@ -82,6 +87,7 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
   if (!o.layers.empty() || sub->get_option("--layers")->count() > 0) o.eval.layers = parse_layers(o.layers);
   if (sub->get_option("--combine-weighting")->count() > 0)
     o.eval.combine_weighting = combine_weighting_option(o.combine_weighting, "--combine-weighting");
+  if (sub->get_option("--staging")->count() > 0) o.eval.staging = staging_from_name(o.staging, "--staging");
 #ifdef MOEFQ_HAS_CUDA
   // The GPU runner and its memory query, for a CPU run too: the plan of a refused CPU run asks the
   // GPU's free memory (only then) to say whether --device cuda would fit.
@@ -143,6 +149,7 @@ void print_header(const char* tool, const EvalSetup& s) {
   std::printf("weights: %s\nactivations: %s\ndevice: %s; router weight applied %s the combine\n",
               terminal_safe(s.weights_source).c_str(), terminal_safe(s.activations_source).c_str(), s.device.c_str(),
               combine_weighting_name(s.combine_weighting));
+  std::printf("baseline: staging %s, %s\n", staging_name(s.staging), staging_baseline(s.staging));
 }
 
 int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {

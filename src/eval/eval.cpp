@@ -262,6 +262,10 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   }
   s.combine_weighting = weighting.value_or(CombineWeighting::kBefore);
   p.runner.combine_weighting = s.combine_weighting;
+  // The baseline: as the model is served unless --staging says otherwise.
+  s.staging = o.staging.value_or(default_staging(
+      s.config, p.runner.checkpoint_dir.empty() ? std::nullopt : std::optional(p.runner.weight_format)));
+  p.runner.staging = s.staging;
 }
 
 // The memory plan, refused with the figures when the run does not fit; `command` ("moefq eval")

@@ -458,6 +458,8 @@ std::string eval_report_json(const EvalResult& r) {
                   {"version", s.version},
                   {"device", s.device},
                   {"generated", utc_now()},
+                  {"staging", staging_name(s.staging)},
+                  {"baseline", staging_baseline(s.staging)},
                   {"config", config},
                   {"calibration", calibration},
                   {"results", results},
@@ -522,6 +524,7 @@ std::string eval_report_html(const EvalResult& r) {
   meta("batches", std::to_string(s.calib_batches) + " calibration, " + std::to_string(s.eval_batches) + " evaluation (held out)");
   meta("calibration", r.calibration.source);
   meta("router weight", std::string("applied ") + combine_weighting_name(s.combine_weighting) + " the combine");
+  meta("baseline", std::string("staging ") + staging_name(s.staging) + ": " + staging_baseline(s.staging));
   meta("device", s.device + " (back-end " + s.backend_kind + ")");
   meta("version", "moefq " + s.version);
   meta("generated", utc_now() + ", " + fmt(r.wall_seconds, "%.1f") + " s");

@@ -772,8 +772,8 @@ TEST(CombineCuda, RejectsWhatTheLayoutCannotHold) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// combine_weighting after: CombineRows::topk_weights set, each (QDQ'd) routed row multiplied by its
-// router weight before it is added; the CPU side is combine_qdq_ref with topk_weights.
+// combine_weighting after: CombineRows::topk_weights set, each (QDQ'd) routed row added as one fma
+// with its router weight; the CPU side is combine_qdq_ref with topk_weights.
 
 // [num_tokens, K] router weights: top-k-like values, one negative now and then, and 1.0.
 std::vector<float> router_weights(const Shape& s, uint64_t seed) {
@@ -830,10 +830,10 @@ TEST(CombineCuda, WeightedCombineEqualsCpuEveryFormat) {
     }
 }
 
-// The product is rounded before the add: w0 * x0 = -(1 + 2^-7 + 2^-20 + 2^-27) rounds to
-// -(1 + 2^-7 + 2^-20), and w2 * x2 is its exact negation, so token 0 sums to +0 (an fma would keep
-// 2^-27); token 1 is 0.5 * (1 + 2^-7) + 0.25 * 2. The inactive slot 1 holds poison.
-TEST(CombineCuda, WeightedSumRoundsTheProductThenTheSum) {
+// Each weighted row is one fma: w0 * x0 = -(1 + 2^-7 + 2^-20 + 2^-27) rounds to -(1 + 2^-7 + 2^-20),
+// and w2 * x2 is its exact negation, so token 0 sums to 2^-27 (the product rounded before the add
+// would give +0); token 1 is 0.5 * (1 + 2^-7) + 0.25 * 2. The inactive slot 1 holds poison.
+TEST(CombineCuda, WeightedSumIsOneFmaPerRow) {
   SKIP_WITHOUT_GPU();
   const Shape s{2, 3, 128, false, 2};
   HostRows h = make_rows(s, 31, false, 0.0, 0);
@@ -854,7 +854,7 @@ TEST(CombineCuda, WeightedSumRoundsTheProductThenTheSum) {
   cuda::launch_combine(rows, y.get(), nullptr);
   const std::vector<bf16> got = y.download();
   for (int64_t e = 0; e < s.H; ++e) {
-    EXPECT_EQ(got[size_t(e)].bits, 0x0000) << "token 0 element " << e;
+    EXPECT_EQ(got[size_t(e)].bits, bf16_round(std::ldexp(1.0f, -27))) << "token 0 element " << e;
     EXPECT_EQ(got[size_t(s.H + e)].bits, bf16_round(0.5f * x + 0.5f)) << "token 1 element " << e;
   }
   EXPECT_TRUE(test::bytes_equal(weighted_reference(h, std::nullopt, 0.0f, weights), got));

@@ -469,8 +469,9 @@ TEST(CombineCuda, Block128FormatsRejectOtherHiddenSizes) {
   HostRows h = make_rows({8, 4, 160, false, 8}, 5, false);
   DeviceRows d(h);
   DeviceBuffer<bf16> y(size_t(8 * 160));
-  for (Format f : {Format::kFp8Block128, Format::kFp8Block128Ue8m0, Format::kLogfmt10})
-    EXPECT_THROW(cuda::launch_combine_qdq(d.rows, true, f, nullptr, {}, y.get(), nullptr), Error) << format_name(f);
+  for (Format f : kAllFormats)
+    if (format_block_size(f) == 128)
+      EXPECT_THROW(cuda::launch_combine_qdq(d.rows, true, f, nullptr, {}, y.get(), nullptr), Error) << format_name(f);
 }
 
 TEST(CombineCuda, QuantizeFalseIsThePlainCombine) {
@@ -887,6 +888,49 @@ TEST(CombineCuda, WeightedCheckPassesAndCatchesTheOtherMode) {
     cuda::launch_combine(d.rows, y_engine.get(), nullptr);
     cuda::launch_combine_qdq(weighted, true, f, d_amax.get(), {y_engine.get(), record.get(), false}, y_out.get(), nullptr);
     EXPECT_TRUE(cuda::read_check(record.get(), s.H, nullptr).has_value());
+  }
+}
+
+// The peers' rules (numerics.h PeerRule) where they branch, per block of 128 side by side in one
+// warp: maxima below 1e-4 (the SGLang fork keeps them, DeepGEMM's floor does not) and down to bf16
+// subnormals, around 448 (MoRI scales only above it; the NaN cast turns the excess into NaN), far
+// above, zero blocks, and blocks holding NaN or inf. Byte for byte against the CPU quantizer.
+TEST(CombineCuda, PeerFormatsEqualCpuAtTheirEdges) {
+  SKIP_WITHOUT_GPU();
+  const Shape s{24, 8, 1024, true, 21};
+  HostRows h = make_rows(s, 177, false);
+  std::mt19937_64 rng(178);
+  const float peaks[] = {0.0f, 1e-38f, 3e-5f, 9.9e-5f, 1e-4f, 0.5f, 447.0f, 448.0f, 450.0f, 464.0f, 1e4f, 3e38f};
+  for (int64_t t = 0; t < s.num_tokens; ++t)
+    for (int64_t k = 0; k <= s.K; ++k) {
+      if (k < s.K && !h.active(t, k)) continue;
+      bf16* row = h.row(k, t);
+      for (int64_t c0 = 0; c0 < s.H; c0 += 128) {
+        const float peak = peaks[rng() % std::size(peaks)];
+        const int kind = int(rng() % 10);
+        for (int64_t c = c0; c < c0 + 128; ++c) {
+          float v = peak * (float(rng() % 4096) / 2048.0f - 1.0f);
+          if (c == c0 + 5) v = peak;
+          if (kind == 0 && rng() % 16 == 0) v = std::nanf("");
+          if (kind == 1 && c == c0 + 9) v = (rng() % 2) ? INFINITY : -INFINITY;
+          if (kind == 2 && rng() % 8 == 0) v = std::ldexp(float(rng() % 127 + 1), -140);  // bf16 subnormal
+          row[c] = bf16{bf16_round(v)};
+        }
+      }
+    }
+  DeviceRows d(h);
+  DeviceBuffer<bf16> y(size_t(s.num_tokens * s.H));
+  const std::vector<float> weights = router_weights(s, 179);
+  const DeviceBuffer<float> d_weights(weights);
+  for (Format f : kAllFormats) {
+    if (!peer_rule(f)) continue;
+    SCOPED_TRACE(format_name(f));
+    cuda::launch_combine_qdq(d.rows, true, f, nullptr, {}, y.get(), nullptr);
+    EXPECT_TRUE(test::bytes_equal(reference(h, f, 0.0f), y.download()));
+    cuda::CombineRows weighted = d.rows;
+    weighted.topk_weights = d_weights.get();
+    cuda::launch_combine_qdq(weighted, true, f, nullptr, {}, y.get(), nullptr);
+    EXPECT_TRUE(test::bytes_equal(weighted_reference(h, f, 0.0f, weights), y.download())) << "weighted";
   }
 }
 

@@ -1155,4 +1155,22 @@ MOEFQ_HD MxPacked fp8_block128_ue8m0_packed(float bmax) {
   return {e <= kMxPackedMaxExp, floor | (floor << 16)};
 }
 
+// peer_qdq<R> in the combine's sum-exact form: the value of peer_qdq up to the sign of a zero and a
+// NaN's payload (the freedoms above), through the fp32 rounding cores instead of the conversion
+// instructions where a rule has one: the e4m3 rules with a multiplier take fp8_qdq_sum, the
+// power-of-two one mxfp8_qdq_sum; the e2m1 rule is fp32 operations already, and vLLM's divides.
+// tests/numerics/test_qdq_peers.cpp compares the two on every bf16 x for many block parameters.
+template <PeerRule R>
+MOEFQ_HD float peer_qdq_sum(float x, PeerParams p) {
+  if constexpr (R == PeerRule::kUe8m0NoFloor) {
+    return mxfp8_qdq_sum(x, MxScale{p.s, p.si});
+  } else if constexpr (R == PeerRule::kFp8CastNan) {
+    return abs_mod(x) > kE4m3Max ? canonical_nan_f32() : fp8_qdq_sum(x, Fp8Params{p.s, p.si});
+  } else if constexpr (R == PeerRule::kMoriFp4Block || R == PeerRule::kVllmBlock) {
+    return peer_qdq<R>(x, p);
+  } else {
+    return fp8_qdq_sum(x, Fp8Params{p.s, p.si});
+  }
+}
+
 }  // namespace moefq

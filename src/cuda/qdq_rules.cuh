@@ -370,8 +370,8 @@ struct Rule<Format::kFp8Block128Ue8m0> : Fp8BlockRule<true> {
 
 // The other peers' rules (numerics.h PeerRule): blocks of 128 (single elements for the unscaled
 // casts), the block's parameters from its maximum, each element by peer_qdq. The combine's chunk
-// applies the same functions to its 8 values and rounds them to bf16, as the CPU quantizer stores
-// them (no sum-exact shortcut: these formats are measured as they are).
+// takes the sum-exact form of each element (peer_qdq_sum: no conversion instructions) and rounds
+// the 8 values to bf16, as the CPU quantizer stores them.
 template <PeerRule R>
 struct PeerFormatRule {
   static constexpr bool kBlocked = R != PeerRule::kFp8Cast && R != PeerRule::kFp8CastNan;
@@ -388,7 +388,7 @@ struct PeerFormatRule {
     const PeerParams p = block_param(bmax);
     unpack(w, v);
 #pragma unroll
-    for (int i = 0; i < kCombineElems; ++i) v[i] = apply(v[i], p);
+    for (int i = 0; i < kCombineElems; ++i) v[i] = peer_qdq_sum<R>(v[i], p);
     round_to_bf16(v);
   }
 };

@@ -208,6 +208,37 @@ TEST(PeerFormats, DeepGemmAndVllmCastsDifferOnSomeElements) {
     ASSERT_EQ(dg[size_t(i)].bits, bf16_round(stage_decode(x8[size_t(i)], sf[size_t(i / 128)]))) << i;
 }
 
+// The combine kernels' sum-exact form of each rule equals the rule on every bf16 x, for block
+// parameters from maxima across the range (tiny, below 1e-4, around 448, huge, inf), up to the sign
+// of a zero and a NaN's payload, after the bf16 rounding the kernels apply.
+template <PeerRule R>
+std::string sum_form_mismatch() {
+  const float maxima[] = {0.0f,   1e-38f, 3e-30f, 2e-5f, 9.99e-5f, 1e-4f,  0.37f,  1.0f, 6.0f,
+                          447.9f, 448.0f, 449.0f, 464.0f, 1e4f,    3e38f, INFINITY};
+  for (float bmax : maxima) {
+    const PeerParams p = peer_params<R>(bmax);
+    for (uint32_t b = 0; b < 65536; ++b) {
+      const float x = bf16_to_f32(uint16_t(b));
+      const uint16_t want = bf16_round(peer_qdq<R>(x, p)), got = bf16_round(peer_qdq_sum<R>(x, p));
+      const bool same = want == got || ((want & 0x7FFF) == 0 && (got & 0x7FFF) == 0);
+      if (!same)
+        return "bmax " + std::to_string(bmax) + " x bits " + std::to_string(b) + ": " + std::to_string(want) +
+               " vs " + std::to_string(got);
+    }
+  }
+  return "";
+}
+
+TEST(PeerFormats, SumExactFormsEqualTheRules) {
+  EXPECT_EQ(sum_form_mismatch<PeerRule::kFp8Cast>(), "");
+  EXPECT_EQ(sum_form_mismatch<PeerRule::kFp8CastNan>(), "");
+  EXPECT_EQ(sum_form_mismatch<PeerRule::kUe8m0NoFloor>(), "");
+  EXPECT_EQ(sum_form_mismatch<PeerRule::kMoriFp8Block>(), "");
+  EXPECT_EQ(sum_form_mismatch<PeerRule::kMoriFp4Block>(), "");
+  EXPECT_EQ(sum_form_mismatch<PeerRule::kDeepGemmBlock>(), "");
+  EXPECT_EQ(sum_form_mismatch<PeerRule::kVllmBlock>(), "");
+}
+
 TEST(PeerFormats, NamesBlocksAndWireBytes) {
   constexpr int64_t kH = 7168;
   for (Format f : kPeerFormats) {

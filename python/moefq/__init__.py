@@ -88,8 +88,9 @@ def combine_qdq_resum(rows, format, amax=None, *, shared=None, topk_idx=None, to
     so zero rows for unrouted slots give the same bits). On CUDA pass int32 indices to avoid a
     conversion (and without topk_idx an all-active index tensor is made each call).
     topk_weights: [T, K] float32 router weights for rows left unweighted (combine_weighting after):
-    each active row, after its QDQ, is multiplied by its weight in fp32 (one rounding) before it is
-    added; None: the rows are already weighted (combine_weighting before).
+    each active row, after its QDQ, is added as acc = fma(row, weight, acc) in fp32 (one rounding,
+    as DeepEP's low-latency combine accumulates); None: the rows are already weighted
+    (combine_weighting before).
     Returns out, [T, H] bf16 (numpy: uint16 bf16 bits).
     """
     return _combine_qdq_resum(rows, format, amax, shared, topk_idx, topk_weights, out, stream, stored=False)

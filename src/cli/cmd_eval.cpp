@@ -215,6 +215,10 @@ std::function<int()> add_eval_command(CLI::App& app) {
   sub->add_option("--recipe", o->eval.recipes,
                   "a recipe file or unit name (repeatable); replaces the default sweep (none + fp8, nvfp4, mxfp8, "
                   "mxfp4 for dispatch, combine and both)");
+  sub->add_option("--sweep", o->eval.sweep,
+                  "without --recipe, which recipes run: default (the 13 above) or peers (none + each expert-parallel "
+                  "system's dispatch and combine as it computes them, with its router-weight placement: DeepEP, "
+                  "DeepGEMM and its SGLang fork, MoRI, vLLM; recipes/configs/ptq/presets/peers)");
   sub->add_option("--recipe-root", o->eval.recipe_root,
                   "the directory holding configs/ that recipe imports (configs/numerics/nvfp4, ...) are looked up "
                   "in first (then the recipe file's own tree, then the shipped recipes)")->check(CLI::ExistingDirectory);
@@ -236,6 +240,9 @@ std::function<int()> add_eval_command(CLI::App& app) {
       "             --recipe moe_combine_nvfp4 --recipe my_recipe.yaml --device cuda --out report\n"
       "  moefq calibrate --save calib.json && moefq eval --load-calibration calib.json\n"
       "  moefq eval --preset deepseek-v3 --ranks 8 --device cuda --max-rel-l2 0.05\n"
+      "  moefq eval --sweep peers --out report                 # every peer's wire formats side by side\n"
+      "Formats (a recipe's num_bits): " + format_choices() + " (docs/numerics.md; the peers' formats "
+      "after logfmt10).\n"
       "Exit status: 0 success, 1 a failed check (a layout mismatch), 2 bad input (nothing is written then).");
   return [sub, o]() { return sub->parsed() ? run_eval_command(*o, sub) : 0; };
 }

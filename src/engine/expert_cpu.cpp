@@ -190,7 +190,7 @@ void combine_rows(const bf16* const* rows, int n, int64_t H, bf16* y, const floa
   const int nw = weights ? num_weighted : 0;
   for (int64_t h = 0; h < H; ++h) {
     float acc = 0.0f;
-    for (int i = 0; i < nw; ++i) acc = add_rn(acc, mul_rn(weights[i], to_f32(rows[i][h])));
+    for (int i = 0; i < nw; ++i) acc = weighted_add(acc, to_f32(rows[i][h]), weights[i]);
     for (int i = nw; i < n; ++i) acc = add_rn(acc, to_f32(rows[i][h]));
     y[h].bits = bf16_round(acc);
   }

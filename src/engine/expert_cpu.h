@@ -60,7 +60,8 @@ inline constexpr int kMaxCombineRows = 33;
 // rows[1][h], ... in the given order (the active routed slots ascending, then the fused shared
 // slot). rows: n pointers to [H] bf16 rows; y: [H] bf16. weights (combine_weighting after): null,
 // or the fp32 router weight of each of the first num_weighted rows (the routed ones), which then
-// add fp32(weights[i] * row[h]): one rounding for the product, one for the sum, never an fma.
+// add as acc = fma(row[h], weights[i], acc) (numerics.h weighted_add): one rounding, as DeepEP's
+// low-latency combine accumulates.
 void combine_rows(const bf16* const* rows, int n, int64_t H, bf16* y, const float* weights = nullptr,
                   int num_weighted = 0);
 

@@ -17,6 +17,9 @@
 
 namespace moefq::bench {
 
+// The longest CPU run bench eval starts.
+constexpr double kBenchEvalCpuLimitSeconds = 3600;
+
 int run_bench_eval(const EvalBenchOptions& o) {
   EvalOptions e;
   e.preset = o.preset;
@@ -40,6 +43,14 @@ int run_bench_eval(const EvalBenchOptions& o) {
     e.device_name = cli::cpu_device_name(0);
   }
   e.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
+  // bench eval times the pipeline; on a CPU a full-size preset takes minutes per layer: run_eval
+  // tells the estimate before the work, and a run beyond an hour is refused here (moefq eval runs
+  // it when the numbers are wanted).
+  if (const std::optional<RunEstimate> est = estimate_eval_time(e)) {
+    MOEFQ_CHECK(est->total() <= kBenchEvalCpuLimitSeconds, "moefq bench eval: on this CPU the run would take ",
+                est->describe(), "; bench eval times the GPU pipeline: use --device cuda, fewer --layers or --tokens, ",
+                "or moefq eval for the numbers themselves");
+  }
   const EvalResult r = run_eval(e);
   std::printf("moefq bench eval: %s, %zu layers, %lld ranks x %lld tokens, %d + %d batches, %zu recipes; %s\n",
               o.preset.c_str(), r.setup.layers.size(), (long long)o.ranks, (long long)o.tokens, o.calib_batches,

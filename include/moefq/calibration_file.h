@@ -34,6 +34,9 @@ struct CalibrationEntry {
 };
 
 struct CalibrationFile {
+  // "max", or "percentile P" (calibration_stats.h; the amax is then not the max of rank_amax, which
+  // such a file leaves out).
+  std::string algorithm = "max";
   std::string source;                                       // how the amax was measured
   std::vector<std::pair<std::string, std::string>> setup;  // in order; integers are written as numbers
   std::map<std::string, CalibrationEntry> quantizers;

@@ -13,14 +13,18 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "moefq/calibration_stats.h"
 #include "moefq/metrics.h"
 #include "moefq/moe_config.h"
 #include "moefq/recipe.h"
+#include "moefq/link_model.h"
 #include "moefq/synthetic.h"
+#include "moefq/wire_bytes.h"
 
 namespace moefq {
 
@@ -72,6 +76,15 @@ struct EvalOptions {
   std::string device_name = "cpu";
   int num_threads = 0;            // CPU threads (0: all)
   std::string load_calibration;   // eval: reuse this calibration file instead of calibrating
+  // The calibration methods (calibration_stats.h) of the recipes' calibrated amax; empty: each
+  // recipe's own `algorithm:` (max by default). With several, each recipe with a calibrated amax is
+  // evaluated once per method, named "<recipe>@<method>" (dispatch_fp8@p99.99). Methods other than
+  // max run on the CPU and need a calibration (not a calibration file).
+  std::vector<CalibrationMethod> calibration;
+  // The link the wire bytes are turned into transfer time on (link_model.h): a named link, or
+  // link_gbps > 0 (GB/s per GPU, one direction, no latency). Empty and 0: no times.
+  std::string link;
+  double link_gbps = 0;
   // Rows whose rel_l2 exceeds this are over budget; the result names the cheapest recipe within it.
   std::optional<double> max_rel_l2;
   // Progress lines (no newline), e.g. "[3/13] layer 0 dispatch_fp8 (2.1 s, eta 12 s)", and within a
@@ -106,14 +119,29 @@ std::vector<int64_t> parse_layers(const std::string& text);
 
 // Max calibration of one layer: the reduced amax of each quantizer and each rank's own max before
 // the MAX reduction (what the per-rank chart shows).
+// One method's amax for one quantizer and format (the methods beyond max, derived from the
+// histograms of the one calibration pass).
+struct DerivedCalibration {
+  std::string quantizer;  // "dispatch" or "combine"
+  std::string method;     // CalibrationMethod::name()
+  std::string format;
+  DerivedAmax amax;
+};
 struct LayerCalibration {
   int64_t layer = 0;
   float dispatch_amax = 0, combine_amax = 0;
   std::vector<float> dispatch_rank_amax, combine_rank_amax;  // [ranks]
+  // |x| histograms over every rank's calibration data (only when a method beyond max is asked for).
+  std::shared_ptr<const AbsHistogram> dispatch_hist, combine_hist;
+  std::vector<DerivedCalibration> derived;  // each (quantizer, method, format) the recipes used
+  // logfmt10's cast groups on the calibration data (wire_bytes.h; collected with the histograms, or
+  // when a recipe sends logfmt10).
+  CastGroups dispatch_logfmt, combine_logfmt;
 };
 
 struct CalibrationState {
   std::string source;  // "calibrated on 2 batches x 4 ranks x 256 tokens" or "loaded from FILE"
+  std::string algorithm = "max";  // "max" or "percentile P" (moefq calibrate --calibration)
   std::vector<LayerCalibration> layers;
   const LayerCalibration* find(int64_t layer) const;
 };
@@ -134,6 +162,8 @@ struct EvalSetup {
   uint64_t seed = 0;
   std::string backend_kind, device, version;
   std::optional<double> max_rel_l2;
+  std::string calibration = "max";  // the methods used, "max" or e.g. "percentile 99.99, mse"
+  LinkModel link;                   // link.name empty: no transfer times
 };
 
 // One (layer, recipe) result over the whole evaluation set.
@@ -159,6 +189,15 @@ struct EvalRow {
   // "n/a": combine quantization off, the output does not depend on the buffer layout.
   std::string layout_check;
   bool over_budget = false;  // rel_l2 > max_rel_l2
+  // The calibration method of the row's calibrated amax ("" when it has none).
+  std::string calibration;
+  // logfmt10 sends a cast group as bf16 when it cannot be cast: the fraction of the groups that
+  // were cast on the evaluation data (nullopt: not logfmt10); the wire bytes above are then the
+  // bytes actually sent (cast groups compressed, the others bf16).
+  std::optional<double> dispatch_cast_fraction, combine_cast_fraction;
+  // Transfer time of the dispatch and the combine of one batch (ranks x tokens) on setup.link
+  // (link_model.h), and the saving of both against bf16, in microseconds (0 without a link).
+  double dispatch_us = 0, combine_us = 0, saved_us = 0;
 };
 
 // A layer's outlier output channels: those whose RMS over the unquantized reference output is
@@ -217,6 +256,26 @@ struct EvalResult {
 // The bytes the run needs against what this machine (and its GPU) has; run_eval refuses (bad
 // input, with the figures and what to change) when it does not fit.
 MemoryPlan plan_eval_memory(const EvalOptions& options);
+
+// A run's rough wall time on the CPU, told before any work: the weights made (the time of one
+// expert made here, times the experts; a layer in the weight cache is read at kDiskBytesPerSecond)
+// or read from a checkpoint (the same rate), and the engine's forwards (6 x H x I flops per routed
+// row and per token for the shared expert, at kCpuGflopsPerThread per thread: the CPU engine's
+// rate on a deepseek-v3 layer on the project's 2-core machine). Forwards per layer: the calibration
+// batches, and per evaluation batch the reference and one per distinct dispatch configuration.
+// QDQ and metrics are left out (they are small beside the GEMMs).
+struct RunEstimate {
+  double weights_seconds = 0, forwards_seconds = 0;
+  int64_t layers = 0, cached_layers = 0;
+  double total() const { return weights_seconds + forwards_seconds; }
+  std::string describe() const;  // "about 6 min (weights 3 min, of 2 layers none cached; forwards 3 min)"
+};
+inline constexpr double kCpuGflopsPerThread = 5.0;
+inline constexpr double kDiskBytesPerSecond = 1.0e9;
+// Runs estimated longer than this say so before they start (moefq eval and calibrate).
+inline constexpr double kLongRunSeconds = 60.0;
+// nullopt for a GPU run (its estimate is the progress lines').
+std::optional<RunEstimate> estimate_eval_time(const EvalOptions& options);
 
 // The whole evaluation (load_calibration honoured).
 EvalResult run_eval(const EvalOptions& options);

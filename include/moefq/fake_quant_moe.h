@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -47,6 +48,10 @@ class FakeQuantMoe {
   // Each rank's own max of the last calibration, before the reduction (which 0: dispatch, 1:
   // combine).
   const std::vector<float>& rank_amax(int which) const;
+  // Hears every element a quantizer folds into its calibration (which 0: dispatch, 1: combine; the
+  // rank; n bf16 values), one rank after the other; empty: none. For statistics beyond the max.
+  using CalibrationObserver = std::function<void(int which, int64_t rank, const bf16* x, int64_t n)>;
+  void set_calibration_observer(CalibrationObserver observer);
 
   // One call of every rank; batches[r].y receives rank r's output. A dynamic dispatch amax is the
   // max |x| over the rank's tokens that have an active routed slot (the tokens that are sent). An
@@ -79,6 +84,7 @@ class FakeQuantMoe {
  private:
   ExpertBackend* backend_;  // owned by the driver's ops
   std::unique_ptr<FakeQuantDriver> driver_;
+  std::shared_ptr<CalibrationObserver> observer_;  // shared with the ops
 };
 
 }  // namespace moefq

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "moefq/calibration_stats.h"
 #include "moefq/quant_spec.h"
 
 namespace moefq {
@@ -37,7 +38,8 @@ struct Recipe {
   std::string name;                  // the file stem (the unit name)
   std::vector<RecipeEntry> entries;  // imports expanded, in application order
   std::vector<IgnoredEntry> ignored;  // entries for other quantizers, in file order
-  std::string algorithm = "max";     // "max", or "none" (algorithm: null, no calibration)
+  std::string algorithm = "max";     // "max", "mse", "percentile", or "none" (algorithm: null)
+  CalibrationMethod calibration;     // the method and its parameters (unless "none")
   // moefq's `combine_weighting: before | after` (beside algorithm): where the layer the recipe is
   // meant for applies the router weight; nullopt when the recipe does not say.
   std::optional<CombineWeighting> combine_weighting;

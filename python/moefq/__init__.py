@@ -476,7 +476,8 @@ def eval(**options):
     unit name, or a list of them), recipe_root (where their imports are looked for first), ranks,
     tokens, calib_batches, eval_batches, seed, device ("auto", "cpu", "cuda"), pipeline, threads,
     combine_weighting, staging ("e4m3" or "none"; default: as the model is served), load_calibration,
-    max_rel_l2; out (also write report.json/.csv/.html there);
+    max_rel_l2, calibration ("max", "percentile:99.99", "mse" or a comma-separated list of them), link
+    ("nvlink4", "ib400", ...) or link_gbps; out (also write report.json/.csv/.html there);
     progress (True: progress lines on stderr, or a callable taking each line). Any other keyword is
     a ValueError. Ctrl-C stops the run at its next progress step (KeyboardInterrupt), writing
     nothing."""

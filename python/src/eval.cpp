@@ -60,7 +60,7 @@ T integer_option(const pb::handle& value, const std::string& key) {
 constexpr const char* kKeywords[] = {"preset", "config", "checkpoint", "layers", "activations", "synthetic",
                                      "recipes", "ranks", "tokens", "calib_batches", "eval_batches", "seed",
                                      "device", "pipeline", "threads", "combine_weighting", "staging", "load_calibration",
-                                     "max_rel_l2", "recipe_root"};
+                                     "max_rel_l2", "recipe_root", "calibration", "link", "link_gbps"};
 
 std::string flag_of(const std::string& keyword) {
   if (keyword == "recipes") return "--recipe";  // the CLI's flag is repeated, one recipe each
@@ -168,6 +168,12 @@ EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
       o.load_calibration = option<std::string>(value, k, "a string");
     } else if (k == "max_rel_l2" && with_recipes) {
       o.max_rel_l2 = option<double>(value, k, "a number");
+    } else if (k == "calibration") {
+      o.calibration = parse_calibration_methods(option<std::string>(value, k, "a string"), k);
+    } else if (k == "link" && with_recipes) {
+      o.link = option<std::string>(value, k, "a string");
+    } else if (k == "link_gbps" && with_recipes) {
+      o.link_gbps = option<double>(value, k, "a number");
     } else if (k == "progress") {
       MOEFQ_CHECK(PyCallable_Check(value.ptr()), k, ": expected a callable, got ", std::string(pb::str(value.get_type())));
       // Shared: the run copies the hook with the GIL released; only the options' copy, destroyed

@@ -31,7 +31,7 @@ namespace fs = std::filesystem;
 struct EvalCliOptions {
   EvalOptions eval;
   std::string layers, device = "auto", out, save, synthetic = "model", pipeline = "device", combine_weighting;
-  std::string staging;
+  std::string staging, calibration;
   int64_t seed = 1;  // parsed signed so that a negative seed is an error, not a wrapped value
   double max_rel_l2 = 0;
   bool wide = false;  // eval: every column of the rows in the terminal table
@@ -48,7 +48,8 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
   sub->add_option("--checkpoint", o.eval.checkpoint_dir,
                   "a Hugging Face checkpoint directory (config.json and safetensors shards; e4m3 with block scales, "
                   "or bf16 with --device cpu); needs --layers");
-  sub->add_option("--layers", o.layers, "layers to evaluate: 4, 3-10 or 3,5,7 (default 0; required with --checkpoint)");
+  sub->add_option("--layers", o.layers,
+                  "layers to evaluate: 4, 3-10, 3,5,7 or 1-2,6 (default 0; required with --checkpoint)");
   sub->add_option("--activations", o.eval.activations_path,
                   "hidden states captured from a real model: a safetensors file with a [tokens, H] BF16/F32 tensor "
                   "'layers.{i}' per layer, or one 'hidden_states' used for every layer (default: synthetic)");
@@ -59,6 +60,10 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
       ->check(CLI::Range(1, 4096));
   sub->add_option("--tokens", o.eval.tokens, "tokens per rank per batch (default 256)")->check(CLI::Range(1, 1 << 20));
   sub->add_option("--calib-batches", o.eval.calib_batches, "calibration batches (default 2)")->check(CLI::Range(1, 100000));
+  sub->add_option("--calibration", o.calibration,
+                  "how the calibrated amax is chosen: max (default), percentile (99.99), percentile:P, or mse (the "
+                  "amax minimizing the QDQ error, fp8/int8); eval takes a comma-separated list and evaluates each "
+                  "recipe once per method (default: each recipe's own algorithm)");
   sub->add_option("--seed", o.seed, "seed of the synthetic weights and activations (default 1)")
       ->check(seed_range());
   sub->add_option("--device", o.device, "auto | cpu | cuda (default auto: cuda when a GPU is visible)");
@@ -85,6 +90,8 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
   if (sub->get_option_no_throw("--max-rel-l2") && sub->get_option("--max-rel-l2")->count() > 0)
     o.eval.max_rel_l2 = o.max_rel_l2;
   if (!o.layers.empty() || sub->get_option("--layers")->count() > 0) o.eval.layers = parse_layers(o.layers);
+  if (sub->get_option("--calibration")->count() > 0)
+    o.eval.calibration = parse_calibration_methods(o.calibration, "--calibration");
   if (sub->get_option("--combine-weighting")->count() > 0)
     o.eval.combine_weighting = combine_weighting_option(o.combine_weighting, "--combine-weighting");
   if (sub->get_option("--staging")->count() > 0) o.eval.staging = staging_from_name(o.staging, "--staging");
@@ -150,6 +157,9 @@ void print_header(const char* tool, const EvalSetup& s) {
               terminal_safe(s.weights_source).c_str(), terminal_safe(s.activations_source).c_str(), s.device.c_str(),
               combine_weighting_name(s.combine_weighting));
   std::printf("baseline: staging %s, %s\n", staging_name(s.staging), staging_baseline(s.staging));
+  if (s.link.enabled())
+    std::printf("link: %s, %lld ranks x %lld tokens per batch (transfer times: docs/eval.md)\n",
+                s.link.describe().c_str(), (long long)s.ranks, (long long)s.tokens);
 }
 
 int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {
@@ -213,12 +223,18 @@ std::function<int()> add_eval_command(CLI::App& app) {
   sub->add_option("--eval-batches", o->eval.eval_batches, "held-out evaluation batches (default 2)")
       ->check(CLI::Range(1, 100000));
   sub->add_option("--recipe", o->eval.recipes,
-                  "a recipe file or unit name (repeatable); replaces the default sweep (none + fp8, nvfp4, mxfp8, "
-                  "mxfp4 for dispatch, combine and both)");
+                  "a recipe file or unit name (repeatable), or none (the unquantized layer); replaces the default "
+                  "sweep (none + fp8, nvfp4, mxfp8, mxfp4 for dispatch, combine and both)");
   sub->add_option("--sweep", o->eval.sweep,
                   "without --recipe, which recipes run: default (the 13 above) or peers (none + each expert-parallel "
                   "system's dispatch and combine as it computes them, with its router-weight placement: DeepEP, "
                   "DeepGEMM and its SGLang fork, MoRI, vLLM; recipes/configs/ptq/presets/peers)");
+  sub->add_option("--link", o->eval.link,
+                  "turn the wire bytes into dispatch/combine transfer time per batch on this link: " + link_choices() +
+                      " (bandwidths and latencies in docs/eval.md)");
+  sub->add_option("--link-gbps", o->eval.link_gbps,
+                  "the same on a link of this many gigabits per second per GPU, one direction (no latency)")
+      ->check(positive_number());
   sub->add_option("--recipe-root", o->eval.recipe_root,
                   "the directory holding configs/ that recipe imports (configs/numerics/nvfp4, ...) are looked up "
                   "in first (then the recipe file's own tree, then the shipped recipes)")->check(CLI::ExistingDirectory);
@@ -241,6 +257,7 @@ std::function<int()> add_eval_command(CLI::App& app) {
       "  moefq calibrate --save calib.json && moefq eval --load-calibration calib.json\n"
       "  moefq eval --preset deepseek-v3 --ranks 8 --device cuda --max-rel-l2 0.05\n"
       "  moefq eval --sweep peers --out report                 # every peer's wire formats side by side\n"
+      "  moefq eval --calibration max,percentile:99.99,mse --link ib400\n"
       "Formats (a recipe's num_bits): " + format_choices() + " (docs/numerics.md; the peers' formats "
       "after logfmt10).\n"
       "Exit status: 0 success, 1 a failed check (a layout mismatch), 2 bad input (nothing is written then).");

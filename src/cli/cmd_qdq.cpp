@@ -24,6 +24,7 @@
 #include "moefq/qdq.h"
 #include "moefq/safetensors.h"
 #include "moefq/synthetic.h"
+#include "moefq/wire_bytes.h"
 #ifdef MOEFQ_HAS_CUDA
 #include "cuda/host_api.h"
 #endif
@@ -45,6 +46,10 @@ struct Result {
   float amax = 0;
   bool amax_used = true;
   ErrorMetrics m;
+  // The bytes per row actually sent (scales included), and logfmt10's fraction of cast groups
+  // (the others go as bf16; nullopt for the other formats).
+  double wire_bytes_per_row = 0;
+  std::optional<double> cast_fraction;
 };
 
 // A decimal number only ("2688", "0.5", "1e3"; the command line's one parser, commands.h), finite,
@@ -103,6 +108,16 @@ Result run_one(const std::string& name, const std::string& dtype, const std::vec
   r.amax = qdq_tensor(f, x, y, rows, cols, amax, cuda);
   r.amax_used = format_has_global_amax(f);
   r.m = compute_metrics(y.data(), x.data(), int64_t(x.size()));
+  r.wire_bytes_per_row = wire_bytes_per_row(f, cols);
+  if (f == Format::kLogfmt10) {
+    const CastGroups g = logfmt10_cast_groups(x.data(), rows, cols);
+    r.cast_fraction = g.fraction();
+    r.wire_bytes_per_row = logfmt10_bytes_per_row(cols, g.fraction());
+    if (g.cast < g.total)
+      std::fprintf(stderr, "note: logfmt10 cast %llu of %s's %llu groups; the others (a block with amax >= 1, or "
+                   "all its magnitudes equal) are sent as bf16%s\n", (unsigned long long)g.cast, name.c_str(),
+                   (unsigned long long)g.total, g.cast == 0 ? ": nothing was compressed (rel_l2 0)" : "");
+  }
   return r;
 }
 
@@ -115,12 +130,13 @@ std::string shape_cell(const std::vector<int64_t>& shape) {
 
 void print_results(const std::vector<Result>& results) {
   Table t({"tensor", "dtype", "shape", "format", "amax", "rel_l2", "cosine", "calc_diff", "max_abs",
-           "snr_db", "skipped"});
+           "snr_db", "skipped", "B/row", "cast"});
   for (const Result& r : results) {
     const auto m = [&](const std::string& cell) { return r.m.count > 0 ? cell : std::string("-"); };  // "-": nothing compared
     t.add({r.tensor, r.dtype, shape_cell(r.shape), r.format, r.amax_used ? fmt_num(r.amax, 6) : "-",
            m(fmt_num(r.m.rel_l2)), m(fmt_fixed(r.m.cosine, 6)), m(fmt_num(r.m.calc_diff)), m(fmt_num(r.m.max_abs)),
-           m(fmt_fixed(r.m.snr_db, 2)), std::to_string(r.m.skipped_nonfinite)});
+           m(fmt_fixed(r.m.snr_db, 2)), std::to_string(r.m.skipped_nonfinite), fmt_num(r.wire_bytes_per_row, 6),
+           r.cast_fraction ? fmt_num(*r.cast_fraction, 4) : "-"});
   }
   t.print();
 }
@@ -140,7 +156,9 @@ std::string report_json(const QdqOptions& o, const std::string& device, const st
                             {"rel_l2", json_number(r.m.rel_l2)}, {"cosine", json_number(r.m.cosine)},
                             {"calc_diff", json_number(r.m.calc_diff)}, {"max_abs", json_number(r.m.max_abs)},
                             {"snr_db", json_number(r.m.snr_db)}, {"count", r.m.count},
-                            {"skipped_nonfinite", r.m.skipped_nonfinite}});
+                            {"skipped_nonfinite", r.m.skipped_nonfinite},
+                            {"wire_bytes_per_row", json_number(r.wire_bytes_per_row)},
+                            {"cast_fraction", r.cast_fraction ? json_number(*r.cast_fraction) : nlohmann::json()}});
   return j.dump(2) + "\n";
 }
 
@@ -299,19 +317,25 @@ std::function<int()> add_qdq_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "qdq", "Fake-quantize (quantize-dequantize) the BF16/F32 tensors of a safetensors file and "
              "print each tensor's error metrics. Without --in, runs every format on a built-in sample.");
-  sub->add_option("--in", opts->in, "input .safetensors file");
-  sub->add_option("--out", opts->out, "output .safetensors file (same names, dtypes and shapes)");
-  sub->add_option("--format", opts->format, format_choices());
+  sub->add_option("--in", opts->in, "input .safetensors file (default: a built-in sample of synthetic activations)");
+  sub->add_option("--out", opts->out,
+                  "output .safetensors file (same names, dtypes and shapes); required with --in, optional without");
+  sub->add_option("--format", opts->format,
+                  format_choices() + "; required with --in (default without --in: every format)");
   sub->add_option("--amax", opts->amax, "global amax (fp8, nvfp4, int8); default: each tensor's own max |x|");
   sub->add_option("--tensor", opts->tensors, "only these tensors (repeatable); the others are copied unchanged");
   sub->add_option("--device", opts->device, "auto | cpu | cuda (default auto: cuda when a GPU is visible)");
   sub->add_option("--report", opts->report, "also write the metrics as JSON to this file");
-  sub->add_option("--sample-rows", opts->sample_rows, "rows of the built-in sample")->check(CLI::Range(1, 1 << 20));
-  sub->add_option("--sample-cols", opts->sample_cols, "columns of the built-in sample")->check(CLI::Range(1, 1 << 16));
+  sub->add_option("--sample-rows", opts->sample_rows, "rows of the built-in sample (default 512)")
+      ->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--sample-cols", opts->sample_cols, "columns of the built-in sample (default 7168)")
+      ->check(CLI::Range(1, 1 << 16));
   sub->footer(
       "Examples:\n"
       "  moefq qdq                                   # every format on the built-in sample\n"
       "  moefq qdq --in acts.safetensors --out acts.nvfp4.safetensors --format nvfp4 --amax 2688\n"
+      "B/row: the bytes per row on the wire, scales included; cast: logfmt10's fraction of cast groups (the\n"
+      "others are sent as bf16, which B/row counts).\n"
       "Exit status: 0 success, 2 bad input (nothing is written then).");
   return [sub, opts] { return sub->parsed() ? run_qdq(*opts, sub) : 0; };
 }

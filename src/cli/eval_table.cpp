@@ -11,10 +11,14 @@ namespace moefq::cli {
 namespace {
 
 // One column of the results table: its header, whether only the wide table has it, its cell.
+// Columns that only some runs have: a link's transfer times, logfmt10's cast fractions, the
+// calibration method of each row (when the run uses a method beyond max).
+enum class Only { kAlways, kLink, kCast, kCalibration };
 struct Column {
   const char* header;
   bool wide_only;
   std::function<std::string(const EvalRow&)> cell;
+  Only only = Only::kAlways;
 };
 
 std::string opt(const std::optional<std::string>& v) { return v ? *v : "-"; }
@@ -30,6 +34,13 @@ const std::vector<Column>& columns() {
       {"recipe", false, [](const EvalRow& r) { return r.recipe; }},
       {"disp", false, [](const EvalRow& r) { return opt(r.dispatch_format); }},
       {"comb", false, [](const EvalRow& r) { return opt(r.combine_format); }},
+      // "p99.99" for "percentile 99.99": the column stays narrow.
+      {"calib", false,
+       [](const EvalRow& r) {
+         if (r.calibration.empty()) return std::string("-");
+         return r.calibration.rfind("percentile ", 0) == 0 ? "p" + r.calibration.substr(11) : r.calibration;
+       },
+       Only::kCalibration},
       {"disp_amax", true, [](const EvalRow& r) { return opt(r.dispatch_amax); }},
       {"comb_amax", true, [](const EvalRow& r) { return opt(r.combine_amax); }},
       {"rel_l2", false, [](const EvalRow& r) { return fmt_num(r.metrics.rel_l2); }},
@@ -47,6 +58,11 @@ const std::vector<Column>& columns() {
       {"B/token", false,
        [](const EvalRow& r) { return fmt_num(r.dispatch_wire_bytes_per_token + r.combine_wire_bytes_per_token, 6); }},
       {"saving", false, [](const EvalRow& r) { return fmt_fixed(100.0 * r.wire_saving, 1) + "%"; }},
+      {"cast_d", false, [](const EvalRow& r) { return opt_fraction(r.dispatch_cast_fraction); }, Only::kCast},
+      {"cast_c", false, [](const EvalRow& r) { return opt_fraction(r.combine_cast_fraction); }, Only::kCast},
+      {"d_us", true, [](const EvalRow& r) { return fmt_fixed(r.dispatch_us, 1); }, Only::kLink},
+      {"c_us", true, [](const EvalRow& r) { return fmt_fixed(r.combine_us, 1); }, Only::kLink},
+      {"saved_us", false, [](const EvalRow& r) { return fmt_fixed(r.saved_us, 1); }, Only::kLink},
       {"layout", false, [](const EvalRow& r) { return r.layout_check; }},
   };
   return cols;
@@ -71,7 +87,7 @@ std::string outliers_found(const EvalResult& r) {
 std::vector<std::string> eval_wide_only_columns() {
   std::vector<std::string> names;
   for (const Column& c : columns())
-    if (c.wide_only) names.push_back(c.header);
+    if (c.wide_only && c.only == Only::kAlways) names.push_back(c.header);
   return names;
 }
 
@@ -93,11 +109,23 @@ std::string fmt_fraction(double v) {
   return s.substr(0, e) + (neg ? "e-" : "e") + exp;
 }
 
+bool column_applies(const Column& c, const EvalResult& r) {
+  switch (c.only) {
+    case Only::kAlways: return true;
+    case Only::kLink: return r.setup.link.enabled();
+    case Only::kCast:
+      return std::any_of(r.rows.begin(), r.rows.end(),
+                         [](const EvalRow& x) { return x.dispatch_cast_fraction || x.combine_cast_fraction; });
+    case Only::kCalibration: return r.setup.calibration != "max";
+  }
+  return true;
+}
+
 std::vector<std::string> eval_table_lines(const EvalResult& r, bool wide) {
   const bool budget = r.setup.max_rel_l2.has_value();
   std::vector<const Column*> cols;
   for (const Column& c : columns())
-    if (wide || !c.wide_only) cols.push_back(&c);
+    if ((wide || !c.wide_only) && column_applies(c, r)) cols.push_back(&c);
   std::vector<std::string> head;
   for (const Column* c : cols) head.push_back(c->header);
   if (budget) head.push_back("budget");
@@ -144,6 +172,17 @@ std::vector<std::string> eval_footer_lines(const EvalResult& r, bool wide) {
   legend.push_back({"clip_*", "fraction of the elements beyond the quantizer's global amax, saturated (-: none)"});
   legend.push_back({"B/token", "dispatch + combine bytes per token per destination rank, scales included; saving: "
                                "vs bf16"});
+  if (r.setup.calibration != "max")
+    legend.push_back({"calib", "the calibration method of the row's amax (" + r.setup.calibration +
+                                   "; pP: percentile P; -: the recipe has no calibrated amax)"});
+  if (std::any_of(r.rows.begin(), r.rows.end(),
+                  [](const EvalRow& x) { return x.dispatch_cast_fraction || x.combine_cast_fraction; }))
+    legend.push_back({"cast_*", "logfmt10: the fraction of cast groups actually cast (calibration data); the rest go "
+                                "as bf16 and B/token counts them so"});
+  if (r.setup.link.enabled())
+    legend.push_back({"saved_us", "dispatch + combine transfer time saved per batch against bf16 on " +
+                                      r.setup.link.describe() + (wide ? "; d_us, c_us: each one's time" : "") +
+                                      " (docs/eval.md: the model)"});
   legend.push_back({"layout", "pass: combine rows read from the engine's buffer, layout checked; n/a: combine off"});
   if (r.setup.max_rel_l2) legend.push_back({"budget", "OVER: rel_l2 > " + fmt_num(*r.setup.max_rel_l2, 6)});
   legend.push_back({"more", wide ? "--out DIR writes every figure at full precision (JSON, CSV, HTML)"

@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "engine/expert_cpu.h"
 #include "eval/layer_runner.h"
 #include "moefq/checkpoint.h"
 #include "moefq/errors.h"
@@ -22,7 +23,10 @@
 #include "moefq/fake_quant_moe.h"
 #include "moefq/fileio.h"
 #include "moefq/quantizer.h"
+#include "moefq/qdq.h"
 #include "moefq/safetensors.h"
+#include "moefq/weight_cache.h"
+#include "moefq/wire_bytes.h"
 
 namespace moefq {
 namespace {
@@ -39,6 +43,10 @@ struct Prepared {
   EvalDevice device = EvalDevice::kCpu;
   std::vector<NamedRecipe> recipes;
   std::vector<std::map<std::string, QuantizerConfig>> recipe_configs;  // [recipe], over all layers
+  // [recipe]: the calibration method of its calibrated amax (nullopt: it has none).
+  std::vector<std::optional<CalibrationMethod>> methods;
+  LinkModel link;
+  std::vector<std::string> notes;  // for the result's warnings
   std::optional<SafetensorsFile> acts;
   std::function<void(const std::string&)> progress;
   double progress_every_seconds = 5.0;
@@ -79,6 +87,88 @@ void check_activations_finite(const RunnerSetup& r, const std::string& path) {
                 " in the ", need, " rows the run uses, the first at row ", first_row, ", column ", first_col, " (",
                 first_value, "); the hidden states must be finite (an F32 value beyond the bf16 range is inf as bf16)");
   }
+}
+
+// The formats of the quantizers that take a calibrated amax.
+std::vector<Format> calibrated_formats(const std::map<std::string, QuantizerConfig>& cfgs) {
+  std::vector<Format> f;
+  for (const auto& [name, c] : cfgs)
+    if (c.enable && format_has_global_amax(c.spec.format) && c.spec.amax_source == AmaxSource::kCalibrated)
+      f.push_back(c.spec.format);
+  return f;
+}
+
+// Each recipe with a calibrated amax once per calibration method (--calibration, else its own
+// algorithm), named "<recipe>@<method>" when --calibration lists several.
+void expand_calibration_methods(const EvalOptions& o, Prepared& p) {
+  std::vector<NamedRecipe> recipes;
+  std::vector<std::map<std::string, QuantizerConfig>> configs;
+  std::set<std::string> names;
+  std::map<Format, std::string> skipped;  // mse left out: the recipes, by block format
+  const bool several = o.calibration.size() > 1;
+  for (size_t i = 0; i < p.recipes.size(); ++i) {
+    std::vector<std::optional<CalibrationMethod>> ms;
+    const std::vector<Format> formats = calibrated_formats(p.recipe_configs[i]);
+    if (formats.empty())
+      ms.push_back(std::nullopt);
+    else if (o.calibration.empty())
+      ms.push_back(p.recipes[i].recipe.calibration);
+    else
+      ms.assign(o.calibration.begin(), o.calibration.end());
+    for (const auto& m : ms) {
+      // mse needs an element-wise format (calibration_stats.h): a block format is left out, said so.
+      const auto block = std::find_if(formats.begin(), formats.end(), [](Format f) { return format_block_size(f) > 0; });
+      if (m && m->kind == CalibrationMethod::Kind::kMse && block != formats.end()) {
+        std::string& names = skipped[*block];
+        names += (names.empty() ? "" : ", ") + p.recipes[i].name;
+        continue;
+      }
+      NamedRecipe r = p.recipes[i];
+      if (m && several) r.name += "@" + m->short_name();
+      MOEFQ_CHECK(names.insert(r.name).second, "--recipe: two recipes are named '", r.name, "'");
+      recipes.push_back(std::move(r));
+      configs.push_back(p.recipe_configs[i]);
+      p.methods.push_back(m);
+    }
+  }
+  for (const auto& [f, names] : skipped)
+    p.notes.push_back("no mse rows for " + names + ": " + format_name(f) + "'s error depends on its " +
+                      std::to_string(format_block_size(f)) +
+                      "-element blocks, which the calibration statistics do not keep (use max or percentile)");
+  p.recipes = std::move(recipes);
+  p.recipe_configs = std::move(configs);
+}
+
+// The run's calibration: the methods used (for the header), whether the runner keeps the
+// statistics they need, and what cannot be combined.
+void resolve_calibration(const EvalOptions& o, bool with_recipes, Prepared& p) {
+  std::vector<CalibrationMethod> used;
+  if (with_recipes) {
+    for (const auto& m : p.methods)
+      if (m && std::find(used.begin(), used.end(), *m) == used.end()) used.push_back(*m);
+  } else {
+    MOEFQ_CHECK(o.calibration.size() <= 1, "moefq calibrate --calibration takes one method");
+    if (!o.calibration.empty()) used.push_back(o.calibration.front());
+    MOEFQ_CHECK(used.empty() || used.front().kind != CalibrationMethod::Kind::kMse, "moefq calibrate --calibration ",
+                "mse: the MSE-optimal amax depends on the recipe's format; use it in moefq eval (or calibrate with max ",
+                "or percentile)");
+  }
+  const bool beyond_max = std::any_of(used.begin(), used.end(), [](const CalibrationMethod& m) {
+    return m.kind != CalibrationMethod::Kind::kMax;
+  });
+  std::string names;
+  for (const CalibrationMethod& m : used) names += (names.empty() ? "" : ", ") + m.name();
+  p.setup.calibration = names.empty() ? "max" : names;
+  if (beyond_max) {
+    MOEFQ_CHECK(p.device == EvalDevice::kCpu, "--calibration ", names, ": methods beyond max run with --device cpu ",
+                "(the GPU evaluation keeps only the running max of the calibration data)");
+    MOEFQ_CHECK(o.load_calibration.empty(), "--calibration ", names, " cannot be used with --load-calibration (a ",
+                "calibration file holds one amax per quantizer; calibrate in this run instead)");
+  }
+  bool logfmt = false;
+  for (const auto& cfgs : p.recipe_configs)
+    for (const auto& [name, c] : cfgs) logfmt = logfmt || (c.enable && c.spec.format == Format::kLogfmt10);
+  p.runner.calibration_stats = p.device == EvalDevice::kCpu && (beyond_max || logfmt);
 }
 
 void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
@@ -243,11 +333,12 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
       qnames.push_back(FakeQuantMoe::dispatch_name(l));
       qnames.push_back(FakeQuantMoe::combine_name(l));
     }
-    for (const NamedRecipe& r : p.recipes) {
-      p.recipe_configs.push_back(apply_recipe(r.recipe, qnames));
-      s.recipe_names.push_back(r.name);
-    }
+    for (const NamedRecipe& r : p.recipes) p.recipe_configs.push_back(apply_recipe(r.recipe, qnames));
+    expand_calibration_methods(o, p);
+    for (const NamedRecipe& r : p.recipes) s.recipe_names.push_back(r.name);
   }
+  resolve_calibration(o, with_recipes, p);
+  p.link = s.link = make_link_model(o.link, o.link_gbps);
 
   // Where the router weight is applied: one mode for the run (the rows every recipe quantizes, and
   // the calibrated combine amax, depend on it): the option, else the recipes' (which must agree).
@@ -286,9 +377,21 @@ MemoryPlan check_memory(const Prepared& p, const std::string& command) {
     gpu_fits = gpu.device_available > 0 && gpu.device_bytes <= kUsableFraction * gpu.device_available &&
                gpu.host_bytes <= kUsableFraction * plan.host_available;
   }
+  // The layer's weights alone (the first item) beyond what the machine can give: fewer tokens or
+  // batches cannot help, so the advice says so.
+  const bool on_device = p.device == EvalDevice::kCuda;
+  const double weights = on_device ? plan.items.front().device_bytes : plan.items.front().host_bytes;
+  const double usable = kUsableFraction * (on_device ? plan.device_available : plan.host_available);
+  char gib[64];
+  std::snprintf(gib, sizeof gib, "%.1f GiB", weights / double(1 << 30));
   const std::string advice =
-      gpu_fits ? "use --device cuda (the layer then lives on the GPU), fewer --tokens or batches, or a smaller model"
-               : "use fewer --ranks, --tokens or batches, or a smaller model";
+      usable > 0 && weights > usable
+          ? std::string("one layer's expert weights alone need ") + gib + ", more than this " +
+                (on_device ? "GPU" : "machine") + " can give, so fewer tokens or batches cannot help: " +
+                (gpu_fits ? "use --device cuda (the layer then lives on the GPU), " : "") +
+                "run on a machine with more memory, or use a smaller model"
+      : gpu_fits ? "use --device cuda (the layer then lives on the GPU), fewer --tokens or batches, or a smaller model"
+                 : "use fewer --ranks, --tokens or batches, or a smaller model";
   require_memory_fits(plan, command + ":", advice);
   return plan;
 }
@@ -447,7 +550,7 @@ class Progress {
 };
 
 std::string calib_source(const EvalSetup& s) {
-  return "max calibration on " + plural(s.calib_batches, "batch") + " x " + plural(s.ranks, "rank") + " x " +
+  return s.calibration + " calibration on " + plural(s.calib_batches, "batch") + " x " + plural(s.ranks, "rank") + " x " +
          plural(s.tokens, "token");
 }
 
@@ -500,7 +603,90 @@ void summarise(EvalResult& result) {
   });
 }
 
+std::string duration(double s) {
+  char buf[32];
+  if (s < 90)
+    std::snprintf(buf, sizeof buf, "%.0f s", s);
+  else if (s < 5400)
+    std::snprintf(buf, sizeof buf, "%.0f min", s / 60);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f h", s / 3600);
+  return buf;
+}
+
+// The estimate of estimate_eval_time for a prepared run; with_recipes: the evaluation's forwards.
+std::optional<RunEstimate> estimate(const Prepared& p, bool calibrate, bool with_recipes) {
+  if (p.device != EvalDevice::kCpu) return std::nullopt;
+  const RunnerSetup& r = p.runner;
+  const MoeConfig& c = r.config;
+  const double threads = double(resolve_threads(r.num_threads));
+  RunEstimate e;
+  e.layers = int64_t(p.setup.layers.size());
+  const double expert_bytes = 3.0 * double(c.hidden) * double(c.intermediate);  // e4m3: a byte per weight
+  const double layer_bytes =
+      double(c.num_experts) * expert_bytes + (c.num_shared > 0 ? double(r.ranks * c.num_shared) * expert_bytes : 0.0);
+  if (!r.checkpoint_dir.empty()) {
+    e.weights_seconds = double(e.layers) * layer_bytes / kDiskBytesPerSecond;
+  } else {
+    // One expert made here, on one thread; the layer's experts spread over the threads.
+    const SyntheticLayer probe_layer = r.synthetic_layer(p.setup.layers.front());
+    const auto t = Clock::now();
+    (void)synthetic_layer_weights(probe_layer, c, WeightFormat::kE4m3, 0, 1, 1);
+    const double per_expert = seconds_since(t);
+    const double experts = double(c.num_experts) + (c.num_shared > 0 ? double(r.ranks * c.num_shared) : 0.0);
+    const WeightCacheSettings cache = WeightCacheSettings::from_env();
+    const int64_t el = c.num_experts / r.ranks;
+    for (int64_t layer : p.setup.layers) {
+      bool cached = cache.enabled;
+      const SyntheticLayer sl = r.synthetic_layer(layer);
+      for (int64_t rank = 0; cached && rank < r.ranks; ++rank)
+        cached = fs::exists(weight_cache_path(cache, weight_cache_key(sl, c, WeightFormat::kE4m3, rank * el, el)));
+      e.cached_layers += cached ? 1 : 0;
+      e.weights_seconds += cached ? layer_bytes / kDiskBytesPerSecond : per_expert * experts / threads;
+    }
+  }
+  // Forwards per layer: calibration batches, then per evaluation batch the reference and one engine
+  // call per distinct dispatch configuration.
+  int64_t dispatch_groups = 0;
+  if (with_recipes) {
+    std::vector<QuantSpec> seen;
+    for (const auto& cfgs : p.recipe_configs)
+      for (int64_t layer : p.setup.layers) {
+        const auto it = cfgs.find(FakeQuantMoe::dispatch_name(layer));
+        if (it == cfgs.end() || !it->second.enable) continue;
+        if (std::none_of(seen.begin(), seen.end(), [&](const QuantSpec& q) { return q == it->second.spec; }))
+          seen.push_back(it->second.spec);
+        break;
+      }
+    dispatch_groups = int64_t(seen.size());
+  }
+  const double forwards =
+      double(calibrate ? r.calib_batches : 0) + (with_recipes ? double(r.eval_batches * (1 + dispatch_groups)) : 0.0);
+  const double flops = double(r.batch_tokens()) * 6.0 * double(c.hidden) * double(c.intermediate) *
+                       double(c.top_k + c.num_shared);
+  e.forwards_seconds = double(e.layers) * forwards * flops / (kCpuGflopsPerThread * 1e9 * threads);
+  return e;
+}
+
+void tell_estimate(const Prepared& p, const std::optional<RunEstimate>& e) {
+  if (e && e->total() > kLongRunSeconds)
+    p.say("this run on the CPU: estimate " + e->describe() + "; a GPU takes seconds (--device cuda)");
+}
+
 }  // namespace
+
+std::string RunEstimate::describe() const {
+  std::string cached = cached_layers == 0 ? "none" : cached_layers == layers ? "all" : std::to_string(cached_layers);
+  return "about " + duration(total()) + " (weights " + duration(weights_seconds) + ", " + cached + " of " +
+         std::to_string(layers) + (layers == 1 ? " layer" : " layers") + " in the weight cache; forwards " +
+         duration(forwards_seconds) + ")";
+}
+
+std::optional<RunEstimate> estimate_eval_time(const EvalOptions& options) {
+  Prepared p;
+  prepare(options, true, p);
+  return estimate(p, options.load_calibration.empty(), true);
+}
 
 const LayerCalibration* CalibrationState::find(int64_t layer) const {
   for (const LayerCalibration& l : layers)
@@ -599,6 +785,7 @@ CalibrationState run_calibration(const EvalOptions& options, EvalSetup* setup) {
   prepare(options, false, p);
   const MemoryPlan plan = check_memory(p, "moefq calibrate");
   p.runner.prefetch = plan.streaming;
+  tell_estimate(p, estimate(p, true, false));
   const std::unique_ptr<LayerRunner> runner = make_layer_runner(p.device, p.runner);
   CalibrationState state;
   state.source = calib_source(p.setup);
@@ -615,6 +802,14 @@ CalibrationState run_calibration(const EvalOptions& options, EvalSetup* setup) {
     progress.step(Progress::kCalibrate,
                   "layer " + std::to_string(layer) + ": calibrating on " + plural(p.setup.calib_batches, "batch"));
     state.layers.push_back(calibrate_layer(*runner, layer));
+    if (!options.calibration.empty() && options.calibration.front().kind != CalibrationMethod::Kind::kMax) {
+      // A percentile: the amax from the histograms (the ranks' own maxima no longer bound it).
+      LayerCalibration& c = state.layers.back();
+      const CalibrationMethod& m = options.calibration.front();
+      c.dispatch_amax = derive_amax(*c.dispatch_hist, m, Format::kFp8, "layer dispatch").amax;
+      c.combine_amax = derive_amax(*c.combine_hist, m, Format::kFp8, "layer combine").amax;
+      state.algorithm = m.name();
+    }
   }
   if (setup) *setup = p.setup;
   return state;
@@ -629,6 +824,8 @@ EvalResult run_eval_once(const EvalOptions& options) {
   EvalResult result;
   result.setup = s;
   result.memory = check_memory(p, "moefq eval");
+  result.warnings = p.notes;
+  tell_estimate(p, estimate(p, options.load_calibration.empty(), true));
   p.runner.prefetch = result.memory.streaming;
   const bool loaded = !options.load_calibration.empty();
   if (loaded) {
@@ -663,7 +860,24 @@ EvalResult run_eval_once(const EvalOptions& options) {
       result.calibration.layers.push_back(calibrate_layer(*runner, layer));
       times.calibrate = seconds_since(t);
     }
-    const LayerCalibration& cal = *result.calibration.find(layer);
+    LayerCalibration& cal = *std::find_if(result.calibration.layers.begin(), result.calibration.layers.end(),
+                                          [&](const LayerCalibration& c) { return c.layer == layer; });
+    // Each (quantizer, method, format)'s amax, derived once per layer from the one calibration.
+    const auto amax_for = [&](int which, const std::optional<CalibrationMethod>& m,
+                              const QuantizerConfig& q) -> std::optional<float> {
+      const float max = which == 0 ? cal.dispatch_amax : cal.combine_amax;
+      if (!m || !q.enable || !format_has_global_amax(q.spec.format) || q.spec.amax_source != AmaxSource::kCalibrated)
+        return std::nullopt;
+      const AbsHistogram* h = which == 0 ? cal.dispatch_hist.get() : cal.combine_hist.get();
+      if (!h) return max;  // max calibration without statistics (or a loaded file)
+      const std::string quantizer = which == 0 ? "dispatch" : "combine", format = format_name(q.spec.format);
+      for (const DerivedCalibration& d : cal.derived)
+        if (d.quantizer == quantizer && d.method == m->name() && d.format == format) return d.amax.amax;
+      DerivedCalibration d{quantizer, m->name(), format, derive_amax(*h, *m, q.spec.format, L + " " + quantizer)};
+      if (m->kind == CalibrationMethod::Kind::kMax) d.amax.amax = max;  // the running max (bf16 data: the same)
+      cal.derived.push_back(d);
+      return d.amax.amax;
+    };
 
     // The recipes in the order they run: those that leave dispatch unquantized first (they reuse
     // the reference's engine call), then the others grouped by their dispatch configuration, the
@@ -675,19 +889,29 @@ EvalResult run_eval_once(const EvalOptions& options) {
     };
     std::vector<size_t> order;
     std::vector<RecipeStep> steps;
+    std::vector<std::optional<float>> step_damax(num_recipes), step_camax(num_recipes);
+    for (size_t i = 0; i < num_recipes; ++i) {
+      step_damax[i] = amax_for(0, p.methods[i], config_of(i, dname));
+      step_camax[i] = amax_for(1, p.methods[i], config_of(i, cname));
+    }
+    const auto step_of = [&](size_t i, bool with_engine) {
+      return RecipeStep{p.recipes[i].name, p.recipe_configs[i], with_engine, step_damax[i], step_camax[i]};
+    };
     for (size_t i = 0; i < num_recipes; ++i)
       if (!config_of(i, dname).enable) {
         order.push_back(i);
-        steps.push_back({p.recipes[i].name, p.recipe_configs[i], false});
+        steps.push_back(step_of(i, false));
       }
     for (size_t i = 0; i < num_recipes; ++i) {
       const QuantizerConfig d = config_of(i, dname);
       if (!d.enable || std::find(order.begin(), order.end(), i) != order.end()) continue;
       for (size_t j = i; j < num_recipes; ++j) {
         const QuantizerConfig dj = config_of(j, dname);
-        if (!dj.enable || !(dj.spec == d.spec) || std::find(order.begin(), order.end(), j) != order.end()) continue;
+        if (!dj.enable || !(dj.spec == d.spec) || step_damax[j] != step_damax[i] ||
+            std::find(order.begin(), order.end(), j) != order.end())
+          continue;
         order.push_back(j);
-        steps.push_back({p.recipes[j].name, p.recipe_configs[j], j == i});
+        steps.push_back(step_of(j, j == i));
       }
     }
     const EvalPassStats pass = runner->evaluate(steps, cal.dispatch_amax, cal.combine_amax,
@@ -715,14 +939,15 @@ EvalResult run_eval_once(const EvalOptions& options) {
         }
         return total ? double(clip) / double(total) : 0.0;
       };
+      if (p.methods[i]) row.calibration = p.methods[i]->name();
       if (d.enable) {
         row.dispatch_format = format_name(d.spec.format);
-        row.dispatch_amax = global_amax(d, cal.dispatch_amax);
+        row.dispatch_amax = global_amax(d, step_damax[i].value_or(cal.dispatch_amax));
         if (row.dispatch_amax) row.dispatch_clipped_fraction = clipped(0);
       }
       if (c.enable) {
         row.combine_format = format_name(c.spec.format);
-        row.combine_amax = global_amax(c, cal.combine_amax);
+        row.combine_amax = global_amax(c, step_camax[i].value_or(cal.combine_amax));
         if (row.combine_amax) row.combine_clipped_fraction = clipped(1);
         for (int64_t r = 0; r < R; ++r)
           MOEFQ_ASSERT(runner->layout_checked(r), L, ": the combine quantizer of rank ", r, " ran without a layout check");
@@ -751,24 +976,55 @@ EvalResult run_eval_once(const EvalOptions& options) {
       }
       row.dispatch_wire_bytes_per_token = wire_bytes_per_row(d.enable ? std::optional<Format>(d.spec.format) : std::nullopt, H);
       row.combine_wire_bytes_per_token = wire_bytes_per_row(c.enable ? std::optional<Format>(c.spec.format) : std::nullopt, H);
+      // logfmt10 sends the groups it cannot cast as bf16: its bytes at the cast fraction measured on
+      // the calibration data (where it was collected).
+      if (d.enable && d.spec.format == Format::kLogfmt10 && cal.dispatch_logfmt.total) {
+        row.dispatch_cast_fraction = cal.dispatch_logfmt.fraction();
+        row.dispatch_wire_bytes_per_token = logfmt10_bytes_per_row(H, *row.dispatch_cast_fraction);
+      }
+      if (c.enable && c.spec.format == Format::kLogfmt10 && cal.combine_logfmt.total) {
+        row.combine_cast_fraction = cal.combine_logfmt.fraction();
+        row.combine_wire_bytes_per_token = logfmt10_bytes_per_row(H, *row.combine_cast_fraction);
+      }
       row.wire_saving = 1.0 - (row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token) / (4.0 * double(H));
+      const int64_t K = s.config.top_k;
+      row.dispatch_us = transfer_us(p.link, row.dispatch_wire_bytes_per_token, s.tokens, R, K);
+      row.combine_us = transfer_us(p.link, row.combine_wire_bytes_per_token, s.tokens, R, K);
+      row.saved_us = 2.0 * transfer_us(p.link, 2.0 * double(H), s.tokens, R, K) - row.dispatch_us - row.combine_us;
       row.over_budget = s.max_rel_l2 && !(row.metrics.rel_l2 <= *s.max_rel_l2);
     }
     times.metrics = pass.metrics_seconds + seconds_since(t);
-    // One warning per layer and quantizer that clipped: the largest fraction and its recipes.
+    // One warning per layer and quantizer that clipped: the largest fraction and its recipes, each
+    // with where its amax came from. Methods that clip by design (percentile, mse) are left out.
     for (int which = 0; which < 2; ++which) {
       double worst = 0;
       std::string names;
-      for (const EvalRow& r : rows) {
+      bool calibrated = false, constant = false;
+      for (size_t i = 0; i < num_recipes; ++i) {
+        const EvalRow& r = rows[i];
         const auto& f = which == 0 ? r.dispatch_clipped_fraction : r.combine_clipped_fraction;
         if (!f || *f <= kClipWarnFraction) continue;
+        const QuantizerConfig q = config_of(i, which == 0 ? dname : cname);
+        std::string source;
+        if (q.spec.amax_source == AmaxSource::kConstant) {
+          source = "constant amax " + std::to_string(q.spec.constant_amax);
+          source.erase(source.find_last_not_of('0') + 1);
+          if (source.back() == '.') source.pop_back();
+          constant = true;
+        } else {
+          if (p.methods[i] && p.methods[i]->kind != CalibrationMethod::Kind::kMax) continue;
+          source = loaded ? "amax loaded from " + options.load_calibration : "max-calibrated amax";
+          calibrated = true;
+        }
         worst = std::max(worst, *f);
-        names += (names.empty() ? "" : ", ") + r.recipe;
+        names += (names.empty() ? "" : ", ") + r.recipe + ": " + source;
       }
       if (worst > kClipWarnFraction)
-        result.warnings.push_back(L + ": up to " + pct(worst) + " of the " + (which == 0 ? "dispatch" : "combine") +
-                                  " elements lie beyond the calibrated amax and saturate (" + names +
-                                  "); calibrate on more data, or on data more like the evaluation's");
+        result.warnings.push_back(
+            L + ": up to " + pct(worst) + " of the " + (which == 0 ? "dispatch" : "combine") +
+            " elements lie beyond their amax and saturate (" + names + "); " +
+            (calibrated ? "calibrate on more data, or on data more like the evaluation's" : "") +
+            (calibrated && constant ? "; " : "") + (constant ? "raise the recipe's constant_amax" : ""));
     }
     // All-zero weights or block scales make every recipe look perfect (rel_l2 0, cosine 1).
     if (zero_reference)

@@ -47,12 +47,13 @@ std::vector<std::pair<std::string, std::string>> setup_fields(const EvalSetup& s
 void save_eval_calibration(const std::string& path, const CalibrationState& state, const EvalSetup& setup) {
   CalibrationFile f;
   f.source = state.source;
+  f.algorithm = state.algorithm;
   f.setup = setup_fields(setup);
   for (const LayerCalibration& l : state.layers) {
     for (int which = 0; which < 2; ++which) {
       CalibrationEntry e;  // no format: the amax serves every recipe
       e.amax = which == 0 ? l.dispatch_amax : l.combine_amax;
-      e.rank_amax = which == 0 ? l.dispatch_rank_amax : l.combine_rank_amax;
+      if (state.algorithm == "max") e.rank_amax = which == 0 ? l.dispatch_rank_amax : l.combine_rank_amax;
       f.quantizers[which == 0 ? FakeQuantMoe::dispatch_name(l.layer) : FakeQuantMoe::combine_name(l.layer)] = e;
     }
   }
@@ -104,6 +105,7 @@ CalibrationState load_eval_calibration(const std::string& path, const EvalSetup&
   }
   CalibrationState state;
   state.source = "loaded from " + path + (f.source.empty() ? "" : " (" + f.source + ")");
+  state.algorithm = f.algorithm;
   for (int64_t l : setup.layers) {
     LayerCalibration c;
     c.layer = l;

@@ -14,6 +14,7 @@
 #include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
 #include "moefq/router.h"
+#include "moefq/weight_cache.h"
 #include "moefq/weights.h"
 
 namespace moefq {
@@ -48,8 +49,9 @@ LayerWeights rank_weights(const RunnerSetup& s, int64_t layer, int64_t rank, con
   const int64_t el = s.config.num_experts / s.ranks;
   if (!s.checkpoint_dir.empty())
     return load_checkpoint_layer(s.checkpoint_dir, layer, s.config, rank * el, el, on_progress);
-  return synthetic_layer_weights(s.synthetic_layer(layer), s.config, WeightFormat::kE4m3, rank * el, el,
-                                 s.num_threads, on_progress);
+  // Through the disk cache (weight_cache.h): a full-size layer is read back instead of made again.
+  return cached_synthetic_layer_weights(s.synthetic_layer(layer), s.config, WeightFormat::kE4m3, rank * el, el,
+                                        s.num_threads, on_progress, WeightCacheSettings::from_env());
 }
 
 std::vector<LayerWeights> all_rank_weights(const RunnerSetup& s, int64_t layer,
@@ -139,7 +141,34 @@ class HostRunner final : public LayerRunner {
   bool layout_checked(int64_t r) const override { return fq_->layout_checked(r); }
 
   LayerCalibration calibrate() override {
-    return calibrate_with(*fq_, int(calib_.size()), [&](int b) { fq_->forward(calib_[size_t(b)].views()); });
+    if (!s_.calibration_stats)
+      return calibrate_with(*fq_, int(calib_.size()), [&](int b) { fq_->forward(calib_[size_t(b)].views()); });
+    // Per quantizer and rank (the observer hears one rank at a time), merged after.
+    const int64_t R = s_.ranks, H = s_.config.hidden;
+    std::vector<AbsHistogram> hist(size_t(2 * R));
+    std::vector<CastGroups> cast(size_t(2 * R));
+    fq_->set_calibration_observer([&](int which, int64_t r, const bf16* x, int64_t n) {
+      hist[size_t(which * R + r)].add(x, n);
+      cast[size_t(which * R + r)].merge(logfmt10_cast_groups(x, n / H, H));
+    });
+    LayerCalibration c;
+    try {
+      c = calibrate_with(*fq_, int(calib_.size()), [&](int b) { fq_->forward(calib_[size_t(b)].views()); });
+    } catch (...) {
+      fq_->set_calibration_observer({});
+      throw;
+    }
+    fq_->set_calibration_observer({});
+    auto d = std::make_shared<AbsHistogram>(), m = std::make_shared<AbsHistogram>();
+    for (int64_t r = 0; r < R; ++r) {
+      d->merge(hist[size_t(r)]);
+      m->merge(hist[size_t(R + r)]);
+      c.dispatch_logfmt.merge(cast[size_t(r)]);
+      c.combine_logfmt.merge(cast[size_t(R + r)]);
+    }
+    c.dispatch_hist = std::move(d);
+    c.combine_hist = std::move(m);
+    return c;
   }
 
   EvalPassStats evaluate(const std::vector<RecipeStep>& steps, float dispatch_amax, float combine_amax,
@@ -172,7 +201,7 @@ class HostRunner final : public LayerRunner {
         say(int(i), steps[k].name);
         t = Clock::now();
         fq_->configure(steps[k].configs);
-        fq_->set_calibrated_amax(dispatch_amax, combine_amax);
+        fq_->set_calibrated_amax(steps[k].dispatch_amax.value_or(dispatch_amax), steps[k].combine_amax.value_or(combine_amax));
         if (steps[k].with_engine)
           fq_->forward(b.views());
         else

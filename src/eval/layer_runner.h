@@ -39,6 +39,8 @@ struct RunnerSetup {
   CombineWeighting combine_weighting = CombineWeighting::kBefore;  // the engine's (EngineOptions)
   Staging staging = Staging::kE4m3;                                 // the engine's (EngineOptions)
   bool prefetch = false;     // the memory plan allows preparing the next layer meanwhile
+  // calibrate() also fills LayerCalibration's histograms and logfmt10 cast groups (host runner only).
+  bool calibration_stats = false;
 
   int64_t batch_tokens() const { return ranks * tokens; }
   int64_t num_tokens() const { return int64_t(calib_batches + eval_batches) * batch_tokens(); }
@@ -63,6 +65,8 @@ struct RecipeStep {
   std::string name;
   std::map<std::string, QuantizerConfig> configs;
   bool with_engine = true;
+  // The calibrated amax of this step (its calibration method's); nullopt: evaluate()'s.
+  std::optional<float> dispatch_amax, combine_amax;
 };
 
 // What a whole evaluation gives: the reference's sum of squares per channel ([H], which picks the

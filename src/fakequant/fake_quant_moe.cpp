@@ -36,7 +36,8 @@ uint64_t count_above(const bf16* x, int64_t n, float amax) {
 
 class CpuFakeQuantOps final : public FakeQuantOps {
  public:
-  explicit CpuFakeQuantOps(std::unique_ptr<ExpertBackend> backend) : backend_(std::move(backend)) {
+  CpuFakeQuantOps(std::unique_ptr<ExpertBackend> backend, std::shared_ptr<FakeQuantMoe::CalibrationObserver> observer)
+      : backend_(std::move(backend)), observer_(std::move(observer)) {
     const size_t R = size_t(backend_->num_ranks());
     amax_.assign(2 * R, 0.0f);
     calib_.assign(2 * R, AmaxStats{});
@@ -62,15 +63,22 @@ class CpuFakeQuantOps final : public FakeQuantOps {
   void token_stats(int64_t r, const RankBatch& b, TokenStats where) override {
     AmaxStats& s = where == TokenStats::kCalibration ? calib_[size_t(r)] : dynamic_[size_t(r)];
     const int64_t K = config().top_k, H = config().hidden;
+    const bool observe = where == TokenStats::kCalibration && *observer_;
     for (int64_t t = 0; t < b.num_tokens; ++t)
-      if (has_active_slot(b, t, K)) fold(s, b.x + t * H, H);
+      if (has_active_slot(b, t, K)) {
+        fold(s, b.x + t * H, H);
+        if (observe) (*observer_)(0, r, b.x + t * H, H);
+      }
   }
   void row_stats(int64_t r, const RankBatch& b) override {
     AmaxStats& s = calib_[size_t(num_local_ranks() + r)];
     const int64_t K = config().top_k, H = config().hidden;
     for (int64_t t = 0; t < b.num_tokens; ++t)
       for (int64_t k = 0; k < K; ++k)
-        if (b.topk_idx[t * K + k] >= 0) fold(s, row(r, k, t), H);
+        if (b.topk_idx[t * K + k] >= 0) {
+          fold(s, row(r, k, t), H);
+          if (*observer_) (*observer_)(1, r, row(r, k, t), H);
+        }
   }
   std::vector<AmaxStats> read_calibration() override { return calib_; }
   void reset_dynamic(int64_t r) override { dynamic_[size_t(r)] = AmaxStats{}; }
@@ -153,6 +161,7 @@ class CpuFakeQuantOps final : public FakeQuantOps {
   }
 
   std::unique_ptr<ExpertBackend> backend_;
+  std::shared_ptr<FakeQuantMoe::CalibrationObserver> observer_;
   std::vector<float> amax_;         // [2][R]
   std::vector<AmaxStats> calib_;    // [2][R]
   std::vector<AmaxStats> dynamic_;  // [R]
@@ -164,7 +173,8 @@ class CpuFakeQuantOps final : public FakeQuantOps {
 }  // namespace
 
 FakeQuantMoe::FakeQuantMoe(std::unique_ptr<ExpertBackend> backend, int64_t layer) {
-  auto ops = std::make_unique<CpuFakeQuantOps>(std::move(backend));
+  observer_ = std::make_shared<CalibrationObserver>();
+  auto ops = std::make_unique<CpuFakeQuantOps>(std::move(backend), observer_);
   backend_ = &ops->backend();
   driver_ = std::make_unique<FakeQuantDriver>(std::move(ops), layer);
 }
@@ -172,6 +182,7 @@ FakeQuantMoe::~FakeQuantMoe() = default;
 
 std::vector<std::string> FakeQuantMoe::quantizer_names() const { return driver_->quantizers().names(); }
 void FakeQuantMoe::configure(const std::map<std::string, QuantizerConfig>& configs) { driver_->configure(configs); }
+void FakeQuantMoe::set_calibration_observer(CalibrationObserver observer) { *observer_ = std::move(observer); }
 void FakeQuantMoe::start_calibration() { driver_->start_calibration(); }
 void FakeQuantMoe::finish_calibration() { driver_->finish_calibration(); }
 void FakeQuantMoe::abort_calibration() { driver_->abort_calibration(); }

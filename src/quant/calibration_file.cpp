@@ -140,7 +140,7 @@ void write_calibration_file(const std::string& path, const CalibrationFile& file
   root["version"] = kVersion;
   root["kind"] = kKind;
   root["moefq_version"] = MOEFQ_VERSION;
-  root["algorithm"] = "max";
+  root["algorithm"] = file.algorithm;
   if (!file.source.empty()) root["source"] = file.source;
   ojson setup = ojson::object();
   for (const auto& [k, v] : file.setup) setup[k] = is_integer_text(v) ? ojson(std::stoll(v)) : ojson(v);
@@ -195,7 +195,10 @@ CalibrationFile read_calibration_file(const std::string& path_arg, const std::st
   CalibrationFile f;
   if (version >= 2) {
     MOEFQ_CHECK(root.value("kind", json()) == kKind, path, ": 'kind' must be \"", kKind, "\"");
-    MOEFQ_CHECK(root.value("algorithm", json("max")) == "max", path, ": 'algorithm' must be \"max\"");
+    const json algorithm = root.value("algorithm", json("max"));
+    MOEFQ_CHECK(algorithm.is_string() && (algorithm == "max" || algorithm.get<std::string>().rfind("percentile ", 0) == 0),
+                path, ": 'algorithm' must be \"max\" or \"percentile P\"");
+    f.algorithm = algorithm.get<std::string>();
     if (root.contains("source")) {
       MOEFQ_CHECK(root["source"].is_string(), path, ": 'source' must be a string");
       f.source = root["source"].get<std::string>();

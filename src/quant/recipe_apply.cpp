@@ -175,8 +175,10 @@ std::string ignored_entries_notice(const Recipe& recipe) {
 
 std::map<std::string, QuantizerConfig> apply_recipe(const Recipe& recipe,
                                                     const std::vector<std::string>& quantizer_names) {
-  MOEFQ_CHECK(recipe.algorithm == "max" || recipe.algorithm == "none", recipe.name, ": algorithm ",
-              in_quotes(recipe.algorithm), " is not supported (only max, or none for no calibration)");
+  MOEFQ_CHECK(recipe.algorithm == "max" || recipe.algorithm == "mse" || recipe.algorithm == "percentile" ||
+                  recipe.algorithm == "none",
+              recipe.name, ": algorithm ", in_quotes(recipe.algorithm),
+              " is not supported (max, mse, percentile, or none for no calibration)");
   std::map<std::string, QuantizerConfig> out;
   std::vector<std::string> serving;  // the "model."-prefixed spelling of each name
   for (const std::string& q : quantizer_names) {

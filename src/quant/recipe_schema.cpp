@@ -228,35 +228,66 @@ class Schema {
     }
   }
 
-  // "max", {method: max, ...} with the other keys of Model Optimizer's max calibration (they
-  // concern weights or how calibration passes run and change nothing moefq computes), or null (no
-  // calibration, as Model Optimizer's MX presets write it).
+  // "max", "mse", "percentile", or {method: max | mse | percentile, ...}: max with the other keys of
+  // Model Optimizer's max calibration (they concern weights or how calibration passes run and change
+  // nothing moefq computes), mse with MseCalibrator's step_size, start_multiplier, stop_multiplier,
+  // percentile with its percentile (calibration_stats.h); or null (no calibration, as Model
+  // Optimizer's MX presets write it).
   void algorithm(const Node& n) {
-    const std::string not_supported = " is not supported; the only calibration algorithm is max (write algorithm: max)";
-    if (n.is_scalar()) {
-      if (n.scalar != "max") fail_at(n, show(n) + not_supported);
-      return;
-    }
+    const std::string not_supported =
+        " is not supported; the calibration algorithms are max, mse and percentile (write e.g. algorithm: max)";
+    const auto method_of = [&](const Node& m) {
+      if (!m.is_scalar() || (m.scalar != "max" && m.scalar != "mse" && m.scalar != "percentile"))
+        fail_at(m, show(m) + not_supported);
+      r_.algorithm = m.scalar;
+      r_.calibration.kind = m.scalar == "max"   ? CalibrationMethod::Kind::kMax
+                            : m.scalar == "mse" ? CalibrationMethod::Kind::kMse
+                                                : CalibrationMethod::Kind::kPercentile;
+    };
+    if (n.is_scalar()) return method_of(n);
     if (n.is_null()) {
       r_.algorithm = "none";  // no calibration: fine for formats without a calibrated amax (apply_recipe checks)
       return;
     }
     if (!n.is_map()) fail_at(n, show(n) + not_supported);
     const Node* method = n.find("method");
-    if (!method) fail_at(n, "missing method (max)");
-    if (!method->is_scalar() || method->scalar != "max") fail_at(*method, show(*method) + not_supported);
+    if (!method) fail_at(n, "missing method (max, mse or percentile)");
+    method_of(*method);
+    const bool max = r_.algorithm == "max";
     for (const MapItem& it : n.map) {
+      if (it.key == "method") continue;
+      double* number = nullptr;
+      if (r_.algorithm == "mse" && it.key == "step_size") number = &r_.calibration.step_size;
+      if (r_.algorithm == "mse" && it.key == "start_multiplier") number = &r_.calibration.start_multiplier;
+      if (r_.algorithm == "mse" && it.key == "stop_multiplier") number = &r_.calibration.stop_multiplier;
+      if (r_.algorithm == "percentile" && it.key == "percentile") number = &r_.calibration.percentile;
+      if (number) {
+        const auto v = to_double(*it.value);
+        if (!v) fail_at(*it.value, "must be a number, got " + show(*it.value));
+        *number = *v;
+        try {
+          r_.calibration.validate("algorithm");
+        } catch (const Error& e) {
+          fail_at(*it.value, e.what());
+        }
+        continue;
+      }
       bool known = false;
-      for (const char* k : kMaxCalibKeys) known = known || it.key == k;
+      for (const char* k : kMaxCalibKeys) known = known || (max && it.key == k);
       if (!known) {
         std::string keys;
-        for (const char* k : kMaxCalibKeys) keys += (keys.empty() ? "" : ", ") + std::string(k);
-        fail_at_key(n, it, "unknown key " + in_quotes(it.key) + " of max calibration (expected " + keys + ")");
+        if (max)
+          for (const char* k : kMaxCalibKeys) keys += (keys.empty() ? "" : ", ") + std::string(k);
+        else
+          keys = r_.algorithm == "mse" ? "method, step_size, start_multiplier, stop_multiplier" : "method, percentile";
+        fail_at_key(n, it, "unknown key " + in_quotes(it.key) + " of " + r_.algorithm + " calibration (expected " +
+                               keys + ")");
       }
       if (it.key == "distributed_sync" && to_bool(*it.value) == false)
         fail_at(*it.value, "false is not supported: moefq always reduces the calibrated amax over the ranks");
     }
   }
+
 
   void quant_cfg(const Node& n) {
     if (n.is_null()) return;

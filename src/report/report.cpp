@@ -301,6 +301,11 @@ struct Point {
   double x, y;  // wire bytes per token, rel_l2
 };
 
+// An upper bound of a .lbl character's width (12 px sans-serif: about 6.7 px for lower case and
+// digits, "_" and "m" included), and the box a label's glyphs take around its baseline y (the
+// browser's bounding box of 12 px text: y - 12 to y + 3), one label every kLabelLine.
+constexpr double kLabelCharWidth = 7.2, kLabelAscent = 12, kLabelDescent = 3, kLabelLine = kLabelAscent + kLabelDescent;
+
 // The trade-off a user chooses on: rel_l2 (log10 y) against the wire bytes per token (linear x),
 // one labelled point per recipe; the budget as a dashed line when there is one.
 std::string tradeoff_chart(const std::string& title, const std::vector<Point>& points, std::optional<double> budget) {
@@ -344,24 +349,38 @@ std::string tradeoff_chart(const std::string& title, const std::vector<Point>& p
     s += "<text x=\"" + px(left + plot_w + 6) + "\" y=\"" + px(y + 4) + "\" class=\"val\">budget " + fmt(*budget) +
          "</text>\n";
   }
-  // Labels right of their points, moved down past a label already placed where they would overlap.
-  std::vector<std::pair<double, double>> placed;
+  // Labels beside their points (right, or left where the right runs out of the chart), each as a
+  // box of its estimated width (kLabelCharWidth per character) and kLabelLine high: the first
+  // baseline of cy + 4, cy + 4 + 15, cy + 4 - 15, cy + 4 + 30, ... whose box lies within the chart
+  // and overlaps no label placed before (after 60 tries the last is taken: placing always ends).
+  struct Box {
+    double x0, x1, y0, y1;
+  };
+  std::vector<Box> placed;
   for (const Point& p : points) {
     if (!(std::isfinite(p.y) && p.y > 0)) continue;  // exact (0) or not finite: nothing on a log axis
     const double cx = xpos(p.x), cy = ypos(p.y);
     s += "<circle class=\"point\" cx=\"" + px(cx) + "\" cy=\"" + px(cy) + "\" r=\"5\" fill=\"" + p.colour +
          "\"><title>" + esc(p.label) + ": " + fmt(p.x, "%.0f") + " B/token, rel_l2 " + fmt(p.y) + "</title></circle>\n";
+    const double w = kLabelCharWidth * double(p.label.size());
+    const bool right = cx + 8 + w <= width - 4;
+    const double x0 = right ? cx + 8 : cx - 8 - w, x1 = x0 + w;
     double ly = cy + 4;
-    for (bool moved = true; moved;) {
-      moved = false;
-      for (const auto& [px_, py_] : placed)
-        if (std::fabs(px_ - cx) < 120 && ly > py_ - 13 && ly < py_ + 13) {  // ly = py_ + 13 ends it
-          ly = py_ + 13;
-          moved = true;
-        }
+    for (int k = 0; k < 60; ++k) {
+      ly = cy + 4 + kLabelLine * double((k + 1) / 2) * (k % 2 ? 1 : -1);
+      const double y0 = ly - kLabelAscent, y1 = ly + kLabelDescent;
+      const bool clear = y0 >= 0 && y1 <= height && std::none_of(placed.begin(), placed.end(), [&](const Box& b) {
+                           return x0 < b.x1 && b.x0 < x1 && y0 < b.y1 && b.y0 < y1;
+                         });
+      if (clear) break;
     }
-    placed.push_back({cx, ly});
-    s += "<text x=\"" + px(cx + 8) + "\" y=\"" + px(ly) + "\" class=\"lbl\">" + esc(p.label) + "</text>\n";
+    placed.push_back({x0, x1, ly - kLabelAscent, ly + kLabelDescent});
+    // A label moved off its point's line gets a thin leader to the point.
+    if (std::fabs(ly - (cy + 4)) > 1)
+      s += "<line class=\"leader\" x1=\"" + px(cx) + "\" y1=\"" + px(cy) + "\" x2=\"" + px(right ? x0 - 1 : x1 + 1) +
+           "\" y2=\"" + px(ly - 4) + "\"/>\n";
+    s += "<text x=\"" + px(right ? x0 : x1) + "\" y=\"" + px(ly) + "\" class=\"lbl\"" +
+         (right ? "" : " text-anchor=\"end\"") + ">" + esc(p.label) + "</text>\n";
   }
   s += "</svg>\n";
   return s;
@@ -371,7 +390,7 @@ std::string cell(const std::optional<std::string>& v) { return v ? esc(*v) : "&n
 std::string cell(const std::optional<double>& v) { return v ? fmt(*v, "%.3g") : "&ndash;"; }
 std::string cell(const std::optional<float>& v) { return v ? fmt(*v, "%.6g") : "&ndash;"; }
 
-const char* kStyle = R"(body{font-family:sans-serif;margin:24px;color:#222;max-width:1100px}
+const char* kStyle = R"(body{font-family:sans-serif;margin:24px;color:#222;max-width:1340px}
 h1{font-size:22px;margin-bottom:4px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
 dl.meta{display:grid;grid-template-columns:max-content auto;gap:2px 16px;font-size:13px}
 dl.meta dt{font-weight:bold}dl.meta dd{margin:0}
@@ -380,9 +399,24 @@ th{background:#f4f4f4;text-align:left}td.n{text-align:right;font-variant-numeric
 svg.chart{display:block;margin:8px 0;background:#fff}
 .ct{font-size:14px;font-weight:bold;fill:#222}.tick{font-size:11px;fill:#555}.lbl{font-size:12px;fill:#222}
 .val{font-size:11px;fill:#333}.grid{stroke:#e4e4e4;stroke-width:1}.axis{stroke:#888}
-.frame{fill:none;stroke:#bbb}.maxline{stroke:#222;stroke-width:1.5;stroke-dasharray:5 4}
+.frame{fill:none;stroke:#bbb}.leader{stroke:#aaa;stroke-width:0.8}.maxline{stroke:#222;stroke-width:1.5;stroke-dasharray:5 4}
 .pair{display:flex;flex-wrap:wrap;gap:12px}p.note{font-size:13px;color:#444}ul.warn{font-size:13px;color:#8a4b00}
-div.scroll{overflow-x:auto})";
+div.scroll{overflow-x:auto}th,td{white-space:nowrap}
+table.results th:nth-child(-n+2),table.results td:nth-child(-n+2){position:sticky;background:#fff;z-index:1}
+table.results th:nth-child(-n+2){background:#f4f4f4}
+table.results th:first-child,table.results td:first-child{left:0;box-sizing:border-box;width:52px;min-width:52px}
+table.results th:nth-child(2),table.results td:nth-child(2){left:52px;box-shadow:inset -1px 0 #ccc})";
+
+json link_json(const EvalSetup& s) {
+  if (!s.link.enabled()) return json();
+  return {{"name", s.link.name},
+          {"gbit_per_s", s.link.gbit_per_s},
+          {"latency_us", s.link.latency_us},
+          {"expert_parallel_ranks", s.ranks},
+          {"tokens_per_rank", s.tokens},
+          {"mean_destination_ranks", mean_destination_ranks(s.ranks, s.config.top_k)},
+          {"model", "per batch: tokens x D x (R - 1) / R rows x bytes per row / bandwidth + latency"}};
+}
 
 }  // namespace
 
@@ -404,14 +438,30 @@ std::string eval_report_json(const EvalResult& r) {
                  {"combine_weighting", combine_weighting_name(s.combine_weighting)},
                  {"shared_expert", "unfused (added to the routed output, computed on the unquantized x)"},
                  {"calibration", r.calibration.source},
+                 {"calibration_methods", s.calibration},
+                 {"link", link_json(s)},
                  {"max_rel_l2", s.max_rel_l2 ? json(*s.max_rel_l2) : json()}};
   json calibration = json::array();
-  for (const LayerCalibration& c : r.calibration.layers)
-    calibration.push_back({{"layer", c.layer},
-                           {"dispatch_amax", number(c.dispatch_amax)},
-                           {"combine_amax", number(c.combine_amax)},
-                           {"dispatch_rank_amax", numbers(c.dispatch_rank_amax)},
-                           {"combine_rank_amax", numbers(c.combine_rank_amax)}});
+  for (const LayerCalibration& c : r.calibration.layers) {
+    json derived = json::array();
+    for (const DerivedCalibration& d : c.derived)
+      derived.push_back({{"quantizer", d.quantizer},
+                         {"method", d.method},
+                         {"format", d.format},
+                         {"amax", number(d.amax.amax)},
+                         {"clipped_fraction", number(d.amax.clipped_fraction)},
+                         {"qdq_rel_l2", opt_number(d.amax.rel_error)}});
+    json entry = {{"layer", c.layer},
+                  {"dispatch_amax", number(c.dispatch_amax)},
+                  {"combine_amax", number(c.combine_amax)},
+                  {"dispatch_rank_amax", numbers(c.dispatch_rank_amax)},
+                  {"combine_rank_amax", numbers(c.combine_rank_amax)},
+                  {"methods", derived}};
+    if (c.dispatch_logfmt.total || c.combine_logfmt.total)
+      entry["logfmt10_cast_groups"] = {{"dispatch", {c.dispatch_logfmt.cast, c.dispatch_logfmt.total}},
+                                       {"combine", {c.combine_logfmt.cast, c.combine_logfmt.total}}};
+    calibration.push_back(entry);
+  }
   json results = json::array();
   for (const EvalRow& row : r.rows) {
     const ErrorMetrics& m = row.metrics;
@@ -440,7 +490,13 @@ std::string eval_report_json(const EvalResult& r) {
                        {"wire_saving_vs_bf16", number(row.wire_saving)},
                        {"over_budget", s.max_rel_l2 ? json(row.over_budget) : json()},
                        {"layout_check", row.layout_check},
-                       {"combine_weighting", combine_weighting_name(s.combine_weighting)}});
+                       {"combine_weighting", combine_weighting_name(s.combine_weighting)},
+                       {"calibration", row.calibration.empty() ? json() : json(row.calibration)},
+                       {"dispatch_cast_fraction", opt_number(row.dispatch_cast_fraction)},
+                       {"combine_cast_fraction", opt_number(row.combine_cast_fraction)},
+                       {"dispatch_us", s.link.enabled() ? number(row.dispatch_us) : json()},
+                       {"combine_us", s.link.enabled() ? number(row.combine_us) : json()},
+                       {"saved_us", s.link.enabled() ? number(row.saved_us) : json()}});
   }
   json summary = json::array();
   for (const RecipeSummary& x : r.summary)
@@ -484,8 +540,10 @@ std::string eval_report_csv(const EvalResult& r) {
       "layer,recipe,dispatch_format,combine_format,dispatch_amax,combine_amax,rel_l2,cosine,calc_diff,max_abs,"
       "snr_db,count,rel_l2_token_p50,rel_l2_token_p99,rel_l2_token_max,rel_l2_non_outlier,dispatch_clipped_fraction,"
       "combine_clipped_fraction,dispatch_wire_bytes_per_token,combine_wire_bytes_per_token,wire_saving_vs_bf16,"
-      "over_budget,layout_check,combine_weighting,num_outlier_channels\n";
+      "over_budget,layout_check,combine_weighting,num_outlier_channels,calibration,dispatch_cast_fraction,"
+      "combine_cast_fraction,dispatch_us,combine_us,saved_us\n";
   const auto opt_full = [&](const std::optional<double>& v) { return v ? fmt(*v, "%.17g") : std::string(); };
+  const bool link = r.setup.link.enabled();
   for (const EvalRow& row : r.rows) {
     const ErrorMetrics& m = row.metrics;
     out += std::to_string(row.layer) + "," + quote(row.recipe) + "," + quote(row.dispatch_format.value_or("")) + "," +
@@ -497,7 +555,10 @@ std::string eval_report_csv(const EvalResult& r) {
            opt_full(row.combine_clipped_fraction) + "," + full(row.dispatch_wire_bytes_per_token) + "," +
            full(row.combine_wire_bytes_per_token) + "," + full(row.wire_saving) + "," +
            (r.setup.max_rel_l2 ? (row.over_budget ? "true" : "false") : "") + "," + row.layout_check + "," +
-           combine_weighting_name(r.setup.combine_weighting) + "," + std::to_string(row.num_outlier_channels) + "\n";
+           combine_weighting_name(r.setup.combine_weighting) + "," + std::to_string(row.num_outlier_channels) + "," +
+           quote(row.calibration) + "," + opt_full(row.dispatch_cast_fraction) + "," +
+           opt_full(row.combine_cast_fraction) + "," + (link ? full(row.dispatch_us) : "") + "," +
+           (link ? full(row.combine_us) : "") + "," + (link ? full(row.saved_us) : "") + "\n";
   }
   return out;
 }
@@ -551,6 +612,9 @@ std::string eval_report_html(const EvalResult& r) {
   meta("ranks x tokens", std::to_string(s.ranks) + " x " + std::to_string(s.tokens) + " per batch");
   meta("batches", std::to_string(s.calib_batches) + " calibration, " + std::to_string(s.eval_batches) + " evaluation (held out)");
   meta("calibration", r.calibration.source);
+  if (s.link.enabled())
+    meta("link", s.link.describe() + ", " + std::to_string(s.ranks) + " expert-parallel ranks x " +
+                     std::to_string(s.tokens) + " tokens per batch");
   meta("router weight", std::string("applied ") + combine_weighting_name(s.combine_weighting) + " the combine");
   meta("baseline", std::string("staging ") + staging_name(s.staging) + ": " + staging_baseline(s.staging));
   meta("device", s.device + " (back-end " + s.backend_kind + ")");
@@ -578,8 +642,10 @@ std::string eval_report_html(const EvalResult& r) {
 
   h += "<h2>Error against bytes on the wire</h2>\n";
   std::vector<Point> points;
-  for (const RecipeSummary& x : r.summary) points.push_back({x.recipe, colour_of[x.recipe], x.wire_bytes_per_token, x.mean_rel_l2});
-  h += tradeoff_chart(several ? "relative L2 error (mean over layers) against wire bytes per token"
+  // The worst layer's error: what the budget judges (a recipe is within it on every layer or not).
+  for (const RecipeSummary& x : r.summary) points.push_back({x.recipe, colour_of[x.recipe], x.wire_bytes_per_token, x.max_rel_l2});
+  h += tradeoff_chart(several ? "relative L2 error (worst of " + std::to_string(s.layers.size()) +
+                                    " layers) against wire bytes per token"
                               : "relative L2 error against wire bytes per token",
                       points, s.max_rel_l2);
   h += "<p class=\"note\">Bytes per token per destination rank, dispatch plus combine, scales included (bf16: " +
@@ -627,19 +693,51 @@ std::string eval_report_html(const EvalResult& r) {
   }
 
   h += peers_section(r);
-  h += "<h2>Results</h2>\n<div class=\"scroll\"><table>\n<thead><tr><th>layer</th><th>recipe</th><th>dispatch</th><th>combine</th>"
+  // Methods beyond max: each quantizer's amax per method and format, with its cost on the
+  // calibration data.
+  bool derived = false;
+  for (const LayerCalibration& c : r.calibration.layers) derived = derived || !c.derived.empty();
+  if (derived) {
+    h += "<h2>Calibration methods</h2>\n<div class=\"scroll\"><table>\n<thead><tr><th>layer</th><th>quantizer</th>"
+         "<th>method</th><th>format</th><th>amax</th><th>clipped (calibration data)</th>"
+         "<th>QDQ rel_l2 (calibration data)</th></tr></thead>\n<tbody>\n";
+    for (const LayerCalibration& c : r.calibration.layers)
+      for (const DerivedCalibration& d : c.derived)
+        h += "<tr><td class=\"n\">" + std::to_string(c.layer) + "</td><td>" + esc(d.quantizer) + "</td><td>" +
+             esc(d.method) + "</td><td>" + esc(d.format) + "</td><td class=\"n\">" + fmt(d.amax.amax, "%.6g") +
+             "</td><td class=\"n\">" + fmt(d.amax.clipped_fraction, "%.3g") + "</td><td class=\"n\">" +
+             cell(d.amax.rel_error) + "</td></tr>\n";
+    h += "</tbody>\n</table></div>\n<p class=\"note\">Every method's amax comes from one calibration pass per "
+         "layer (an exact histogram of the bf16 magnitudes); percentile P: the smallest magnitude with at least P% of "
+         "the elements at or below it; mse: the candidate amax (0.25 to 4 times the max) with the least QDQ error. "
+         "The QDQ error is given for the element-wise formats.</p>\n";
+  }
+
+  bool any_calibration = false, any_cast = false;
+  for (const EvalRow& row : r.rows) {
+    any_calibration = any_calibration || !row.calibration.empty();
+    any_cast = any_cast || row.dispatch_cast_fraction || row.combine_cast_fraction;
+  }
+  const bool link = s.link.enabled();
+  h += "<h2>Results</h2>\n<div class=\"scroll\"><table class=\"results\">\n<thead><tr><th>layer</th><th>recipe</th>"
+       "<th>dispatch</th><th>combine</th>" + std::string(any_calibration ? "<th>calibration</th>" : "") +
        "<th>dispatch amax</th><th>combine amax</th><th>rel_l2</th><th>token p50</th><th>token p99</th>"
        "<th>token max</th><th>outside outliers</th><th>outlier channels</th><th>cosine</th><th>calc_diff</th>"
        "<th>max_abs</th>"
-       "<th>snr_db</th><th>clipped (d)</th><th>clipped (c)</th><th>B/token</th><th>saving</th><th>layout check</th>" +
+       "<th>snr_db</th><th>clipped (d)</th><th>clipped (c)</th><th>B/token</th><th>saving</th>" +
+       (any_cast ? "<th>cast (d)</th><th>cast (c)</th>" : "") +
+       (link ? "<th>dispatch &micro;s</th><th>combine &micro;s</th><th>saved &micro;s</th>" : "") + "<th>layout check</th>" +
        std::string(s.max_rel_l2 ? "<th>budget</th>" : "") + "</tr></thead>\n<tbody>\n";
   for (const EvalRow& row : r.rows) {
     const ErrorMetrics& m = row.metrics;
     h += "<tr><td class=\"n\">" + std::to_string(row.layer) + "</td><td>" + esc(row.recipe) + "</td><td>" +
-         cell(row.dispatch_format) + "</td><td>" + cell(row.combine_format) + "</td><td class=\"n\">" +
-         cell(row.dispatch_amax) + "</td><td class=\"n\">" + cell(row.combine_amax) + "</td><td class=\"n\">" +
-         fmt(m.rel_l2) + "</td><td class=\"n\">" + fmt(row.rel_l2_token_p50) + "</td><td class=\"n\">" +
-         fmt(row.rel_l2_token_p99) + "</td><td class=\"n\">" + fmt(row.rel_l2_token_max) + "</td><td class=\"n\">" +
+         cell(row.dispatch_format) + "</td><td>" + cell(row.combine_format) + "</td>" +
+         (any_calibration ? "<td>" + (row.calibration.empty() ? std::string("&ndash;") : esc(row.calibration)) + "</td>"
+                          : std::string()) +
+         "<td class=\"n\">" + cell(row.dispatch_amax) + "</td><td class=\"n\">" + cell(row.combine_amax) +
+         "</td><td class=\"n\">" + fmt(m.rel_l2) + "</td><td class=\"n\">" + fmt(row.rel_l2_token_p50) +
+         "</td><td class=\"n\">" + fmt(row.rel_l2_token_p99) + "</td><td class=\"n\">" + fmt(row.rel_l2_token_max) +
+         "</td><td class=\"n\">" +
          (row.num_outlier_channels > 0 ? fmt(row.rel_l2_non_outlier) : std::string("&ndash;")) +
          "</td><td class=\"n\">" + std::to_string(row.num_outlier_channels) + "</td><td class=\"n\">" +
          fmt(m.cosine, "%.6f") + "</td><td class=\"n\">" + fmt(m.calc_diff) +
@@ -647,7 +745,14 @@ std::string eval_report_html(const EvalResult& r) {
          "</td><td class=\"n\">" + cell(row.dispatch_clipped_fraction) + "</td><td class=\"n\">" +
          cell(row.combine_clipped_fraction) + "</td><td class=\"n\">" +
          fmt(row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token, "%.0f") + "</td><td class=\"n\">" +
-         fmt(100.0 * row.wire_saving, "%.1f") + "%</td><td>" + esc(row.layout_check) + "</td>" +
+         fmt(100.0 * row.wire_saving, "%.1f") + "%</td>" +
+         (any_cast ? "<td class=\"n\">" + cell(row.dispatch_cast_fraction) + "</td><td class=\"n\">" +
+                         cell(row.combine_cast_fraction) + "</td>"
+                   : std::string()) +
+         (link ? "<td class=\"n\">" + fmt(row.dispatch_us, "%.1f") + "</td><td class=\"n\">" +
+                     fmt(row.combine_us, "%.1f") + "</td><td class=\"n\">" + fmt(row.saved_us, "%.1f") + "</td>"
+               : std::string()) +
+         "<td>" + esc(row.layout_check) + "</td>" +
          (s.max_rel_l2 ? std::string("<td>") + (row.over_budget ? "<b>over</b>" : "ok") + "</td>" : std::string()) +
          "</tr>\n";
   }
@@ -658,7 +763,16 @@ std::string eval_report_html(const EvalResult& r) {
        "bit); n/a = combine quantization off. Outside outliers: rel_l2 over the channels other than the layer's "
        "outlier output channels (RMS over the reference output more than " + fmt(kOutlierChannelFactor) +
        " times the median channel's, at most " + fmt(100 * kOutlierChannelMaxFraction) + "% of the channels; their "
-       "number is the next column); &ndash; where the layer has none (it would equal rel_l2).</p>\n";
+       "number is the next column); &ndash; where the layer has none (it would equal rel_l2)." +
+       (any_cast ? std::string(" Cast: the fraction of logfmt10's cast groups that were cast (measured on the "
+                               "calibration data); the others go as bf16, and B/token counts what is actually sent.")
+                 : std::string()) +
+       (link ? " &micro;s: transfer time of one batch's dispatch and combine on " + esc(s.link.describe()) +
+                   " with " + std::to_string(s.ranks) + " expert-parallel ranks (tokens x D x (R - 1)/R rows x bytes "
+                   "per row / bandwidth + latency, D = " + fmt(mean_destination_ranks(s.ranks, s.config.top_k), "%.3g") +
+                   " destination ranks per token); saved: against bf16 both ways."
+             : std::string()) +
+       "</p>\n";
   h += "</body>\n</html>\n";
   return h;
 }

@@ -150,11 +150,13 @@ TEST_F(EvalInputs, QdqOfATensorWithNothingToCompareShowsNoFigures) {
     if (!words.empty() && words[0] == "all_nan") nan_row = words;
     if (!words.empty() && words[0] == "fine") fine_row = words;
   }
-  // tensor dtype shape format amax rel_l2 cosine calc_diff max_abs snr_db skipped
-  ASSERT_EQ(nan_row.size(), 11u) << r.out;
+  // tensor dtype shape format amax rel_l2 cosine calc_diff max_abs snr_db skipped B/row cast
+  ASSERT_EQ(nan_row.size(), 13u) << r.out;
   for (size_t c = 5; c <= 9; ++c) EXPECT_EQ(nan_row[c], "-") << "column " << c << "\n" << r.out;
   EXPECT_EQ(nan_row[10], "256");
-  ASSERT_EQ(fine_row.size(), 11u) << r.out;
+  EXPECT_EQ(nan_row[11], "132") << "mxfp8's bytes per row of 128: 128 + 4 scales";
+  EXPECT_EQ(nan_row[12], "-") << "no cast fraction but logfmt10's";
+  ASSERT_EQ(fine_row.size(), 13u) << r.out;
   EXPECT_NE(fine_row[6], "-");
   const json j = json::parse(read_text(path("r.json")));
   const json& n = j.at("results")[0].at("tensor") == "all_nan" ? j.at("results")[0] : j.at("results")[1];

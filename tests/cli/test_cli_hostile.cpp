@@ -197,9 +197,10 @@ TEST_F(Hostile, NonFiniteOutputsGiveNanMetrics) {
   const std::vector<std::string> lines = test::split_lines(r.out);
   const auto row = std::find_if(lines.begin(), lines.end(), [](const std::string& l) { return l.rfind("x ", 0) == 0; });
   ASSERT_NE(row, lines.end()) << describe(r);
-  // tensor dtype shape format amax rel_l2 cosine calc_diff max_abs snr_db skipped: the amax is inf.
+  // tensor dtype shape format amax rel_l2 cosine calc_diff max_abs snr_db skipped B/row cast: the
+  // amax is inf.
   EXPECT_EQ(test::split_words(*row), (std::vector<std::string>{"x", "F32", "[2,64]", "fp8", "inf", "nan", "nan", "nan",
-                                                               "nan", "nan", "1"}));
+                                                               "nan", "nan", "1", "64", "-"}));
 }
 
 // 6a. A signal in the middle of a write removes the temporary; the earlier output stays whole.

@@ -192,6 +192,39 @@ TEST_F(CliTest, SampleWithOneFormatAndOut) {
   EXPECT_TRUE(test::bytes_equal(expected_qdq(Format::kInt8, x, 3, 40, std::nullopt), tensor_values<bf16>(s, "sample.int8")));
 }
 
+// logfmt10 sends a group it cannot cast as bf16: the table, the report and a note say what was
+// sent (a tensor of magnitudes >= 1 is not compressed at all; one in (0, 1) is, whole).
+TEST_F(CliTest, Logfmt10SaysWhatWasCastAndSent) {
+  std::vector<bf16> big(size_t(4 * 1024)), small(big.size());
+  for (size_t i = 0; i < big.size(); ++i) {
+    big[i].bits = bf16_round(1.0f + float(i % 97) / 8.0f);
+    small[i].bits = bf16_round(0.01f + float(i % 89) / 200.0f);
+  }
+  SafetensorsWriter w;
+  w.add("big", StDtype::kBF16, {4, 1024}, span_of(big));
+  w.add("small", StDtype::kBF16, {4, 1024}, span_of(small));
+  w.write(path("a.safetensors").string());
+  const RunResult r = moefq("qdq --in a.safetensors --out b.safetensors --format logfmt10 --device cpu --report r.json");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_NE(r.err.find("note: logfmt10 cast 0 of big's 4 groups"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("nothing was compressed (rel_l2 0)"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("of small's"), std::string::npos) << "every group of small was cast:\n" << r.err;
+  EXPECT_NE(r.out.find("B/row"), std::string::npos);
+  const nlohmann::json j = nlohmann::json::parse(read_text(path("r.json")));
+  for (const auto& res : j.at("results")) {
+    const bool is_big = res.at("tensor") == "big";
+    EXPECT_EQ(res.at("cast_fraction"), is_big ? 0.0 : 1.0) << res.dump();
+    EXPECT_EQ(res.at("wire_bytes_per_row"), is_big ? 2048.0 : wire_bytes_per_row(Format::kLogfmt10, 1024)) << res.dump();
+    EXPECT_EQ(res.at("rel_l2") == 0.0, is_big) << res.dump();
+  }
+  // Other formats have no cast fraction, and their bytes.
+  const RunResult f = moefq("qdq --in a.safetensors --out c.safetensors --format fp8 --device cpu --report f.json");
+  ASSERT_EQ(f.status, 0) << describe(f);
+  const nlohmann::json jf = nlohmann::json::parse(read_text(path("f.json")));
+  EXPECT_TRUE(jf.at("results")[0].at("cast_fraction").is_null());
+  EXPECT_EQ(jf.at("results")[0].at("wire_bytes_per_row"), 1024.0);
+}
+
 // ------------------------------------------------------------------------------------------------
 // File round trips: every format, with a dynamic amax and with --amax 2688.
 

@@ -19,7 +19,9 @@
 #include "checkpoint_test_util.h"
 #include "eval/layer_runner.h"
 #include "moefq/eval.h"
+#include "moefq/errors.h"
 #include "moefq/qdq.h"
+#include "moefq/wire_bytes.h"
 #include "test_util.h"
 
 namespace moefq {
@@ -410,6 +412,21 @@ TEST_F(EvalLib, MemoryRefusalAdvisesTheGpuOnlyWhereItFits) {
   set_device_memory_query({});
 }
 
+// When one layer's weights alone exceed the machine, the refusal says so instead of suggesting
+// fewer tokens.
+TEST_F(EvalLib, MemoryRefusalSaysWhenTheWeightsAloneDoNotFit) {
+  std::ofstream(root_ / "huge.json") << R"({"hidden_size": 7168, "moe_intermediate_size": 4096,
+    "n_routed_experts": 8192, "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid", "norm_topk_prob": true, "topk_method": "noaux_tc"})";
+  o_.config_path = (root_ / "huge.json").string();  // 8192 experts x 88 MB: 720 GB of e4m3 weights
+  o_.layers = {0};
+  set_device_memory_query({});
+  const std::string msg = error_of([&] { run_eval(o_); });
+  EXPECT_NE(msg.find("expert weights alone need"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("fewer tokens or batches cannot help"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("use fewer --ranks, --tokens"), std::string::npos) << msg;
+}
+
 // Recipes that share a dispatch configuration share one engine call per batch (the others reuse
 // its combine rows): each row equals the row of the same recipe evaluated alone, bit for bit.
 TEST_F(EvalLib, SharedEngineCallsGiveTheSameRowsAsRecipesAlone) {
@@ -510,6 +527,18 @@ TEST_F(EvalLib, WireFormatUnitsHaveRowsAndWireBytes) {
     SCOPED_TRACE(row.recipe);
     ASSERT_TRUE(bytes.count(row.recipe));
     EXPECT_EQ(row.dispatch_wire_bytes_per_token, bytes.at(row.recipe).first);
+    if (row.recipe == "moe_combine_logfmt10") {
+      // What was sent: the cast groups compressed, the others bf16, at the fraction cast on the
+      // calibration data (counted there, group by group).
+      const CastGroups& g = r.calibration.layers[0].combine_logfmt;
+      ASSERT_GT(g.total, 0u);
+      ASSERT_TRUE(row.combine_cast_fraction.has_value());
+      EXPECT_EQ(*row.combine_cast_fraction, g.fraction());
+      EXPECT_EQ(row.combine_wire_bytes_per_token, g.fraction() * bytes.at(row.recipe).second + (1 - g.fraction()) * 512.0);
+      EXPECT_FALSE(row.dispatch_cast_fraction.has_value());
+      continue;
+    }
+    EXPECT_FALSE(row.combine_cast_fraction.has_value());
     EXPECT_EQ(row.combine_wire_bytes_per_token, bytes.at(row.recipe).second);
     EXPECT_TRUE(std::isfinite(row.metrics.rel_l2));
     if (row.recipe == "moe_combine_fp8_block128" || row.recipe == "moe_combine_fp8_block128_ue8m0") {
@@ -561,6 +590,83 @@ TEST_F(EvalLib, PeersSweepRunsEachPeerInItsWeighting) {
   EvalOptions bad = o_;
   bad.sweep = "friends";
   EXPECT_NE(error_of([&] { run_eval(bad); }).find("unknown sweep"), std::string::npos);
+}
+
+// Calibration methods beyond max: one calibration pass per layer (its histograms hold every
+// dispatch element of the calibration batches), each recipe with a calibrated amax once per
+// method; the max rows are those of a plain run, bit for bit; mse leaves out block formats, said so.
+TEST_F(EvalLib, CalibrationMethodsFromOnePass) {
+  o_.layers = {0};
+  o_.tokens = 64;
+  o_.recipes = {"moe_dispatch_fp8", "moe_combine_nvfp4", "moe_dispatch_mxfp8"};
+  const EvalResult plain = run_eval(o_);
+  o_.calibration = parse_calibration_methods("max,percentile:99.9,mse", "--calibration");
+  const EvalResult r = run_eval(o_);
+  EXPECT_EQ(r.setup.calibration, "max, percentile 99.9, mse");
+  std::map<std::string, const EvalRow*> rows;
+  for (const EvalRow& row : r.rows) rows[row.recipe] = &row;
+  const std::vector<std::string> want = {"moe_combine_nvfp4@max", "moe_combine_nvfp4@p99.9", "moe_dispatch_fp8@max",
+                                         "moe_dispatch_fp8@mse", "moe_dispatch_fp8@p99.9", "moe_dispatch_mxfp8"};
+  std::vector<std::string> have;
+  for (const auto& [name, row] : rows) have.push_back(name);
+  EXPECT_EQ(have, want);
+  bool said = false;
+  for (const std::string& w : r.warnings) said = said || w.find("no mse rows for moe_combine_nvfp4: nvfp4's error") != std::string::npos;
+  EXPECT_TRUE(said) << ::testing::PrintToString(r.warnings);
+
+  ASSERT_EQ(r.calibration.layers.size(), 1u);
+  const LayerCalibration& cal = r.calibration.layers[0];
+  ASSERT_TRUE(cal.dispatch_hist && cal.combine_hist);
+  EXPECT_EQ(cal.dispatch_hist->total(), uint64_t(o_.calib_batches * o_.ranks * o_.tokens * 256));
+  EXPECT_EQ(cal.dispatch_hist->max(), cal.dispatch_amax) << "the histogram and the running max see the same data";
+  EXPECT_EQ(cal.combine_hist->max(), cal.combine_amax);
+  // Each row's amax is its method's, derived from the histograms.
+  for (const auto& [name, side, format] :
+       {std::tuple<std::string, int, Format>{"moe_dispatch_fp8@", 0, Format::kFp8}, {"moe_combine_nvfp4@", 1, Format::kNvfp4}})
+    for (const char* m : {"max", "percentile:99.9", "mse"}) {
+      const CalibrationMethod method = parse_calibration_method(m, "t");
+      const std::string row_name = name + method.short_name();
+      if (!rows.count(row_name)) continue;
+      SCOPED_TRACE(row_name);
+      const EvalRow& row = *rows[row_name];
+      EXPECT_EQ(row.calibration, method.name());
+      const AbsHistogram& h = side == 0 ? *cal.dispatch_hist : *cal.combine_hist;
+      const float amax = *(side == 0 ? row.dispatch_amax : row.combine_amax);
+      EXPECT_EQ(amax, derive_amax(h, method, format, "t").amax);
+    }
+  EXPECT_LT(*rows["moe_dispatch_fp8@p99.9"]->dispatch_amax, cal.dispatch_amax);
+  EXPECT_GT(*rows["moe_dispatch_fp8@p99.9"]->dispatch_clipped_fraction, 0.0);
+  // The max rows are the plain run's.
+  for (const EvalRow& p : plain.rows) {
+    SCOPED_TRACE(p.recipe);
+    const std::string name = p.recipe == "moe_dispatch_mxfp8" ? p.recipe : p.recipe + "@max";
+    ASSERT_TRUE(rows.count(name));
+    EXPECT_EQ(rows[name]->metrics.rel_l2, p.metrics.rel_l2);
+    EXPECT_EQ(rows[name]->dispatch_amax, p.dispatch_amax);
+    EXPECT_EQ(rows[name]->combine_amax, p.combine_amax);
+  }
+  EXPECT_NE(rows["moe_dispatch_fp8@p99.9"]->metrics.rel_l2, rows["moe_dispatch_fp8@max"]->metrics.rel_l2);
+  // The derived list has each (quantizer, method, format) once.
+  EXPECT_EQ(cal.derived.size(), 3u + 2u);
+
+  // What cannot be combined is refused before any work.
+  EvalOptions loaded = o_;
+  loaded.load_calibration = (root_ / "none.json").string();
+  EXPECT_THROW((void)run_eval(loaded), Error);
+}
+
+// A recipe names its calibration as Model Optimizer does.
+TEST(RecipeCalibration, AlgorithmMethods) {
+  const Recipe p = parse_recipe_text("$import: [moe_dispatch_fp8]\nalgorithm: {method: percentile, percentile: 99.9}\n", "t");
+  EXPECT_EQ(p.algorithm, "percentile");
+  EXPECT_EQ(p.calibration.name(), "percentile 99.9");
+  const Recipe m = parse_recipe_text("$import: [moe_dispatch_fp8]\nalgorithm: {method: mse, step_size: 0.5}\n", "t");
+  EXPECT_EQ(m.calibration.kind, CalibrationMethod::Kind::kMse);
+  EXPECT_EQ(m.calibration.mse_multipliers().size(), 9u);  // ceil(3.75 / 0.5) + 1
+  EXPECT_EQ(parse_recipe_text("$import: [moe_dispatch_fp8]\nalgorithm: mse\n", "t").calibration.name(), "mse");
+  for (const char* bad : {"algorithm: {method: mse, percentile: 99}\n", "algorithm: {method: percentile, percentile: 101}\n",
+                          "algorithm: awq_lite\n"})
+    EXPECT_THROW((void)parse_recipe_text(std::string("$import: [moe_dispatch_fp8]\n") + bad, "t"), Error) << bad;
 }
 
 }  // namespace

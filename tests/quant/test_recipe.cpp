@@ -504,13 +504,19 @@ TEST(RecipeCfg, Algorithms) {
       "algorithm: null\nquant_cfg:\n  - {quantizer_name: '*combine_quantizer', cfg: {num_bits: e4m3}}\n", "nc.yaml");
   EXPECT_HAS(error_of([&] { apply_recipe(calibrated, four_layers()); }),
              cq(0) + ": nc has algorithm: null (no calibration), but its fp8 spec takes a calibrated amax");
-  for (const char* algo : {"awq_lite", "{method: mse}", "MAX", "[max]"}) {
+  for (const char* algo : {"awq_lite", "{method: smoothquant}", "MAX", "[max]"}) {
     SCOPED_TRACE(algo);
     const std::string m = parse_error(std::string("quant_cfg: []\nalgorithm: ") + algo + "\n");
     EXPECT_HAS(m, "my.yaml: algorithm");
-    EXPECT_HAS(m, "is not supported; the only calibration algorithm is max");
+    EXPECT_HAS(m, "is not supported; the calibration algorithms are max, mse and percentile");
   }
-  EXPECT_HAS(parse_error("algorithm: {layerwise: {}}\n"), "my.yaml: algorithm: missing method (max)");
+  // mse and percentile (calibration_stats.h), with their own keys only.
+  EXPECT_EQ(parse_recipe_text("quant_cfg: []\nalgorithm: {method: mse}\n", "a.yaml").algorithm, "mse");
+  EXPECT_HAS(parse_error("algorithm: {method: mse, layerwise: true}\n"),
+             "my.yaml: algorithm: unknown key 'layerwise' of mse calibration (expected method, step_size, "
+             "start_multiplier, stop_multiplier)");
+  EXPECT_HAS(parse_error("algorithm: {method: percentile, percentile: 0}\n"), "percentile 0 must be in (0, 100]");
+  EXPECT_HAS(parse_error("algorithm: {layerwise: {}}\n"), "my.yaml: algorithm: missing method (max, mse or percentile)");
   EXPECT_HAS(parse_error("algorithm: {method: max, step_size: 2}\n"),
              "my.yaml: algorithm: unknown key 'step_size' of max calibration");
   EXPECT_HAS(parse_error("algorithm: {method: max, distributed_sync: false}\n"),

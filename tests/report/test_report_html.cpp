@@ -13,12 +13,14 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "cli/cli_test_util.h"
 #include "moefq/errors.h"
+#include "moefq/link_model.h"
 #include "moefq/report.h"
 
 namespace moefq {
@@ -146,20 +148,21 @@ class BrowserTest : public ::testing::Test {
                               root_ / (name + ".out"), root_ / (name + ".err"));
   }
 
-  // Loads the page twice: a screenshot (1280 x 2000) with the console log, and a DOM dump.
-  PageLoad load(const fs::path& html) const {
+  // Loads the page twice: a screenshot (1280 x 2000, or the window given) with the console log, and
+  // a DOM dump in a window of the same size.
+  PageLoad load(const fs::path& html, const std::string& window = "1280,2000") const {
     PageLoad p;
     const std::string url = "file://" + fs::absolute(html).string();
     const fs::path shot = root_ / (html.stem().string() + ".png");
     const RunResult shot_run =
-        run_chromium("--screenshot=" + quote(shot.string()) + " --window-size=1280,2000 " + quote(url), "shot");
+        run_chromium("--screenshot=" + quote(shot.string()) + " --window-size=" + window + " " + quote(url), "shot");
     p.status = shot_run.status;
     p.log = shot_run.err;
     for (const std::string& line : test::split_lines(p.log))
       if (line.find(":CONSOLE") != std::string::npos || line.find("Uncaught") != std::string::npos)
         p.console.push_back(line);
     p.png = test::read_bytes(shot);
-    const RunResult dom_run = run_chromium("--dump-dom " + quote(url), "dom");
+    const RunResult dom_run = run_chromium("--window-size=" + window + " --dump-dom " + quote(url), "dom");
     if (dom_run.status != 0) p.status = dom_run.status;
     p.dom = dom_run.out;
     return p;
@@ -237,6 +240,102 @@ TEST_F(BrowserTest, SingleLayerPageHasNoLineChart) {
   EXPECT_TRUE(page.console.empty()) << ::testing::PrintToString(page.console);
   EXPECT_EQ(count(page.dom, "<svg"), 1u + 1u + 2u);
   EXPECT_EQ(count(page.dom, "<polyline"), 0u);
+}
+
+// A result with everything the widest page has: long recipe names (several calibration methods),
+// a link's times, logfmt10's cast fractions, derived calibrations and a budget.
+EvalResult wide_result() {
+  EvalResult r = sample_result(3);
+  r.setup.max_rel_l2 = 0.03;
+  r.setup.link = make_link_model("ib400", 0);
+  r.setup.calibration = "max, percentile 99.999, mse";
+  std::map<std::string, std::string> renamed;
+  for (EvalRow& row : r.rows) {
+    const std::string old_name = row.recipe;
+    if (row.dispatch_amax || row.combine_amax) {
+      row.calibration = "percentile 99.999";
+      row.recipe += "@p99.999";
+    }
+    if (row.recipe.rfind("combine_mxfp8", 0) == 0) {
+      row.recipe = "moe_combine_fp8_block128_ue8m0";
+      row.combine_cast_fraction = 0.3125;
+    }
+    row.dispatch_us = 123.4;
+    row.combine_us = 87.6;
+    row.saved_us = 1234.5;
+    row.over_budget = row.metrics.rel_l2 > 0.03;
+    renamed[old_name] = row.recipe;
+  }
+  for (RecipeSummary& x : r.summary) x.recipe = renamed.at(x.recipe);
+  r.setup.recipe_names.clear();
+  for (const RecipeSummary& x : r.summary) r.setup.recipe_names.push_back(x.recipe);
+  for (LayerCalibration& c : r.calibration.layers)
+    for (const char* m : {"max", "percentile 99.999", "mse"})
+      c.derived.push_back({"dispatch", m, "fp8", DerivedAmax{52480, 1e-5, 0.0123}});
+  return r;
+}
+
+// What a 1400-pixel window shows, measured by the browser itself: a test-only script appended to
+// the page (the report has none) writes the layout into the DOM for --dump-dom.
+constexpr const char* kLayoutProbe = R"(<script>
+(function () {
+  const out = {pageWidth: document.documentElement.scrollWidth, wrapped: [], overlaps: [], outside: [],
+               sticky: '', labels: 0};
+  for (const td of document.querySelectorAll('td, th')) {
+    const range = document.createRange();
+    range.selectNodeContents(td);
+    const tops = new Set();
+    for (const r of range.getClientRects()) if (r.width > 0) tops.add(Math.round(r.bottom));
+    if (tops.size > 1) out.wrapped.push(td.textContent);
+  }
+  const first = document.querySelector('table.results tbody td:nth-child(2)');
+  out.sticky = first ? getComputedStyle(first).position : 'none';
+  for (const svg of document.querySelectorAll('svg.chart')) {
+    if (!svg.querySelector('title').textContent.includes('against wire bytes')) continue;
+    const w = svg.width.baseVal.value, h = svg.height.baseVal.value;
+    const boxes = Array.from(svg.querySelectorAll('text.lbl')).map(t => ({t: t.textContent, b: t.getBBox()}));
+    out.labels = boxes.length;
+    for (const {t, b} of boxes) if (b.x < 0 || b.y < 0 || b.x + b.width > w || b.y + b.height > h) out.outside.push(t);
+    for (let i = 0; i < boxes.length; ++i)
+      for (let j = i + 1; j < boxes.length; ++j) {
+        const a = boxes[i].b, c = boxes[j].b;
+        if (a.x < c.x + c.width && c.x < a.x + a.width && a.y < c.y + c.height && c.y < a.y + a.height)
+          out.overlaps.push(boxes[i].t + ' / ' + boxes[j].t);
+      }
+  }
+  document.body.setAttribute('data-layout', JSON.stringify(out));
+})();
+</script>)";
+
+nlohmann::json layout_of(const std::string& dom) {
+  const std::string key = "data-layout=\"";
+  const size_t at = dom.find(key);
+  if (at == std::string::npos) return nullptr;
+  std::string v = dom.substr(at + key.size(), dom.find('"', at + key.size()) - at - key.size());
+  for (const auto& [from, to] : {std::pair<std::string, std::string>{"&quot;", "\""}, {"&lt;", "<"}, {"&gt;", ">"},
+                                 {"&amp;", "&"}})
+    for (size_t p = v.find(from); p != std::string::npos; p = v.find(from, p + to.size())) v.replace(p, from.size(), to);
+  return nlohmann::json::parse(v);
+}
+
+TEST_F(BrowserTest, ResultsFitA1400PixelWindowAndTradeoffLabelsDoNotOverlap) {
+  for (const bool wide : {false, true}) {
+    SCOPED_TRACE(wide ? "the widest page" : "the default run's page");
+    std::string html = eval_report_html(wide ? wide_result() : sample_result(1));
+    html.insert(html.rfind("</body>"), kLayoutProbe);
+    const PageLoad page = load(write_page(wide ? "wide.html" : "plain.html", html), "1400,900");
+    ASSERT_EQ(page.status, 0) << page.log;
+    EXPECT_TRUE(page.console.empty()) << ::testing::PrintToString(page.console);
+    ASSERT_TRUE(is_png(page.png, 1400, 900));
+    const nlohmann::json l = layout_of(page.dom);
+    ASSERT_FALSE(l.is_null()) << "the probe did not run:\n" << page.dom.substr(0, 1000);
+    EXPECT_LE(l["pageWidth"].get<int>(), 1400) << "the page scrolls sideways; only the results table may";
+    EXPECT_TRUE(l["wrapped"].empty()) << "cells whose text wraps: " << l["wrapped"].dump();
+    EXPECT_EQ(l["sticky"], "sticky") << "the layer and recipe columns stay while the table scrolls";
+    EXPECT_EQ(l["labels"].get<size_t>(), wide ? 12u : 12u);
+    EXPECT_TRUE(l["overlaps"].empty()) << l["overlaps"].dump();
+    EXPECT_TRUE(l["outside"].empty()) << "labels beyond the chart: " << l["outside"].dump();
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -368,13 +467,15 @@ TEST(ReportCsv, OneLinePerRowQuotedAndExact) {
                       "calc_diff,max_abs,snr_db,count,rel_l2_token_p50,rel_l2_token_p99,rel_l2_token_max,"
                       "rel_l2_non_outlier,dispatch_clipped_fraction,combine_clipped_fraction,"
                       "dispatch_wire_bytes_per_token,combine_wire_bytes_per_token,wire_saving_vs_bf16,over_budget,"
-                      "layout_check,combine_weighting,num_outlier_channels");
+                      "layout_check,combine_weighting,num_outlier_channels,calibration,dispatch_cast_fraction,"
+                      "combine_cast_fraction,dispatch_us,combine_us,saved_us");
   EXPECT_EQ(lines[1].substr(0, 9), "3,none,,,");
-  EXPECT_TRUE(lines[1].ends_with(",before,0")) << lines[1];
+  // No calibration method, cast fraction or link: the last six fields are empty.
+  EXPECT_TRUE(lines[1].ends_with(",before,0,,,,,,")) << lines[1];
   r.setup.combine_weighting = CombineWeighting::kAfter;
   r.rows[1].num_outlier_channels = 7;
-  EXPECT_TRUE(test::split_lines(eval_report_csv(r))[1].ends_with(",after,0"));
-  EXPECT_TRUE(test::split_lines(eval_report_csv(r))[2].ends_with(",after,7"));
+  EXPECT_TRUE(test::split_lines(eval_report_csv(r))[1].ends_with(",after,0,,,,,,"));
+  EXPECT_TRUE(test::split_lines(eval_report_csv(r))[2].ends_with(",after,7,,,,,,"));
   EXPECT_NE(lines[1].find(",inf,"), std::string::npos) << lines[1];
   EXPECT_EQ(lines[3].substr(0, 24), "3,\"my, \"\"odd\"\" recipe\",,");
   EXPECT_NE(lines[4].find(",0.30000000000000004,"), std::string::npos) << lines[4];
@@ -398,6 +499,47 @@ TEST(ReportFiles, CreatesTheDirectoryAndRefusesAFile) {
   for (const auto& e : fs::recursive_directory_iterator(root)) n += e.is_regular_file() ? 1 : 0;
   EXPECT_EQ(n, 4u) << "three reports and the file; no temporaries";
   fs::remove_all(root);
+}
+
+// The trade-off chart plots what the budget judges: each recipe's worst layer.
+TEST(ReportHtml, TradeoffPlotsTheWorstLayer) {
+  EvalResult r = sample_result(3);
+  r.summary[1].mean_rel_l2 = 0.0125;
+  r.summary[1].max_rel_l2 = 0.25;
+  const std::string html = eval_report_html(r);
+  EXPECT_NE(html.find("<title>" + r.summary[1].recipe + ": 0 B/token, rel_l2 0.25</title>"), std::string::npos);
+  EXPECT_EQ(html.find("rel_l2 0.0125</title>"), std::string::npos);
+  EXPECT_NE(html.find("worst of 3 layers"), std::string::npos);
+}
+
+// The new figures in every report: calibration method, cast fraction, transfer times, the link,
+// the derived calibrations.
+TEST(ReportJson, CalibrationCastAndTransferTimes) {
+  const EvalResult r = wide_result();
+  const nlohmann::json j = nlohmann::json::parse(eval_report_json(r));
+  EXPECT_EQ(j["config"]["link"]["name"], "ib400");
+  EXPECT_EQ(j["config"]["link"]["gbit_per_s"], 400);
+  EXPECT_EQ(j["config"]["calibration_methods"], "max, percentile 99.999, mse");
+  EXPECT_EQ(j["calibration"][0]["methods"].size(), 3u);
+  EXPECT_EQ(j["calibration"][0]["methods"][1]["method"], "percentile 99.999");
+  EXPECT_EQ(j["calibration"][0]["methods"][1]["qdq_rel_l2"], 0.0123);
+  bool cast = false, calibrated = false;
+  for (const auto& row : j["results"]) {
+    EXPECT_EQ(row["saved_us"], 1234.5);
+    EXPECT_EQ(row["dispatch_us"], 123.4);
+    cast = cast || row["combine_cast_fraction"] == 0.3125;
+    calibrated = calibrated || row["calibration"] == "percentile 99.999";
+  }
+  EXPECT_TRUE(cast && calibrated);
+  const std::string csv = eval_report_csv(r);
+  EXPECT_NE(csv.find(",calibration,dispatch_cast_fraction,combine_cast_fraction,dispatch_us,combine_us,saved_us\n"),
+            std::string::npos);
+  EXPECT_NE(csv.find(",percentile 99.999,,,123.40000000000001,87.599999999999994,1234.5\n"), std::string::npos) << csv;
+  EXPECT_NE(csv.find(",,0.3125,123.40000000000001,"), std::string::npos);
+  // Without a link the times are empty, not 0.
+  const nlohmann::json plain = nlohmann::json::parse(eval_report_json(sample_result(1)));
+  EXPECT_TRUE(plain["results"][0]["saved_us"].is_null());
+  EXPECT_TRUE(plain["config"]["link"].is_null());
 }
 
 }  // namespace

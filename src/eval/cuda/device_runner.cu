@@ -208,7 +208,7 @@ class DeviceRunner final : public LayerRunner {
         say(i, steps[k].name);
         t = Clock::now();
         fq_->configure(steps[k].configs);
-        fq_->set_calibrated_amax(dispatch_amax, combine_amax);
+        fq_->set_calibrated_amax(steps[k].dispatch_amax.value_or(dispatch_amax), steps[k].combine_amax.value_or(combine_amax));
         if (steps[k].with_engine)
           fq_->forward(views(b), stream_);
         else

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <ctime>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,7 @@ struct EngineCpuBenchOptions {
   std::string preset = "tiny";
   int64_t ranks = 4, tokens = 256;
   WeightFormat format = WeightFormat::kE4m3;
+  std::optional<Staging> staging;  // nullopt: default_staging of the preset
   int threads = 0;  // 0: all hardware threads
   int reps = 5;
   std::string json;
@@ -52,6 +54,7 @@ struct EvalBenchOptions {
   int64_t ranks = 8, tokens = 256;
   int calib_batches = 2, eval_batches = 2;
   std::string device = "auto";
+  std::optional<Staging> staging;  // nullopt: as the model is served (EvalOptions::staging)
   std::string json;
 };
 

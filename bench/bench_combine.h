@@ -13,7 +13,7 @@ struct CombineBenchOptions {
   int64_t tokens = 4096;  // T = num_tokens
   int64_t top_k = 8;      // K
   int64_t hidden = 7168;  // H
-  std::vector<std::string> formats;  // subset of combine fp8 nvfp4 mxfp8 mxfp4 int8; empty: all
+  std::vector<std::string> formats;  // "combine" and any format names (format_choices()); empty: all
   // before: the rows are summed as they are; after: each routed row is multiplied by its router
   // weight in the sum (CombineRows::topk_weights).
   std::string combine_weighting = "before";

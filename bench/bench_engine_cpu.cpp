@@ -28,6 +28,7 @@ void check_memory(const MoeConfig& cfg, const EngineCpuBenchOptions& o) {
   s.tokens = o.tokens;
   s.calib_batches = 1;  // one batch: the activations and their outputs
   s.weight_format = o.format;
+  s.staging = o.staging.value_or(default_staging(cfg));
   s.num_threads = o.threads;
   require_memory_fits(plan_run_memory(s, EvalDevice::kCpu),
                      "moefq bench engine-cpu: --ranks " + std::to_string(o.ranks) + " --tokens " +
@@ -44,11 +45,15 @@ int run_bench_engine_cpu(const EngineCpuBenchOptions& o) {
   MOEFQ_CHECK(o.tokens >= 1, "--tokens must be >= 1");
   const int64_t R = o.ranks, T = o.tokens, H = cfg.hidden, el = cfg.num_experts / R;
   check_memory(cfg, o);
-  std::fprintf(stderr, "moefq bench engine-cpu: %s, %lld ranks x %lld tokens, %s weights, generating...\n",
-               cfg.name.c_str(), (long long)R, (long long)T, weight_format_name(o.format));
+  const Staging staging = o.staging.value_or(default_staging(cfg));
+  std::fprintf(stderr, "moefq bench engine-cpu: %s, %lld ranks x %lld tokens, %s weights, staging %s, generating...\n",
+               cfg.name.c_str(), (long long)R, (long long)T, weight_format_name(o.format), staging_name(staging));
   std::vector<LayerWeights> w;
   for (int64_t r = 0; r < R; ++r) w.push_back(synthetic_weights(cfg, o.format, 1, r * el, el));
-  CpuEngine eng(cfg, R, T, w, {true, o.threads});
+  EngineOptions eo;
+  eo.num_threads = o.threads;
+  eo.staging = staging;
+  CpuEngine eng(cfg, R, T, w, eo);
   std::vector<std::vector<bf16>> x(static_cast<size_t>(R)), y(static_cast<size_t>(R));
   std::vector<Routing> routing;
   std::vector<RankBatch> batches;
@@ -74,15 +79,17 @@ int run_bench_engine_cpu(const EngineCpuBenchOptions& o) {
   const int64_t Is = cfg.intermediate * cfg.num_shared;
   const double flops = double(rows) * 6.0 * double(H) * double(cfg.intermediate) + double(R * T) * 6.0 * double(H) * double(Is);
   const unsigned threads = o.threads > 0 ? unsigned(o.threads) : std::max(1u, std::thread::hardware_concurrency());
-  std::printf("preset %s  ranks %lld  tokens/rank %lld  routed rows %lld  threads %u\n", cfg.name.c_str(),
-              (long long)R, (long long)T, (long long)rows, threads);
+  std::printf("preset %s  ranks %lld  tokens/rank %lld  routed rows %lld  threads %u  weights %s  staging %s\n",
+              cfg.name.c_str(), (long long)R, (long long)T, (long long)rows, threads, weight_format_name(o.format),
+              staging_name(staging));
   std::printf("layer call: median %.2f ms (min %.2f, max %.2f, %d calls)  %.2f GFLOP/s  %.0f tokens/s\n", med,
               ms.front(), ms.back(), o.reps, flops / med * 1e-6, double(R * T) / med * 1e3);
   if (!o.json.empty()) {
     nlohmann::json j = {{"tool", "moefq bench engine-cpu"}, {"device", cli::cpu_device_name(o.threads)},
                         {"date", today()}, {"preset", cfg.name}, {"ranks", R}, {"tokens_per_rank", T},
                         {"routed_rows", rows}, {"threads", threads}, {"median_ms", med}, {"min_ms", ms.front()},
-                        {"gflops", flops / med * 1e-6}};
+                        {"gflops", flops / med * 1e-6}, {"weights", weight_format_name(o.format)},
+                        {"staging", staging_name(staging)}};
     write_file_atomic(o.json, j.dump(2) + "\n");
   }
   return 0;

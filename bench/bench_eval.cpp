@@ -29,6 +29,7 @@ int run_bench_eval(const EvalBenchOptions& o) {
   e.tokens = o.tokens;
   e.calib_batches = o.calib_batches;
   e.eval_batches = o.eval_batches;
+  e.staging = o.staging;
 #ifdef MOEFQ_HAS_CUDA
   register_cuda_layer_runner();  // a refused CPU run's plan asks the GPU's free memory, as eval's
 #endif
@@ -78,7 +79,8 @@ int run_bench_eval(const EvalBenchOptions& o) {
     nlohmann::json j = {{"benchmark", "eval"},        {"preset", o.preset},       {"layers", r.setup.layers},
                         {"ranks", o.ranks},           {"tokens", o.tokens},       {"calib_batches", o.calib_batches},
                         {"eval_batches", o.eval_batches}, {"device", r.setup.device}, {"date", today()}, {"recipes", r.setup.recipe_names.size()},
-                        {"wall_seconds", r.wall_seconds}, {"streaming", r.memory.streaming}};
+                        {"wall_seconds", r.wall_seconds}, {"streaming", r.memory.streaming},
+                        {"staging", staging_name(r.setup.staging)}};
     for (const StageTimes& t : r.stage_times)
       j["layers_seconds"].push_back({{"layer", t.layer}, {"load", t.load}, {"calibrate", t.calibrate},
                                      {"reference", t.reference}, {"recipes", t.recipes}, {"metrics", t.metrics},

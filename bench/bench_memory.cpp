@@ -54,14 +54,18 @@ int64_t qdq_plan_rows(const QdqBenchOptions& o, int64_t l2) {
   return rows;
 }
 
-// Device bytes of n experts' e4m3 weights of hidden H and intermediate I with their 128 x 128 block
-// scales, four allocations (the CUDA engine's expert set).
-double expert_set_device_bytes(int64_t n, int64_t H, int64_t I) {
+// Device bytes of n experts' weights of hidden H and intermediate I: e4m3 with their 128 x 128
+// block scales, four allocations (the CUDA engine's expert set), or bf16, two.
+double expert_set_device_bytes(int64_t n, int64_t H, int64_t I, WeightFormat f) {
+  if (f == WeightFormat::kBf16) return dev(n * 2 * I * H, 2) + dev(n * H * I, 2);
   return dev(n * 2 * I * H, 1) + dev(n * H * I, 1) + dev(n * (2 * I / 128) * (H / 128), 4) +
          dev(n * (H / 128) * (I / 128), 4);
 }
-// Host bytes of one expert's e4m3 weights and scales.
-double expert_host_bytes(int64_t H, int64_t I) { return double(3 * H * I) + double(3 * (H / 128) * (I / 128)) * 4; }
+// Host bytes of one expert's e4m3 weights and scales, or bf16 weights.
+double expert_host_bytes(int64_t H, int64_t I, WeightFormat f) {
+  if (f == WeightFormat::kBf16) return double(3 * H * I) * 2;
+  return double(3 * H * I) + double(3 * (H / 128) * (I / 128)) * 4;
+}
 
 int64_t largest(const std::vector<int64_t>& v) { return *std::max_element(v.begin(), v.end()); }
 
@@ -70,31 +74,49 @@ int64_t largest(const std::vector<int64_t>& v) { return *std::max_element(v.begi
 // real rank's is a window of the communicator), the routing arrays and, with the shared expert
 // unfused, that expert's own staged rows. Item names start with `who`.
 void add_engine_memory(PlanBuilder& b, const std::string& who, const MoeConfig& c, int64_t ranks, int64_t T,
-                       bool fuse_shared, bool own_buffer) {
+                       bool fuse_shared, bool own_buffer, Staging st) {
   const int64_t H = c.hidden, I = c.intermediate, el = c.num_experts / ranks, Is = I * c.num_shared, hb = H / 128;
-  const BufferLayout layout(engine_buffer_shape(c, ranks, T, {}, EngineOptions{fuse_shared, 0}));
+  const BufferLayout layout(engine_buffer_shape(c, ranks, T, {}, moe_bench_engine_options(st, fuse_shared)));
   const int64_t P = layout.shape().pool_rows();
-  b.add(with_count(who + "expert weights, e4m3", el, "expert") + (Is > 0 ? " and shared" : ""), 0,
-        expert_set_device_bytes(el, H, I) + (Is > 0 ? expert_set_device_bytes(1, H, Is) : 0.0));
+  const WeightFormat wf = moe_bench_weight_format(st);
+  b.add(with_count(who + "expert weights, " + weight_format_name(wf), el, "expert") + (Is > 0 ? " and shared" : ""), 0,
+        expert_set_device_bytes(el, H, I, wf) + (Is > 0 ? expert_set_device_bytes(1, H, Is, wf) : 0.0));
   if (own_buffer) b.add(who + "buffer: staged x, pools, combine rows", 0, dev(layout.total_bytes(), 1));
   // Counts and offsets, the pool rows' weights and output pointers, the shared expert's weights
   // and output pointers, every rank's pointers (five each).
   b.add(with_count(who + "routing arrays", P, "pool row"), 0,
         2 * dev(el + 1, 4) + dev(P, 4) + dev(P, 8) + dev(T, 4) + dev(T, 8) + dev(ranks, 40));
-  // The shared expert run on its own: staged x and its scales, h and its scales, output pointers, counts.
+  // The shared expert run on its own: staged x and its scales, h and its scales (staging none: bf16
+  // x and h, no scales), output pointers, counts.
+  const bool scaled = st == Staging::kE4m3;
   if (Is > 0 && !fuse_shared)
     b.add(who + "shared expert's staged rows", 0,
-          dev(T * H, 1) + dev(T * hb, 4) + dev(T * Is, 1) + dev(T * (Is / 128), 4) + dev(T, 8) + dev(2, 4));
+          (scaled ? dev(T * H, 1) + dev(T * hb, 4) + dev(T * Is, 1) + dev(T * (Is / 128), 4)
+                  : dev(T * H, 2) + dev(T * Is, 2)) +
+              dev(T, 8) + dev(2, 4));
 }
 
 // Host bytes of the repeated weights (bench/moe_inputs.h) while they are uploaded: `el` copies of
 // expert 0, the one they are copied from, the generated one, and the shared expert.
-double repeated_weights_host_bytes(const MoeConfig& c, int64_t el) {
-  return double(el + 2) * expert_host_bytes(c.hidden, c.intermediate) +
-         (c.num_shared > 0 ? expert_host_bytes(c.hidden, c.intermediate * c.num_shared) : 0.0);
+double repeated_weights_host_bytes(const MoeConfig& c, int64_t el, WeightFormat f) {
+  return double(el + 2) * expert_host_bytes(c.hidden, c.intermediate, f) +
+         (c.num_shared > 0 ? expert_host_bytes(c.hidden, c.intermediate * c.num_shared, f) : 0.0);
 }
 
 }  // namespace
+
+Staging moe_bench_staging(const MoeBenchOptions& o, const MoeConfig& c) { return o.staging.value_or(default_staging(c)); }
+
+WeightFormat moe_bench_weight_format(Staging st) {
+  return st == Staging::kNone ? WeightFormat::kBf16 : WeightFormat::kE4m3;
+}
+
+EngineOptions moe_bench_engine_options(Staging st, bool fuse_shared) {
+  EngineOptions eo;
+  eo.fuse_shared = fuse_shared;
+  eo.staging = st;
+  return eo;
+}
 
 int64_t device_allocation_bytes(int64_t bytes) {
   return bytes <= 0 ? 0 : (bytes + kDevicePageBytes - 1) / kDevicePageBytes * kDevicePageBytes;
@@ -250,8 +272,9 @@ MemoryPlan plan_moe_bench_memory(const MoeBenchOptions& o, const std::string& na
                                             : 1 + std::count_if(o.configs.begin(), o.configs.end(),
                                                                 [](const std::string& c) { return c != "none"; });
   PlanBuilder b;
-  add_engine_memory(b, "engine ", c, 1, T, false, true);
-  b.add("host weights while uploaded", repeated_weights_host_bytes(c, c.num_experts), 0);
+  const Staging st = moe_bench_staging(o, c);
+  add_engine_memory(b, "engine ", c, 1, T, false, true, st);
+  b.add("host weights while uploaded", repeated_weights_host_bytes(c, c.num_experts, moe_bench_weight_format(st)), 0);
   // The dispatch-quantized tokens; the calibration, dynamic and global amax, check records, clip counts.
   b.add("fake quantizer: dispatch QDQ rows, amax", 0, dev(T * H, 2) + 5 * dev(1, 64));
   // x, the layer's output and the shared expert's (bf16), the routing; each configuration's saved
@@ -271,19 +294,23 @@ MemoryPlan plan_moe_ranks_bench_memory(const MoeBenchOptions& o, int64_t ranks, 
   const std::string& name = o.presets[preset_index];
   const MoeConfig c = preset(name), lone = moe_rank_config(name, ranks);
   const int64_t T = largest(o.tokens), H = c.hidden, K = c.top_k, el = lone.num_experts;
+  const Staging st = moe_bench_staging(o, c);
   PlanBuilder b;
   // The communicator keeps every window it registered: the all-to-all ceiling's (32 MiB per rank,
   // with more than one rank), and each earlier preset's buffer.
   double windows = ranks > 1 ? double(device_allocation_bytes(ranks * (int64_t(32) << 20))) : 0.0;
   for (size_t i = 0; i < preset_index; ++i)
     windows += dev(
-        BufferLayout(engine_buffer_shape(preset(o.presets[i]), ranks, T, {}, EngineOptions{true, 0})).total_bytes(), 1);
+        BufferLayout(engine_buffer_shape(preset(o.presets[i]), ranks, T, {},
+                                         moe_bench_engine_options(moe_bench_staging(o, preset(o.presets[i])), true)))
+            .total_bytes(),
+        1);
   if (windows > 0) b.add("communicator windows of earlier steps", 0, windows);
   b.add("this rank's window: staged x, pools, combine rows", 0,
-        dev(BufferLayout(engine_buffer_shape(c, ranks, T, {}, EngineOptions{true, 0})).total_bytes(), 1));
-  add_engine_memory(b, "real rank's ", c, ranks, T, true, false);
-  add_engine_memory(b, "lone GPU's ", lone, 1, T, true, true);
-  b.add("host weights while uploaded", repeated_weights_host_bytes(c, el), 0);
+        dev(BufferLayout(engine_buffer_shape(c, ranks, T, {}, moe_bench_engine_options(st, true))).total_bytes(), 1));
+  add_engine_memory(b, "real rank's ", c, ranks, T, true, false, st);
+  add_engine_memory(b, "lone GPU's ", lone, 1, T, true, true, st);
+  b.add("host weights while uploaded", repeated_weights_host_bytes(c, el, moe_bench_weight_format(st)), 0);
   // x, the layer's output and the lone engine's (bf16); this rank's, the folded and the lone
   // routing's indices, two sets of weights. On the host: the fp32 activations, x, every rank's
   // routing, the lone and folded ones.

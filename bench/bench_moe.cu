@@ -105,24 +105,26 @@ int run_bench_moe(const MoeBenchOptions& o) {
   for (const std::string& name : o.presets) {
     const MoeConfig c = moe_rank_config(name, o.ep);
     const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.num_experts, Is = I * c.num_shared;
+    const Staging staging = moe_bench_staging(o, c);
     // The compute ceiling: cuBLASLt FP8 on the layer's largest GEMM at the largest token count.
     const double peak_tflops = 2.0 * double(tmax * K) * double(2 * I) * double(H) /
                                cublaslt_fp8_gemm_us(tmax * K, 2 * I, H) * 1e-6;
-    std::printf("\n%s, one rank of EP%lld: H %lld, I %lld, %lld local experts, K %lld, shared %lld; "
+    std::printf("\n%s, one rank of EP%lld: H %lld, I %lld, %lld local experts, K %lld, shared %lld, staging %s; "
                 "cuBLASLt FP8 %.0f TFLOPS at %lld x %lld x %lld\n",
                 name.c_str(), (long long)o.ep, (long long)H, (long long)I, (long long)E, (long long)K,
-                (long long)c.num_shared, peak_tflops, (long long)(tmax * K), (long long)(2 * I), (long long)H);
+                (long long)c.num_shared, staging_name(staging), peak_tflops, (long long)(tmax * K), (long long)(2 * I),
+                (long long)H);
     std::printf("%6s  %-13s  %10s  %8s  %8s  %8s  %9s  %7s  %8s  %9s  %9s  %7s  %8s  %7s\n", "tokens", "config",
                 "time_us", "TFLOPS", "dg_TFLOP", "wt_GB/s", "floor_us", "of_floor", "overhead", "quant_us", "skip_us",
                 "q_share", "publ_us", "target");
     nlohmann::json pj = {{"preset", name}, {"hidden", H}, {"intermediate", I}, {"local_experts", E}, {"top_k", K},
-                         {"cublaslt_fp8_tflops", peak_tflops}};
+                         {"cublaslt_fp8_tflops", peak_tflops}, {"staging", staging_name(staging)}};
     // The host weights are freed once uploaded.
     cuda::CudaFakeQuantMoe fq(
         [&] {
           std::vector<LayerWeights> weights;
-          weights.push_back(repeated_weights(c, 0, E));
-          return std::make_unique<cuda::CudaEngine>(c, 1, tmax, weights, EngineOptions{false, 0});
+          weights.push_back(repeated_weights(c, 0, E, moe_bench_weight_format(staging)));
+          return std::make_unique<cuda::CudaEngine>(c, 1, tmax, weights, moe_bench_engine_options(staging, false));
         }(),
         0);
     for (int64_t T : o.tokens) {
@@ -145,7 +147,8 @@ int run_bench_moe(const MoeBenchOptions& o) {
       // DeepGEMM's count: the routed rows' three GEMM shapes only (2 x rows x H x I x 3).
       const double dg_flops = 2.0 * double(T * K) * double(H) * double(I) * 3.0;
       const LayerReference ref = layer_reference(name, T);
-      const double weight_bytes = double(touched_n * 3 * I * H) + double(3 * Is * H);
+      const double weight_bytes =
+          (double(touched_n * 3 * I * H) + double(3 * Is * H)) * (staging == Staging::kNone ? 2.0 : 1.0);
       const double floor_us = std::max(flops / (peak_tflops * 1e6), weight_bytes / (copy * 1e3));
       // Every configuration captured in its own graph (after an eager call: the layout check,
       // once), then all timed round-robin so drifts of clock and temperature hit them alike.

@@ -2,8 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "moefq/cpu_engine.h"
 
 namespace moefq::bench {
 
@@ -15,7 +18,17 @@ struct MoeBenchOptions {
   int calls_per_graph = 3, reps = 7;
   std::string json;
   bool real_ranks = false;  // run_bench_moe_ranks: this process is one rank of ep (the job's size)
+  // The layer timed: staging e4m3 (e4m3 weights, e4m3 activations: the FP8 Mega-MoE layer) or none
+  // (bf16 weights and activations: the layer of a bf16 model); nullopt: each preset's
+  // default_staging.
+  std::optional<Staging> staging;
 };
+
+// The staging of a preset's run, the weight format that goes with it (e4m3 / bf16), and the
+// engine options of its layer (bench_memory.cpp, in every build).
+Staging moe_bench_staging(const MoeBenchOptions& options, const MoeConfig& config);
+WeightFormat moe_bench_weight_format(Staging staging);
+EngineOptions moe_bench_engine_options(Staging staging, bool fuse_shared);
 
 // Layer time (CUDA graph replays, configurations interleaved) of one EP rank's MoE layer, routed
 // experts and the shared expert, for each preset, token count and quantizer configuration, with

@@ -137,10 +137,11 @@ int run_bench_moe_ranks(const MoeBenchOptions& o) {
     lone_cfg.num_experts = el;
     lone_cfg.n_group = lone_cfg.topk_group = 1;
     std::vector<LayerWeights> w(1);
-    w[0] = repeated_weights(c, d * el, el);
-    cuda::CudaEngine real(c, comm, tmax, w[0], EngineOptions{true, 0});
+    const Staging staging = moe_bench_staging(o, c);
+    w[0] = repeated_weights(c, d * el, el, moe_bench_weight_format(staging));
+    cuda::CudaEngine real(c, comm, tmax, w[0], moe_bench_engine_options(staging, true));
     w[0].first_expert = 0;
-    cuda::CudaEngine lone(lone_cfg, 1, tmax, w, EngineOptions{true, 0});
+    cuda::CudaEngine lone(lone_cfg, 1, tmax, w, moe_bench_engine_options(staging, true));
     w.clear();
     if (root) {
       std::printf("\n%s over %lld ranks: H %lld, I %lld, %lld experts (%lld per rank), K %lld, shared %lld\n",

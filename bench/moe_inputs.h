@@ -14,10 +14,11 @@
 
 namespace moefq::bench {
 
-// Expert 0's synthetic e4m3 weights for each of the `count` experts from `first` (the shared
-// expert is the same on every rank).
-inline LayerWeights repeated_weights(const MoeConfig& c, int64_t first, int64_t count) {
-  LayerWeights w = synthetic_weights(c, WeightFormat::kE4m3, 1, 0, 1);
+// Expert 0's synthetic weights (e4m3, or their bf16 rounding) for each of the `count` experts from
+// `first` (the shared expert is the same on every rank).
+inline LayerWeights repeated_weights(const MoeConfig& c, int64_t first, int64_t count,
+                                     WeightFormat format = WeightFormat::kE4m3) {
+  LayerWeights w = synthetic_weights(c, format, 1, 0, 1);
   w.first_expert = first;
   const ExpertWeights one = w.experts[0];
   w.experts.assign(size_t(count), one);

@@ -3,6 +3,7 @@
 // call run through a host layer (the reference outputs).
 #pragma once
 
+#include <cmath>
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -133,8 +134,7 @@ std::vector<std::vector<bf16>> host_forward(Layer& layer, const Problem& p,
 // at combine_offset, [K + fused][T][H] bf16): fp32 from +0, the active routed slots ascending,
 // each row QDQ'd with format f (qdq_ref, blocks along H; no QDQ when f is nullopt), the fused
 // shared slot last and unquantized, one bf16 rounding. weighted (combine_weighting after): each
-// QDQ'd routed value is first multiplied by its router weight p.wt, rounded to fp32 on its own
-// (the product of two floats is exact in double), then added.
+// QDQ'd routed value v is added as std::fma(v, w, acc) with its router weight w = p.wt (one rounding).
 inline std::vector<bf16> qdq_resum(const uint8_t* buf, size_t combine_offset, int64_t T, bool fused, const Problem& p,
                                    int64_t r, std::optional<Format> f, float amax, bool weighted = false) {
   const int64_t H = p.H, K = p.K, n = p.n[size_t(r)];
@@ -148,10 +148,10 @@ inline std::vector<bf16> qdq_resum(const uint8_t* buf, size_t combine_offset, in
         qdq_ref(*f, row(k, t), q.data(), 1, H, amax);
       else
         std::copy(row(k, t), row(k, t) + H, q.begin());
-      const double w = p.wt[size_t(r)][size_t(t * K + k)];
+      const float w = p.wt[size_t(r)][size_t(t * K + k)];
       for (int64_t h = 0; h < H; ++h) {
-        const float v = weighted ? float(w * double(to_f32(q[size_t(h)]))) : to_f32(q[size_t(h)]);
-        acc[size_t(h)] = acc[size_t(h)] + v;
+        const float v = to_f32(q[size_t(h)]);
+        acc[size_t(h)] = weighted ? std::fma(v, w, acc[size_t(h)]) : acc[size_t(h)] + v;
       }
     }
     if (fused)

@@ -20,7 +20,10 @@ struct BufferShape {
   int64_t intermediate = 0;       // I of a routed expert (multiple of 128)
   int64_t shared_intermediate = 0;  // I * S of the fused shared expert, 0 when not fused
   WeightFormat weight_format = WeightFormat::kE4m3;
+  Staging staging = Staging::kE4m3;  // the staged regions hold e4m3 with scales, or bf16 (none)
 
+  // Bytes of one staged element (x and h): 1 (e4m3) or 2 (bf16, staging none).
+  int64_t staged_elem_bytes() const { return staging == Staging::kNone ? 2 : 1; }
   int64_t local_experts() const { return num_experts / num_ranks; }
   int64_t fused_shared_slots() const { return shared_intermediate > 0 ? 1 : 0; }
   // Rows an expert rank can receive in one call: every token of every rank, once per local
@@ -46,13 +49,15 @@ class BufferLayout {
   // [0] is the num_tokens of this rank's call, published there for the expert ranks when the
   // ranks are real processes (a peer's host does not know it); the rest is reserved.
   Region workspace, expert_counts, expert_lists, rank_state;
-  Region staged_x;       // [T, H] e4m3
+  // The staged regions hold e4m3 elements with fp32 scales, or bf16 elements and no scales (the
+  // scale regions then have 0 bytes) when shape.staging is none.
+  Region staged_x;       // [T, H] e4m3 or bf16
   Region staged_scales;  // [T, H/128] fp32
   Region topk_idx;       // [T, K] int32
   Region topk_weights;   // [T, K] fp32
-  Region pool_x;         // [pool_rows, H] e4m3: rows pulled from the token ranks
+  Region pool_x;         // [pool_rows, H] e4m3 or bf16: rows pulled from the token ranks
   Region pool_x_scales;  // [pool_rows, H/128] fp32
-  Region pool_h;         // [pool_rows + T, I_max] e4m3: re-staged SwiGLU outputs (shared expert last)
+  Region pool_h;         // [pool_rows + T, I_max] e4m3 or bf16: SwiGLU outputs (shared expert last)
   Region pool_h_scales;  // [pool_rows + T, I_max/128] fp32
   Region combine;        // LAST: [K + fused_shared_slots][T][H] bf16
 

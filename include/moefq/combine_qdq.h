@@ -21,9 +21,9 @@ struct HostCombineRows {
   const int32_t* topk_idx = nullptr; // [num_tokens, K]; a negative id marks an inactive slot (its row
                                      // is never read); null: every slot is active
   const bf16* shared = nullptr;      // [num_tokens, H] bf16 added last, unquantized; null: none
-  // combine_weighting after: [num_tokens, K] fp32 router weights, each routed row's QDQ'd value
-  // multiplied by its weight before it is added (fp32(w * q), then the add: two roundings, no
-  // fma). null: combine_weighting before (the rows are already weighted).
+  // combine_weighting after: [num_tokens, K] fp32 router weights, each routed row's QDQ'd value q
+  // added as acc = fma(q, w, acc) (one rounding, numerics.h weighted_add). null:
+  // combine_weighting before (the rows are already weighted).
   const float* topk_weights = nullptr;
 };
 

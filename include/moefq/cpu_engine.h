@@ -25,6 +25,10 @@ struct EngineOptions {
   // rows are weighted) or in the combine (after, the rows are unweighted). Sizing and layout do
   // not depend on it.
   CombineWeighting combine_weighting = CombineWeighting::kBefore;
+  // The activations into the expert GEMMs (weights.h): e4m3 with 1x128 scales, or bf16 (none).
+  // The engine's default is e4m3 whatever the weights; callers that follow the model
+  // (eval, the CLI, Python) pass default_staging's choice. It sizes the staged buffer regions.
+  Staging staging = Staging::kE4m3;
 };
 
 // One rank's inputs and output of a call.
@@ -39,7 +43,7 @@ struct RankBatch {
 // The buffer shape of a layer (every engine of the configuration sizes its buffer with this):
 // the shared expert fused as slot K when options.fuse_shared and the config has one; the weight
 // format of the first expert of rank_weights (the ranks an engine holds: all of them, or a real
-// rank its own).
+// rank its own); options.staging.
 BufferShape engine_buffer_shape(const MoeConfig& cfg, int64_t num_ranks, int64_t max_tokens,
                                 std::span<const LayerWeights> rank_weights, const EngineOptions& options);
 

@@ -52,10 +52,17 @@ struct EvalOptions {
   // imports are looked up in (recipe.h); empty: none besides the files' own and the shipped one.
   std::vector<std::string> recipes;
   std::string recipe_root;
+  // Without recipes: "" or "default" (default_sweep()), or "peers" (peers_sweep(): every peer's
+  // recipe; without combine_weighting, one pass per weighting, merged).
+  std::string sweep;
   // Where the layer applies the router weight (quant_spec.h): one mode per run, since the combine
   // rows and their calibrated amax depend on it. nullopt: the recipes' own combine_weighting (they
   // must agree), else before. A recipe that names another mode than this is an error.
   std::optional<CombineWeighting> combine_weighting;
+  // The activations into the expert GEMMs, i.e. the baseline every recipe is compared with
+  // (weights.h): nullopt follows the model (default_staging: the checkpoint's weight format, else
+  // the architecture's).
+  std::optional<Staging> staging;
   int64_t ranks = 4;    // simulated expert-parallel ranks (must divide E)
   int64_t tokens = 256;  // tokens per rank per batch
   int calib_batches = 2, eval_batches = 2;
@@ -100,6 +107,14 @@ struct NamedRecipe {
 // "dispatch_fp8", "combine_fp8", "both_fp8", ... (13 recipes).
 std::vector<NamedRecipe> default_sweep();
 
+// none, then each expert-parallel system's recipe as that system computes its dispatch and combine
+// (recipes/configs/ptq/presets/peers; docs/numerics.md): DeepEP's low-latency kernels (weighting
+// after), the SGLang DeepGEMM fork's FP8 combine, MoRI's combine options, vLLM's and DeepGEMM's
+// dispatch casts (before). With `only`, the recipes meant for that weighting (and none).
+std::vector<NamedRecipe> peers_sweep(std::optional<CombineWeighting> only = std::nullopt);
+// The system a peer recipe reproduces ("DeepEP", "MoRI", ...); "" for other recipes.
+std::string peer_of(const std::string& recipe);
+
 // "4", "3-10", "3,5,7", "1-2,6" -> sorted unique layer indices; bad input naming --layers.
 std::vector<int64_t> parse_layers(const std::string& text);
 
@@ -142,6 +157,7 @@ struct EvalSetup {
   std::vector<int64_t> layers;
   std::vector<std::string> recipe_names;
   CombineWeighting combine_weighting = CombineWeighting::kBefore;  // the run's, resolved
+  Staging staging = Staging::kE4m3;  // the run's, resolved: the baseline (staging_baseline)
   int64_t ranks = 0, tokens = 0;
   int calib_batches = 0, eval_batches = 0;
   uint64_t seed = 0;

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <span>
 #include <string>
 #include <string_view>
@@ -53,6 +54,12 @@ class InputFile {
 // the cap is refused with both sizes in the message).
 std::string read_regular_file(const std::string& path, size_t max_bytes, std::string_view what);
 
+// Checks JSON text before a DOM parser builds it, so that a file within its size cap cannot make the
+// parser recurse out of the stack or build a tree many times the file's size: nesting deeper
+// than max_depth, or a tree that would take more than 16 times the text's size (1 MiB at least),
+// is bad input naming `what`. A scan of the text (strings skipped), no allocation.
+void check_json_text(std::string_view text, std::string_view what, int max_depth);
+
 // An input an output must not replace: (how messages name it, its path).
 using NamedPath = std::pair<std::string, std::string>;
 
@@ -62,22 +69,29 @@ using NamedPath = std::pair<std::string, std::string>;
 // file can be created there (tried, then removed). Messages start with `what` (e.g. "--out").
 void check_output_path(const std::string& path, std::string_view what, std::span<const NamedPath> inputs = {});
 
-// A file written to a temporary beside the target, renamed over it when complete.
+// A file written to a temporary beside the target, renamed over it when complete. Several files
+// of one command are published together: write and finish() each, then publish() each.
 class AtomicFile {
  public:
-  // Creates the temporary PATH.tmp.XXXXXX with mode 0666 less the umask (or the directory's
-  // default ACL), as any new file; throws naming `path` when it cannot.
+  // Creates the temporary PATH.tmp.XXXXXX (the name cut short where PATH's name is too long for
+  // that: any legal name works) with mode 0666 less the umask (or the directory's default ACL), as
+  // any new file; throws naming `path` when it cannot, or when `path` is empty or a directory.
   explicit AtomicFile(std::string path);
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
   // Removes the temporary unless commit() succeeded; an existing target is never touched.
   ~AtomicFile();
 
+  const std::string& path() const { return path_; }
   void write(const void* data, size_t size);  // all of it, retrying short writes
   // fsync, close, rename over the target; a target that exists passes its permission bits on to
   // the new file. Refuses (and leaves the target alone) when the target
   // is now something other than a regular file, e.g. a FIFO or a link created since the check.
-  void commit();
+  void commit();  // finish(), then publish()
+  // fsync, close and the target's check: the file is complete, not yet visible.
+  void finish();
+  // The rename over the target (checked again), after finish().
+  void publish();
 
  private:
   std::string path_, tmp_path_;
@@ -90,7 +104,7 @@ class AtomicFile {
 void write_file_atomic(const std::string& path, std::string_view content);
 
 // Checks, before any work, that `path` can be published as an AtomicDirectory holding the files
-// `names`: not empty and not "." or ".."; absent, or a directory (not a link) that holds only
+// `names`: not empty and not "." or ".."; absent, or a directory (not a link, not a mount point) that holds only
 // regular files of those names (earlier outputs: the directory is replaced as a whole) and is not
 // the working directory; its nearest existing ancestor is a directory where a temporary
 // directory can be created (tried, then removed).
@@ -126,10 +140,16 @@ class AtomicDirectory {
   std::vector<int> slots_;  // the temporary directory's, then each file's
 };
 
-// From now on SIGINT, SIGTERM and SIGHUP remove the live temporaries of AtomicFile and
+// A std::filesystem failure on a path the user gave (a symbolic link loop, a name too long, no
+// permission) as a message naming the path: "PATH: Too many levels of symbolic links". It is bad
+// input (the CLI's exit status 2, Python's ValueError), not an internal error.
+std::string filesystem_error_message(const std::filesystem::filesystem_error& e);
+
+// From now on the terminating signals listed above remove the live temporaries of AtomicFile and
 // AtomicDirectory, then end the process with the signal's default action; SIGPIPE no longer ends
 // the process: a write to a pipe whose reader has gone fails with EPIPE instead (printing then
-// stops quietly), so that a run whose table is piped into `head` still publishes its outputs. A
+// stops quietly), so that a run whose table is piped into `head` still publishes its outputs; nor
+// does SIGXFSZ: a write over the file size limit fails with EFBIG, reported as a full disk is. A
 // signal that is ignored, or has a handler, when this is called is left as it is. Call once, from
 // main.
 void install_cleanup_signal_handlers();
@@ -139,6 +159,12 @@ void install_cleanup_signal_handlers();
 // wanted: the command's exit status stands). Any other failure (a full disk, an I/O error) throws
 // moefq::Error: the table was lost. Commands publish their output files before they print.
 void finish_stdout();
+
+// `s` safe to print to a terminal: control characters (newline, tab, escape, C1 controls) as
+// escapes (\n, \t, \x1b, \u009b) and bytes that are not UTF-8 as \xNN, so that a name from a file
+// cannot move the cursor, recolour or rewrite what the user sees; a backslash stays as it is.
+// keep_newlines: a message's own line breaks (and tabs) stay.
+std::string terminal_safe(std::string_view s, bool keep_newlines = false);
 
 // A test hook: when the environment variable MOEFQ_TEST_RAISE is "POINT:SIGNUM" with POINT equal to
 // `point`, raises signal SIGNUM here (tests kill or stop a run at a chosen step). Points:

@@ -663,8 +663,9 @@ MOEFQ_HD float stage_decode(uint8_t x8, float scale) { return mul_rn(e4m3_decode
 
 // ---------------------------------------------------------------------------------------------
 // The expert-parallel libraries' FP8 per row and 128 channels (DeepEP's low-latency dispatch cast,
-// csrc/kernels/legacy/utils.cuh calculate_fp8_scales; a DeepGEMM fork's FP8 combine with
-// get_e4m3_sf_and_sf_inv). Per block of 128 along a row: a = max(bmax, 1e-4) (bmax: max |x| over
+// csrc/kernels/legacy/utils.cuh calculate_fp8_scales, with its round_scale option for the ue8m0
+// form; the SGLang DeepGEMM fork's FP8 combine, which has no 1e-4 floor, is PeerRule::kUe8m0NoFloor
+// below). Per block of 128 along a row: a = max(bmax, 1e-4) (bmax: max |x| over
 // the non-NaN elements, +inf counts); the wire carries e4m3(x * s) and a scale si; the receiver
 // decodes float(e4m3) * si, rounded once to the output dtype.
 inline constexpr int kFp8BlockSize = 128;
@@ -690,6 +691,88 @@ MOEFQ_HD MxScale fp8_block128_ue8m0_scale(float bmax) {
   if (!is_finite(a)) return {0.0f, canonical_nan_f32()};
   return mx_scale(fp8_block128_ue8m0_exponent(a));
 }
+
+// ---------------------------------------------------------------------------------------------
+// The other peers' wire formats (docs/numerics.md, "Wire formats of the expert-parallel
+// libraries"). Each is a per-element rule with per-block parameters {s, si} computed from the
+// block's max |x| over its non-NaN elements (+inf counts); the CPU reference and the CUDA kernels
+// call peer_params<R> and peer_qdq<R>, so both compute the same bits.
+enum class PeerRule : uint8_t {
+  kFp8Cast,         // e4m3, no scale, saturating at +-448 (MoRI's FP8 direct cast, saturating)
+  kFp8CastNan,      // e4m3, no scale, |x| > 448 and inf become NaN (MoRI's main path, OCP targets)
+  kUe8m0NoFloor,    // the SGLang DeepGEMM fork's FP8 Mega-MoE combine: ue8m0 per 128, amax from 0
+  kMoriFp8Block,    // MoRI's FP8 blockwise combine: a block is scaled only when its max > 448
+  kMoriFp4Block,    // MoRI's FP4 blockwise combine: e2m1, an fp32 scale bmax / 6 per block
+  kDeepGemmBlock,   // DeepGEMM's per_token_cast_to_fp8: sf = max(bmax, 1e-4) / 448, x * (1 / sf)
+  kVllmBlock,       // vLLM's per-token-group FP8 quant: sf = max(bmax, 1e-10) / 448, x / sf
+};
+struct PeerParams {
+  float s;   // into the element format (a multiplier; kVllmBlock: the divisor sf)
+  float si;  // back (the dequantization scale)
+};
+inline constexpr int kPeerBlock = 128;  // every blocked peer rule here: 128 channels
+inline constexpr float kVllmAmaxFloor = 1e-10f;
+
+// ceil(log2(r)) as the fork's fast_log2_ceil reads it from the bits: biased exponent - 127, plus 1
+// when the mantissa field is not zero. Exact for normal r; a subnormal r gives -126 (exponent field
+// 0 with a mantissa), and 0 gives -127.
+MOEFQ_HD int ceil_log2_bits(float r) {
+  const uint32_t u = f32_bits(r) & 0x7FFFFFFFu;
+  return int(u >> 23) - 127 + ((u & 0x7FFFFFu) != 0u ? 1 : 0);
+}
+
+template <PeerRule R>
+MOEFQ_HD PeerParams peer_params(float bmax) {
+  if constexpr (R == PeerRule::kFp8Cast || R == PeerRule::kFp8CastNan) {
+    return {1.0f, 1.0f};
+  } else if constexpr (R == PeerRule::kUe8m0NoFloor) {
+    // e = ceil(log2(bmax * RN(1/448))) in [-127, 120] for finite bmax; s = 2^-e, si = 2^e. A
+    // block holding +-inf gets a NaN scale (every element NaN), as fp8_block128_ue8m0.
+    if (!is_finite(bmax)) return {0.0f, canonical_nan_f32()};
+    const int e = ceil_log2_bits(mul_rn(bmax, kInvE4m3Max));
+    return {exp2i(-e), exp2i(e)};
+  } else if constexpr (R == PeerRule::kMoriFp8Block) {
+    // Unscaled (a plain saturating cast) unless bmax > 448; then s = 448 / bmax (a division) and
+    // si = bmax * RN(1/448). An infinite bmax gives s = 0, si = inf: every element NaN.
+    if (!(bmax > kE4m3Max)) return {1.0f, 1.0f};
+    return {div_rn(kE4m3Max, bmax), mul_rn(bmax, kInvE4m3Max)};
+  } else if constexpr (R == PeerRule::kMoriFp4Block) {
+    // s = 6 / bmax and si = bmax / 6, two divisions; a zero block s = 0, si = 1. An infinite bmax
+    // gives s = 0, si = inf: every element NaN.
+    if (!(bmax > 0.0f)) return {0.0f, 1.0f};
+    return {div_rn(kE2m1Max, bmax), div_rn(bmax, kE2m1Max)};
+  } else if constexpr (R == PeerRule::kDeepGemmBlock) {
+    const float sf = div_rn(bmax > kFp8BlockAmaxFloor ? bmax : kFp8BlockAmaxFloor, kE4m3Max);
+    return {div_rn(1.0f, sf), sf};
+  } else {
+    const float sf = div_rn(bmax > kVllmAmaxFloor ? bmax : kVllmAmaxFloor, kE4m3Max);
+    return {sf, sf};
+  }
+}
+
+// The dequantized value of x (binary32; the caller rounds it to the tensor's dtype). NaN x gives
+// NaN; the sign of zero is kept.
+template <PeerRule R>
+MOEFQ_HD float peer_qdq(float x, PeerParams p) {
+  if (is_nan(x)) return canonical_nan_f32();
+  if constexpr (R == PeerRule::kFp8CastNan) {
+    if (abs_f32(x) > kE4m3Max) return canonical_nan_f32();  // inf too
+  }
+  if constexpr (R == PeerRule::kMoriFp4Block) {
+    // e2m1 of |x| * s, ties to the even code, saturating at 6; inf * 0 (an infinite block) is NaN.
+    const float q = e2m1_round_sat(mul_rn(abs_f32(x), p.s));
+    return copysign_f32(mul_rn(q, p.si), x);
+  }
+  const float v = R == PeerRule::kVllmBlock ? div_rn(x, p.s) : mul_rn(x, p.s);
+  // Checked decode: inf * 0 (an infinite block) is NaN and must stay NaN.
+  return mul_rn(e4m3_decode(e4m3_encode_sat(v)), p.si);
+}
+
+// The combine's weighting `after` (docs/fake_quant.md): a routed row's value v enters the fp32 sum
+// as acc = fma(v, w, acc), one rounding, as DeepEP's low-latency combine accumulates (nvcc
+// contracts its `accum += decoded * weight`). The CPU engine, the fake quantizer's re-sum and the
+// CUDA combine all call this.
+MOEFQ_HD float weighted_add(float acc, float v, float w) { return fma_rn(v, w, acc); }
 
 // ---------------------------------------------------------------------------------------------
 // LogFMT-10 (DeepEP's low-latency combine, csrc/kernels/legacy/internode_ll.cu logfmt_encode and
@@ -1070,6 +1153,24 @@ MOEFQ_HD MxPacked fp8_block128_ue8m0_packed(float bmax) {
   const int e = fp8_block128_ue8m0_exponent(a);
   const uint32_t floor = (uint32_t(e + 127 - 6) << 7) | 0x40u;  // 1.5 * 2^(e - 6) as bf16
   return {e <= kMxPackedMaxExp, floor | (floor << 16)};
+}
+
+// peer_qdq<R> in the combine's sum-exact form: the value of peer_qdq up to the sign of a zero and a
+// NaN's payload (the freedoms above), through the fp32 rounding cores instead of the conversion
+// instructions where a rule has one: the e4m3 rules with a multiplier take fp8_qdq_sum, the
+// power-of-two one mxfp8_qdq_sum; the e2m1 rule is fp32 operations already, and vLLM's divides.
+// tests/numerics/test_qdq_peers.cpp compares the two on every bf16 x for many block parameters.
+template <PeerRule R>
+MOEFQ_HD float peer_qdq_sum(float x, PeerParams p) {
+  if constexpr (R == PeerRule::kUe8m0NoFloor) {
+    return mxfp8_qdq_sum(x, MxScale{p.s, p.si});
+  } else if constexpr (R == PeerRule::kFp8CastNan) {
+    return abs_mod(x) > kE4m3Max ? canonical_nan_f32() : fp8_qdq_sum(x, Fp8Params{p.s, p.si});
+  } else if constexpr (R == PeerRule::kMoriFp4Block || R == PeerRule::kVllmBlock) {
+    return peer_qdq<R>(x, p);
+  } else {
+    return fp8_qdq_sum(x, Fp8Params{p.s, p.si});
+  }
 }
 
 }  // namespace moefq

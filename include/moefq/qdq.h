@@ -14,17 +14,64 @@ namespace moefq {
 
 // The formats of docs/numerics.md, and those the expert-parallel libraries put on the wire
 // (docs/numerics.md): fp8_block128 (e4m3, fp32 scale per 128 channels), fp8_block128_ue8m0 (its
-// scale a power of two) and logfmt10 (DeepEP's 10-bit log format, bf16 where a group cannot be cast).
-enum class Format { kFp8, kNvfp4, kMxfp8, kMxfp4, kInt8, kFp8Block128, kFp8Block128Ue8m0, kLogfmt10 };
-inline constexpr Format kAllFormats[] = {Format::kFp8,   Format::kNvfp4,        Format::kMxfp8,
-                                         Format::kMxfp4, Format::kInt8,         Format::kFp8Block128,
-                                         Format::kFp8Block128Ue8m0, Format::kLogfmt10};
+// scale a power of two) and logfmt10 (DeepEP's 10-bit log format, bf16 where a group cannot be cast),
+// then the other peers' rules (numerics.h PeerRule): fp8_cast and fp8_cast_nan (MoRI's FP8 direct
+// cast, saturating or NaN beyond 448), fp8_block128_ue8m0_nofloor (the SGLang DeepGEMM fork's FP8
+// Mega-MoE combine), fp8_block128_mori and fp4_block128_mori (MoRI's blockwise combine options),
+// fp8_block128_deepgemm (DeepGEMM's per_token_cast_to_fp8) and fp8_block128_vllm (vLLM's
+// per-token-group FP8 quantization).
+enum class Format {
+  kFp8,
+  kNvfp4,
+  kMxfp8,
+  kMxfp4,
+  kInt8,
+  kFp8Block128,
+  kFp8Block128Ue8m0,
+  kLogfmt10,
+  kFp8Cast,
+  kFp8CastNan,
+  kFp8Block128Ue8m0NoFloor,
+  kFp8Block128Mori,
+  kFp4Block128Mori,
+  kFp8Block128DeepGemm,
+  kFp8Block128Vllm,
+};
+inline constexpr Format kAllFormats[] = {Format::kFp8,
+                                         Format::kNvfp4,
+                                         Format::kMxfp8,
+                                         Format::kMxfp4,
+                                         Format::kInt8,
+                                         Format::kFp8Block128,
+                                         Format::kFp8Block128Ue8m0,
+                                         Format::kLogfmt10,
+                                         Format::kFp8Cast,
+                                         Format::kFp8CastNan,
+                                         Format::kFp8Block128Ue8m0NoFloor,
+                                         Format::kFp8Block128Mori,
+                                         Format::kFp4Block128Mori,
+                                         Format::kFp8Block128DeepGemm,
+                                         Format::kFp8Block128Vllm};
+
+// The numerics.h rule of a peer format (fp8_cast ... fp8_block128_vllm); nullopt for the others.
+constexpr std::optional<PeerRule> peer_rule(Format f) {
+  switch (f) {
+    case Format::kFp8Cast: return PeerRule::kFp8Cast;
+    case Format::kFp8CastNan: return PeerRule::kFp8CastNan;
+    case Format::kFp8Block128Ue8m0NoFloor: return PeerRule::kUe8m0NoFloor;
+    case Format::kFp8Block128Mori: return PeerRule::kMoriFp8Block;
+    case Format::kFp4Block128Mori: return PeerRule::kMoriFp4Block;
+    case Format::kFp8Block128DeepGemm: return PeerRule::kDeepGemmBlock;
+    case Format::kFp8Block128Vllm: return PeerRule::kVllmBlock;
+    default: return std::nullopt;
+  }
+}
 
 const char* format_name(Format f);
-// "fp8", "nvfp4", "mxfp8", "mxfp4", "int8", "fp8_block128", "fp8_block128_ue8m0", "logfmt10";
+// The name of each format ("fp8", ..., "logfmt10", "fp8_cast", ..., "fp8_block128_vllm") to it;
 // nullopt for anything else.
 std::optional<Format> parse_format(std::string_view name);
-// "fp8|nvfp4|...|logfmt10", for messages.
+// "fp8|nvfp4|...|fp8_block128_vllm", for messages.
 std::string format_choices();
 // Elements per block along the last dimension; 0 for the per-tensor formats.
 int format_block_size(Format f);
@@ -43,7 +90,11 @@ bool format_has_global_amax(Format f);
 //   fp8_block128_ue8m0: cols + cols / 128     (a ue8m0 scale per block of 128);
 //   logfmt10:  10 * cols / 8 + 4 * cols / 128 (bf16 amax and amin per block of 128), the size when
 //              every group is cast, as DeepEP counts it; a group sent as bf16 takes 2 bytes per
-//              element instead.
+//              element instead;
+//   fp8_cast, fp8_cast_nan:     cols (no scale);
+//   fp8_block128_ue8m0_nofloor: cols + cols / 128;
+//   fp8_block128_mori, fp8_block128_deepgemm, fp8_block128_vllm: cols + 4 * cols / 128;
+//   fp4_block128_mori:          cols / 2 + 4 * cols / 128 (an fp32 scale per block of 128).
 double wire_bytes_per_row(std::optional<Format> f, int64_t cols);
 
 enum class DType { kBF16, kF32 };

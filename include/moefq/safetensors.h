@@ -18,6 +18,8 @@
 
 namespace moefq {
 
+class AtomicFile;
+
 enum class StDtype {
   kBool,
   kU8,
@@ -109,6 +111,9 @@ class SafetensorsWriter {
   // Writes to a temporary file in the directory of `path` and renames it over `path`; on any
   // failure the temporary is removed and an existing `path` is left untouched.
   void write(const std::string& path) const;
+  // Writes the whole file into `out` and finishes it (complete, synced, not yet published): the
+  // caller publishes it with the other outputs of its command.
+  void write_to(AtomicFile& out) const;
 
  private:
   struct Pending {

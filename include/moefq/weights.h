@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moefq/moe_config.h"
@@ -15,6 +17,27 @@ namespace moefq {
 
 enum class WeightFormat { kE4m3, kBf16 };
 const char* weight_format_name(WeightFormat f);
+
+// How the expert GEMMs take their activations (docs/engine.md, "Staging"):
+// - kE4m3: x and the SwiGLU output h are cast to e4m3 with one fp32 scale per 128 elements before
+//   the gate/up and the down GEMM (the FP8 Mega-MoE / DeepGEMM way);
+// - kNone: bf16 x and h = bf16(silu(g) * u * w) go into the GEMMs as they are, as a bf16 model is
+//   served through DeepEP or a grouped GEMM. With e4m3 weights each 128 x 128 block's partial sum
+//   is multiplied by its fp32 scale at the block's promotion, exactly as under kE4m3: the weights
+//   are used dequantized (float(w8) * scale), never rounded to bf16.
+enum class Staging { kE4m3, kNone };
+const char* staging_name(Staging s);               // "e4m3", "none"
+std::optional<Staging> parse_staging(std::string_view name);
+// parse_staging, or a bad-input error naming `what` (e.g. "--staging") and the choices.
+Staging staging_from_name(std::string_view name, std::string_view what);
+// A sentence naming the baseline a run with this staging compares against, for reports.
+const char* staging_baseline(Staging s);
+// The staging a model is served with, the default everywhere (the one place this rule lives): a
+// checkpoint's own weight format when one is given (e4m3: kE4m3, bf16: kNone); otherwise the
+// format the architecture ships its weights in: DeepSeek-V3/V4 and Kimi-K2 (and configs without a
+// model_type, as the tiny and kimi-k3 presets) in e4m3, hence kE4m3; DeepSeek-V2, GLM-4.5,
+// Qwen3-MoE, Mixtral and OLMoE in bf16, hence kNone.
+Staging default_staging(const MoeConfig& cfg, std::optional<WeightFormat> checkpoint_format = std::nullopt);
 
 // One expert: gate_up [2I, H] (rows [0, I) gate, [I, 2I) up) and down [H, I], row-major.
 // e4m3: *_e4m3 bytes and *_scale fp32 per 128x128 block ([2I/128, H/128] and [H/128, I/128]);

@@ -88,8 +88,9 @@ def combine_qdq_resum(rows, format, amax=None, *, shared=None, topk_idx=None, to
     so zero rows for unrouted slots give the same bits). On CUDA pass int32 indices to avoid a
     conversion (and without topk_idx an all-active index tensor is made each call).
     topk_weights: [T, K] float32 router weights for rows left unweighted (combine_weighting after):
-    each active row, after its QDQ, is multiplied by its weight in fp32 (one rounding) before it is
-    added; None: the rows are already weighted (combine_weighting before).
+    each active row, after its QDQ, is added as acc = fma(row, weight, acc) in fp32 (one rounding,
+    as DeepEP's low-latency combine accumulates); None: the rows are already weighted
+    (combine_weighting before).
     Returns out, [T, H] bf16 (numpy: uint16 bf16 bits).
     """
     return _combine_qdq_resum(rows, format, amax, shared, topk_idx, topk_weights, out, stream, stored=False)
@@ -265,7 +266,8 @@ def apply_recipe(recipe, quantizer_names):
 
 def save_calibration(path, quantizers):
     """Writes the quantizers' amax to a calibration file (written atomically)."""
-    _C.save_calibration(_os.fspath(path), list(quantizers))
+    path = _C.check_output_path(_os.fspath(path), "save_calibration: path")
+    _C.save_calibration(path, list(quantizers))
 
 
 def load_calibration(path, quantizers):
@@ -282,13 +284,17 @@ class MoeLayer:
     .combine_quantizer); both are disabled until configure(recipe). forward takes tokens [N, H]
     bf16 (N <= ranks x max_tokens, cut into R consecutive parts, one per rank) and returns the
     routed output plus the shared expert's (run on the unquantized x), as `moefq eval` adds them.
+    staging: the activations into the expert GEMMs, "e4m3" (1x128 scales, the FP8 Mega-MoE engine)
+    or "none" (bf16); None: as the model is served (e4m3 for e4m3 checkpoints, DeepSeek-V3/V4 and
+    Kimi; none for bf16 checkpoints, Qwen3, Mixtral, OLMoE and GLM).
     """
 
     def __init__(self, preset=None, *, config=None, checkpoint=None, layer=0, ranks=1, max_tokens=256,
-                 device="cpu", seed=1, synthetic="model", threads=0, recipe=None, combine_weighting="before"):
+                 device="cpu", seed=1, synthetic="model", threads=0, recipe=None, combine_weighting="before",
+                 staging=None):
         self._layer = _C.MoeLayer(preset or "", _os.fspath(config) if config else "",
                                   _os.fspath(checkpoint) if checkpoint else "", layer, ranks, max_tokens, device, seed,
-                                  synthetic, threads, combine_weighting)
+                                  synthetic, threads, combine_weighting, "" if staging is None else staging)
         if recipe is not None:
             self.configure(recipe)
 
@@ -301,6 +307,8 @@ class MoeLayer:
     quantizer_names = property(lambda self: self._layer.quantizer_names)
     combine_weighting = property(lambda self: self._layer.combine_weighting,
                                  doc="Where the router weight is applied: 'before' or 'after' the combine.")
+    staging = property(lambda self: self._layer.staging,
+                       doc="The activations into the expert GEMMs: 'e4m3' (1x128 scales) or 'none' (bf16).")
 
     def configure(self, recipe):
         """Configures both quantizers from a recipe (a Recipe, a file or a unit name; None: both off).
@@ -404,7 +412,7 @@ class MoeLayer:
                                         _t.real_number(combine_amax, "set_calibrated_amax: combine_amax"))
 
     def save_calibration(self, path):
-        self._layer.save_calibration(_os.fspath(path))
+        self._layer.save_calibration(_C.check_output_path(_os.fspath(path), "MoeLayer.save_calibration: path"))
 
     def load_calibration(self, path):
         self._layer.load_calibration(_os.fspath(path))
@@ -451,6 +459,8 @@ def _eval_options(options):
     for key in ("config", "checkpoint", "activations", "load_calibration", "recipe_root", "out"):
         if o.get(key) is not None:
             o[key] = _os.fspath(o[key])
+    if o.get("out") == "":
+        raise ValueError("out: empty path; give a directory name (or leave out out= to write no reports)")
     if o.get("progress") is True:
         import sys
         o["progress"] = lambda line: print("  " + line, file=sys.stderr)
@@ -465,9 +475,9 @@ def eval(**options):
     layers ("3-10", an integer or a list of integers), activations, synthetic, recipes (a file or
     unit name, or a list of them), recipe_root (where their imports are looked for first), ranks,
     tokens, calib_batches, eval_batches, seed, device ("auto", "cpu", "cuda"), pipeline, threads,
-    combine_weighting, load_calibration, max_rel_l2, calibration ("max", "percentile:99.99", "mse" or
-    a comma-separated list of them), link ("nvlink4", "ib400", ...) or link_gbps; out (also write
-    report.json/.csv/.html there);
+    combine_weighting, staging ("e4m3" or "none"; default: as the model is served), load_calibration,
+    max_rel_l2, calibration ("max", "percentile:99.99", "mse" or a comma-separated list of them), link
+    ("nvlink4", "ib400", ...) or link_gbps; out (also write report.json/.csv/.html there);
     progress (True: progress lines on stderr, or a callable taking each line). Any other keyword is
     a ValueError. Ctrl-C stops the run at its next progress step (KeyboardInterrupt), writing
     nothing."""
@@ -491,8 +501,9 @@ _ST_NUMPY = {"BF16": "uint16", "F32": "float32", "I32": "int32", "I64": "int64"}
 def save_safetensors(path, tensors, metadata=None):
     """Writes CPU tensors {name: tensor} (bf16, float32, int32, int64; numpy uint16 is bf16) to a
     safetensors file, atomically (a temporary file renamed)."""
+    path = _C.check_output_path(_os.fspath(path), "save_safetensors: path")
     items = [(str(name), _t.capsule(t, f"save_safetensors: tensor '{name}'")) for name, t in tensors.items()]
-    _C.save_safetensors(_os.fspath(path), items, {str(k): str(v) for k, v in (metadata or {}).items()})
+    _C.save_safetensors(path, items, {str(k): str(v) for k, v in (metadata or {}).items()})
 
 
 def load_safetensors(path, framework="numpy"):

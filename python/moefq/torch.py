@@ -1,4 +1,5 @@
-"""moefq's quantizers as torch.nn.Modules, to put into a model's MoE, and capture_moe_inputs, which
+"""moefq's quantizers as torch.nn.Modules, to put into a model's MoE, and (from moefq.hf) quantize_moe /
+restore_moe, which put them into every MoE block of a Hugging Face model, and capture_moe_inputs, which
 records a Hugging Face model's MoE inputs into the activations file `moefq eval --activations` reads.
 
 DispatchQuantizer sits where the tokens leave for the experts (x -> QDQ(x)); CombineQuantizer
@@ -9,15 +10,14 @@ the QDQ (the straight-through estimator), so a model keeps training with them in
 """
 
 import contextlib
-import inspect
-import os
 
 import torch
 
-from . import Quantizer, save_safetensors
+from . import Quantizer
 from . import _combine_qdq_resum, _qdq
 
-__all__ = ["DispatchQuantizer", "CombineQuantizer", "capture_moe_inputs", "find_moe_blocks"]
+__all__ = ["DispatchQuantizer", "CombineQuantizer", "capture_moe_inputs", "find_moe_blocks", "moe_block_paths",
+           "quantize_moe", "restore_moe", "MoeQuantization"]
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -246,112 +246,6 @@ def _active_rows(rows, topk_idx):
     return rows[(topk_idx >= 0).t()]
 
 
-# Hugging Face MoE blocks by class name: DeepSeek-V3 (DeepseekV3MoE), Qwen3-MoE
-# (Qwen3MoeSparseMoeBlock), Mixtral (MixtralSparseMoeBlock), and their relatives (Qwen2-MoE,
-# DeepSeek-V2); the block's input is the post-attention-norm hidden state [batch, seq, H].
-_MOE_CLASS_SUFFIXES = ("MoE", "SparseMoeBlock")
-
-
-def _decoder_layers(model):
-    for path in ("model.layers", "layers", "model.model.layers", "transformer.h"):
-        obj = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, torch.nn.ModuleList):
-            return obj
-    raise ValueError(f"capture_moe_inputs: {type(model).__name__} has no decoder layers (model.layers or "
-                     "model.model.layers)")
-
-
-def find_moe_blocks(model):
-    """{decoder layer index: its MoE block} of a Hugging Face model (dense layers are left out)."""
-    blocks = {}
-    for i, layer in enumerate(_decoder_layers(model)):
-        for attr in ("mlp", "block_sparse_moe", "moe"):
-            block = getattr(layer, attr, None)
-            if block is not None and type(block).__name__.endswith(_MOE_CLASS_SUFFIXES):
-                blocks[i] = block
-                break
-    return blocks
-
-
-# torch >= 2.0 shows forward pre-hooks the keyword arguments too (with_kwargs=True); torch 1.x does not.
-_HOOKS_SEE_KWARGS = "with_kwargs" in inspect.signature(torch.nn.Module.register_forward_pre_hook).parameters
-
-
-def _check_output_file(path, who):
-    """Refuses, before any work, a path that cannot become the output file: a directory or another
-    non-regular file, or a folder that does not exist or cannot be written."""
-    if os.path.isdir(path):
-        example = os.path.join(path, "acts.safetensors")
-        raise ValueError(f"{who}: path {path} is a directory; give a file name (e.g. {example})")
-    if os.path.lexists(path) and not os.path.isfile(path):
-        raise ValueError(f"{who}: path {path} exists and is not a regular file; outputs only replace regular files")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"{who}: path {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{who}: path {path}: the folder {folder} is not writable")
-
-
-def capture_moe_inputs(model, layers, batches, path, *, max_tokens=None):
-    """Runs the model on `batches` (each a tensor of input ids, or a dict of keyword arguments) and
-    writes the inputs of the MoE blocks of `layers` (indices of decoder layers, each once) to
-    `path`: a safetensors file with one tensor `layers.{i}` [tokens, H] bf16 per layer, the tokens
-    in batch order, which `moefq eval --activations path --layers ...` reads. max_tokens: stop
-    keeping rows after that many per layer. Returns {layer: number of rows}. The path is checked
-    before the model runs; nothing is written on an error."""
-    path = os.fspath(path)
-    layers = [int(i) for i in ([layers] if isinstance(layers, int) else layers)]
-    if not layers:
-        raise ValueError("capture_moe_inputs: no layers given")
-    repeated = sorted({i for i in layers if layers.count(i) > 1})
-    if repeated:
-        raise ValueError(f"capture_moe_inputs: layers {repeated} given more than once")
-    blocks = find_moe_blocks(model)
-    missing = [i for i in layers if i not in blocks]
-    if missing:
-        raise ValueError(f"capture_moe_inputs: layers {missing} have no MoE block (MoE layers: {sorted(blocks)})")
-    _check_output_file(path, "capture_moe_inputs")
-    captured = {i: [] for i in layers}
-    counts = {i: 0 for i in layers}
-
-    def hook_for(i):
-        def hook(module, args, kwargs=None):
-            x = args[0] if args else (kwargs or {}).get("hidden_states")
-            if x is None:
-                if _HOOKS_SEE_KWARGS:
-                    raise ValueError(f"capture_moe_inputs: layer {i}'s MoE block got no hidden_states (neither "
-                                     "positional nor as the keyword hidden_states)")
-                raise ValueError(f"capture_moe_inputs: layer {i}'s MoE block was called without a positional "
-                                 f"argument (e.g. mlp(hidden_states=h)); forward hooks of torch {torch.__version__} "
-                                 "do not see keyword arguments (torch >= 2.0 does): call the block with "
-                                 "hidden_states positionally, mlp(h)")
-            rows = x.detach().reshape(-1, x.shape[-1])
-            if max_tokens is not None:
-                rows = rows[:max(0, int(max_tokens) - counts[i])]
-            if rows.shape[0]:
-                captured[i].append(rows.to(device="cpu", dtype=torch.bfloat16))
-                counts[i] += rows.shape[0]
-        return hook
-
-    kwargs = {"with_kwargs": True} if _HOOKS_SEE_KWARGS else {}
-    handles = [blocks[i].register_forward_pre_hook(hook_for(i), **kwargs) for i in layers]
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                if isinstance(batch, dict):
-                    model(**batch)
-                else:
-                    model(batch)
-    finally:
-        for h in handles:
-            h.remove()
-    empty = [i for i in layers if not captured[i]]
-    if empty:
-        raise ValueError(f"capture_moe_inputs: no tokens reached layers {empty} (no batches?)")
-    tensors = {f"layers.{i}": torch.cat(captured[i]).contiguous() for i in layers}
-    save_safetensors(path, tensors, {"source": type(model).__name__, "layers": ",".join(map(str, layers))})
-    return {i: int(t.shape[0]) for i, t in zip(layers, tensors.values())}
+# The Hugging Face side lives in moefq.hf (which imports this module lazily).
+from .hf import (MoeQuantization, capture_moe_inputs, find_moe_blocks, moe_block_paths, quantize_moe,  # noqa: E402
+                 restore_moe)

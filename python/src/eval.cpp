@@ -59,7 +59,7 @@ T integer_option(const pb::handle& value, const std::string& key) {
 // "ranks=3 must divide ..." where the flag is followed by its value).
 constexpr const char* kKeywords[] = {"preset", "config", "checkpoint", "layers", "activations", "synthetic",
                                      "recipes", "ranks", "tokens", "calib_batches", "eval_batches", "seed",
-                                     "device", "pipeline", "threads", "combine_weighting", "load_calibration",
+                                     "device", "pipeline", "threads", "combine_weighting", "staging", "load_calibration",
                                      "max_rel_l2", "recipe_root", "calibration", "link", "link_gbps"};
 
 std::string flag_of(const std::string& keyword) {
@@ -162,6 +162,8 @@ EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
       o.num_threads = integer_option<int>(value, k);
     } else if (k == "combine_weighting") {
       o.combine_weighting = combine_weighting_option(option<std::string>(value, k, "a string"), k);
+    } else if (k == "staging") {
+      o.staging = staging_from_name(option<std::string>(value, k, "a string"), k);
     } else if (k == "load_calibration" && with_recipes) {
       o.load_calibration = option<std::string>(value, k, "a string");
     } else if (k == "max_rel_l2" && with_recipes) {

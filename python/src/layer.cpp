@@ -8,11 +8,14 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <vector>
 
 #include "bindings.h"
 #include "eval/layer_runner.h"
 #include "moefq/calibration_file.h"
+#include "moefq/checkpoint.h"
 #include "moefq/errors.h"
 #include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
@@ -39,6 +42,7 @@ struct LayerOptions {
   std::string synthetic = "model";
   int num_threads = 0;
   std::string combine_weighting = "before";
+  std::string staging;  // empty: default_staging (the checkpoint's weight format, else the model's)
 };
 
 // The largest max_tokens a layer takes: below it the buffer sizes (integers) cannot overflow.
@@ -109,6 +113,8 @@ class MoeLayer {
     const auto kind = parse_synthetic_kind(o.synthetic);
     MOEFQ_CHECK(kind.has_value(), "MoeLayer: synthetic must be 'model' or 'gaussian', got '", o.synthetic, "'");
     MOEFQ_CHECK(o.num_threads >= 0, "MoeLayer: threads must be >= 0");
+    const std::optional<Staging> staging =
+        o.staging.empty() ? std::nullopt : std::optional(staging_from_name(o.staging, "MoeLayer: staging"));
     const auto weighting = parse_combine_weighting(o.combine_weighting);
     MOEFQ_CHECK(weighting.has_value(), "MoeLayer: combine_weighting must be 'before' or 'after', got '",
                 o.combine_weighting, "'");
@@ -118,6 +124,9 @@ class MoeLayer {
     s.synthetic = *kind;
     s.checkpoint_dir = o.checkpoint;
     s.num_threads = o.num_threads;
+    s.staging = staging.value_or(default_staging(
+        s.config, o.checkpoint.empty() ? std::nullopt
+                                       : std::optional(checkpoint_weight_format(o.checkpoint, o.layer, s.config))));
     check_layer_memory(s, cuda_);
     cfg_ = s.config;
     ranks_ = o.ranks;
@@ -132,6 +141,8 @@ class MoeLayer {
     eo.num_threads = o.num_threads;
     eo.combine_weighting = *weighting;
     weighting_ = *weighting;
+    eo.staging = s.staging;
+    staging_ = s.staging;
     if (!cuda_) {
       host_ = std::make_unique<FakeQuantMoe>(make_expert_backend("mega_moe", cfg_, ranks_, max_tokens_, std::move(w), eo),
                                              o.layer);
@@ -143,9 +154,18 @@ class MoeLayer {
     device_ = std::make_unique<cuda::CudaFakeQuantMoe>(
         std::make_unique<cuda::CudaEngine>(cfg_, ranks_, max_tokens_, w, eo), o.layer);
     d_gate_ = cuda::DeviceBuffer<float>(gate_);
+    MOEFQ_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
     if (!bias_.empty()) d_bias_ = cuda::DeviceBuffer<float>(bias_);
 #else
     throw std::runtime_error("MoeLayer: device 'cuda' needs a moefq built with CUDA (rebuild with nvcc)");
+#endif
+  }
+
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
+  ~MoeLayer() {
+#ifdef MOEFQ_HAS_CUDA
+    if (done_ != nullptr) cudaEventDestroy(done_);
 #endif
   }
 
@@ -158,44 +178,61 @@ class MoeLayer {
   int device_id() const { return device_id_; }
   bool has_shared() const { return cfg_.num_shared > 0; }
   std::string combine_weighting() const { return combine_weighting_name(weighting_); }
+  std::string staging() const { return staging_name(staging_); }
 
   std::vector<std::string> quantizer_names() const {
     return {MoeQuantizers::dispatch_name(layer_), MoeQuantizers::combine_name(layer_)};
   }
-  const MoeQuantizers& quantizers() const { return cuda_ ? device_q().quantizers() : host_->quantizers(); }
+  // A snapshot of rank `rank`'s quantizer (which: 0 dispatch, 1 combine).
+  Quantizer quantizer(int which, int64_t rank) const {
+    MOEFQ_CHECK(rank >= 0 && rank < ranks_, "quantizer: rank ", rank, " is not in [0, ", ranks_, ")");
+    const auto held = lock();
+    return which == 0 ? quantizers().dispatch(rank) : quantizers().combine(rank);
+  }
   void configure(const std::map<std::string, QuantizerConfig>& configs) {
+    const auto held = lock();
     if (cuda_) return device_q().configure(configs);
     host_->configure(configs);
   }
   void start_calibration() {
+    const auto held = lock();
     if (cuda_) return device_q().start_calibration();
     host_->start_calibration();
   }
   void finish_calibration() {
+    const auto held = lock();
     if (cuda_) return device_q().finish_calibration();
     host_->finish_calibration();
   }
   void abort_calibration() {
+    const auto held = lock();
     if (cuda_) return device_q().abort_calibration();
     host_->abort_calibration();
   }
   std::vector<float> rank_amax(int which) const {
     MOEFQ_CHECK(which == 0 || which == 1, "MoeLayer.rank_amax: which must be 0 (dispatch) or 1 (combine), got ", which);
+    const auto held = lock();
     return cuda_ ? device_q().rank_amax(which) : host_->rank_amax(which);
   }
   void set_calibrated_amax(float dispatch_amax, float combine_amax) {
     check_amax(dispatch_amax, "set_calibrated_amax");
     check_amax(combine_amax, "set_calibrated_amax");
+    const auto held = lock();
     if (cuda_) return device_q().set_calibrated_amax(dispatch_amax, combine_amax);
     host_->set_calibrated_amax(dispatch_amax, combine_amax);
   }
-  void save(const std::string& path) const { save_calibration(path, quantizers().calibration_state()); }
+  void save(const std::string& path) const {
+    const auto held = lock();
+    save_calibration(path, quantizers().calibration_state());
+  }
   void load(const std::string& path) {
+    const auto held = lock();
     if (cuda_) return device_q().load_calibration_file(path);
     host_->load_calibration_file(path);
   }
   bool layout_checked(int64_t rank) const {
     MOEFQ_CHECK(rank >= 0 && rank < ranks_, "layout_checked: rank ", rank, " is not in [0, ", ranks_, ")");
+    const auto held = lock();
     return cuda_ ? device_q().layout_checked(rank) : host_->layout_checked(rank);
   }
 
@@ -221,9 +258,14 @@ class MoeLayer {
                   "; pass a separate out tensor (the layer cannot run in place)");
     const std::optional<Tensor> scratch = optional_tensor(scratch_c, "MoeLayer.forward: shared scratch");
     const bool add_shared = include_shared && has_shared();
-    std::vector<RankBatch> batches = split(x, idx, w, y, n);
     if (!cuda_) {
       pb::gil_scoped_release release;
+      // The engine checks the ids, then reads them again: it works on a copy, so that another
+      // thread writing the caller's arrays meanwhile cannot change ids that were already checked.
+      const std::vector<int32_t> ids(idx.ptr<int32_t>(), idx.ptr<int32_t>() + idx.numel());
+      const std::vector<float> weights(w.ptr<float>(), w.ptr<float>() + w.numel());
+      std::vector<RankBatch> batches = split(x, ids.data(), weights.data(), y, n);
+      const std::lock_guard<std::mutex> held(mu_);  // one call at a time on the layer's workspace
       host_->forward(batches);
       if (add_shared) {
         std::vector<bf16> s;
@@ -242,8 +284,16 @@ class MoeLayer {
       scratch->expect_like(x);
     }
     pb::gil_scoped_release release;
+    const std::lock_guard<std::mutex> held(mu_);  // one call at a time on the layer's workspace
     DeviceGuard device(device_id_);
     const cudaStream_t s = as_stream(stream);
+    std::vector<RankBatch> batches = split(x, idx.ptr<int32_t>(), w.ptr<float>(), y, n);
+    // The workspace is reused by every call: a call on another stream than the last one waits for
+    // that one's work on the GPU (eager calls; a captured graph is ordered by its replays).
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MOEFQ_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
+    const bool eager = capturing == cudaStreamCaptureStatusNone;
+    if (eager && last_stream_.has_value() && *last_stream_ != s) MOEFQ_CUDA_CHECK(cudaStreamWaitEvent(s, done_, 0));
     device_q().forward(batches, s);
     if (add_shared) {
       bf16* sh = scratch->ptr<bf16>();
@@ -253,6 +303,10 @@ class MoeLayer {
         device_q().engine().shared_expert(r, b.x, b.num_tokens, sr, s);
       }
       cuda::launch_assemble_output(y.ptr<bf16>(), sh, y.ptr<bf16>(), n, H, s);
+    }
+    if (eager) {
+      MOEFQ_CUDA_CHECK(cudaEventRecord(done_, s));
+      last_stream_ = s;
     }
 #else
     (void)stream;
@@ -307,6 +361,7 @@ class MoeLayer {
 #ifdef MOEFQ_HAS_CUDA
     if (cuda_) {
       pb::gil_scoped_release release;
+      const std::lock_guard<std::mutex> held(mu_);
       DeviceGuard device(device_id_);
       device_q().synchronize(as_stream(stream));
     }
@@ -315,6 +370,13 @@ class MoeLayer {
   }
 
  private:
+  const MoeQuantizers& quantizers() const { return cuda_ ? device_q().quantizers() : host_->quantizers(); }
+  // The layer's lock, taken with the GIL released: a thread that holds it may be waiting for the
+  // GIL, so no thread may wait for it while holding the GIL. The caller holds the GIL again on return.
+  std::unique_lock<std::mutex> lock() const {
+    pb::gil_scoped_release release;
+    return std::unique_lock<std::mutex>(mu_);
+  }
   // x: [N, H] bf16 on the layer's device, N <= ranks * max_tokens.
   int64_t check_tokens(const Tensor& x, bool limit = true) const {
     x.expect_elem({Elem::kBF16}, "bfloat16 (or uint16 holding bf16 bits)");
@@ -328,13 +390,12 @@ class MoeLayer {
     return n;
   }
   // Rank r's part: tokens [r * per, min(n, (r + 1) * per)), per = ceil(n / R).
-  std::vector<RankBatch> split(const Tensor& x, const Tensor& idx, const Tensor& w, const Tensor& y, int64_t n) const {
+  std::vector<RankBatch> split(const Tensor& x, const int32_t* idx, const float* w, const Tensor& y, int64_t n) const {
     const int64_t H = cfg_.hidden, K = cfg_.top_k, per = (n + ranks_ - 1) / ranks_;
     std::vector<RankBatch> b(static_cast<size_t>(ranks_));
     for (int64_t r = 0; r < ranks_; ++r) {
       const int64_t first = std::min(n, r * per), count = std::min(n, first + per) - first;
-      b[size_t(r)] = {x.ptr<bf16>() + first * H, count, idx.ptr<int32_t>() + first * K, w.ptr<float>() + first * K,
-                      y.ptr<bf16>() + first * H};
+      b[size_t(r)] = {x.ptr<bf16>() + first * H, count, idx + first * K, w + first * K, y.ptr<bf16>() + first * H};
     }
     return b;
   }
@@ -342,6 +403,9 @@ class MoeLayer {
   cuda::CudaFakeQuantMoe& device_q() const { return *device_; }
   std::unique_ptr<cuda::CudaFakeQuantMoe> device_;
   cuda::DeviceBuffer<float> d_gate_, d_bias_;
+  // The end of the last eager forward's work and its stream (under mu_).
+  cudaEvent_t done_ = nullptr;
+  std::optional<cudaStream_t> last_stream_;
 #else
   FakeQuantMoe& device_q() const { throw std::logic_error("no CUDA"); }
 #endif
@@ -350,10 +414,14 @@ class MoeLayer {
   int64_t layer_ = 0, ranks_ = 1, max_tokens_ = 0;
   int threads_ = 0;
   CombineWeighting weighting_ = CombineWeighting::kBefore;
+  Staging staging_ = Staging::kE4m3;
   MoeConfig cfg_;
   std::string source_;
   std::vector<float> gate_, bias_;
   std::unique_ptr<FakeQuantMoe> host_;
+  // Serializes the calls that use or change the engine's workspace and the quantizers: a layer
+  // owns one workspace, so concurrent forwards would mix their tokens.
+  mutable std::mutex mu_;
 };
 
 pb::dict config_dict(const MoeConfig& c) {
@@ -382,17 +450,19 @@ void init_layer(pybind11::module_& m) {
   py::class_<MoeLayer>(m, "MoeLayer")
       .def(py::init([](const std::string& preset, const std::string& config, const std::string& checkpoint,
                        int64_t layer, int64_t ranks, int64_t max_tokens, const std::string& device, int64_t seed,
-                       const std::string& synthetic, int threads, const std::string& combine_weighting) {
+                       const std::string& synthetic, int threads, const std::string& combine_weighting,
+                       const std::string& staging) {
              MOEFQ_CHECK(seed >= 0, "MoeLayer: seed must be >= 0, got ", seed);
              LayerOptions o{preset, config, checkpoint, layer, ranks, max_tokens, device, uint64_t(seed), synthetic,
-                            threads, combine_weighting};
+                            threads, combine_weighting, staging};
              py::gil_scoped_release release;  // weights are generated or loaded meanwhile
              return std::make_unique<MoeLayer>(o);
            }),
            py::arg("preset"), py::arg("config"), py::arg("checkpoint"), py::arg("layer"), py::arg("ranks"),
            py::arg("max_tokens"), py::arg("device"), py::arg("seed"), py::arg("synthetic"), py::arg("threads"),
-           py::arg("combine_weighting"))
+           py::arg("combine_weighting"), py::arg("staging"))
       .def_property_readonly("combine_weighting", &MoeLayer::combine_weighting)
+      .def_property_readonly("staging", &MoeLayer::staging)
       .def_property_readonly("config", [](const MoeLayer& l) { return config_dict(l.config()); })
       .def_property_readonly("source", &MoeLayer::source)
       .def_property_readonly("ranks", &MoeLayer::ranks)
@@ -402,10 +472,7 @@ void init_layer(pybind11::module_& m) {
       .def_property_readonly("device_id", &MoeLayer::device_id)
       .def_property_readonly("has_shared", &MoeLayer::has_shared)
       .def_property_readonly("quantizer_names", &MoeLayer::quantizer_names)
-      .def("quantizer", [](const MoeLayer& l, int which, int64_t rank) {
-             MOEFQ_CHECK(rank >= 0 && rank < l.ranks(), "quantizer: rank ", rank, " is not in [0, ", l.ranks(), ")");
-             return which == 0 ? l.quantizers().dispatch(rank) : l.quantizers().combine(rank);
-           }, py::arg("which"), py::arg("rank"))
+      .def("quantizer", &MoeLayer::quantizer, py::arg("which"), py::arg("rank"))
       .def("configure", &MoeLayer::configure, py::arg("configs"))
       .def("start_calibration", &MoeLayer::start_calibration)
       .def("finish_calibration", &MoeLayer::finish_calibration)

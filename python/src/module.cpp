@@ -4,10 +4,12 @@
 #include <pybind11/pybind11.h>
 
 #include <cmath>
+#include <filesystem>
 #include <stdexcept>
 
 #include "bindings.h"
 #include "moefq/errors.h"
+#include "moefq/fileio.h"
 #ifdef MOEFQ_HAS_CUDA
 #include "cuda/cuda_check.h"
 #include "cuda/host_api.h"
@@ -68,6 +70,9 @@ PYBIND11_MODULE(_moefq, m) {
       if (p) std::rethrow_exception(p);
     } catch (const moefq::Error& e) {
       PyErr_SetString(e.kind() == moefq::ErrorKind::kBadInput ? PyExc_ValueError : PyExc_RuntimeError, e.what());
+    } catch (const std::filesystem::filesystem_error& e) {
+      // A path the caller gave that the system refuses (a link loop, a name too long): bad input.
+      PyErr_SetString(PyExc_ValueError, moefq::filesystem_error_message(e).c_str());
     }
   });
   m.attr("version") = MOEFQ_VERSION;
@@ -85,6 +90,15 @@ PYBIND11_MODULE(_moefq, m) {
         return py::make_tuple(moefq::format_block_size(f), moefq::format_has_global_amax(f));
       },
       py::arg("name"), py::arg("who"), "(block size along the last dimension or 0, whether it has a global amax)");
+  m.def(
+      "check_output_path",
+      [](const std::string& path, const std::string& what) {
+        moefq::check_output_path(path, what);
+        return path;
+      },
+      py::arg("path"), py::arg("what"),
+      "Checks, before any work, that `path` can be written as a file output (not empty, not a directory, "
+      "in a directory that exists and can be written); returns it.");
   moefq::py::init_ops(m);
   moefq::py::init_quantizer(m);
   moefq::py::init_layer(m);

@@ -170,6 +170,17 @@ void init_ops(pybind11::module_& m) {
         py::arg("dynamic"), py::arg("stream"));
   m.def("combine", &combine, py::arg("rows"), py::arg("out"), py::arg("format"), py::arg("amax"),
         py::arg("amax_tensor"), py::arg("shared"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("stream"));
+  // The bytes one row of `cols` elements takes on the wire, scales included (None: bf16), as
+  // `moefq eval` reports them (moefq compare's wire bytes per token).
+  m.def(
+      "wire_bytes_per_row",
+      [](const std::optional<std::string>& format, int64_t cols) {
+        MOEFQ_CHECK(cols >= 0, "wire_bytes_per_row: cols must be >= 0, got ", cols);
+        return wire_bytes_per_row(format ? std::optional<Format>(parse_format_arg(*format, "wire_bytes_per_row: format"))
+                                         : std::nullopt,
+                                  cols);
+      },
+      py::arg("format"), py::arg("cols"));
 }
 
 }  // namespace moefq::py

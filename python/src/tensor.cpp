@@ -2,6 +2,10 @@
 
 #include <Python.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
 #include "moefq/errors.h"
 
 namespace moefq::py {
@@ -62,12 +66,24 @@ void Tensor::take(const DLTensor& t) {
   dtype_ = t.dtype;
   elem_ = classify(t.dtype);
   MOEFQ_CHECK(t.ndim >= 0, what_, ": negative rank");
+  MOEFQ_CHECK(t.ndim == 0 || t.shape != nullptr, what_, ": DLPack tensor of rank ", t.ndim, " without a shape");
   shape_.assign(t.shape, t.shape + t.ndim);
+  // The element count and the byte size, checked here once for every entry point: a product that
+  // overflows would make every size computed from it wrong. A zero extent makes the tensor empty
+  // whatever the others are.
   numel_ = 1;
+  for (int64_t d : shape_) MOEFQ_CHECK(d >= 0, what_, ": negative extent in shape ", shape_str());
+  const bool empty = std::find(shape_.begin(), shape_.end(), int64_t{0}) != shape_.end();
+  const uint64_t elem_bytes = (uint64_t(dtype_.bits) * std::max<uint64_t>(dtype_.lanes, 1) + 7) / 8;
+  uint64_t bytes = elem_bytes;
   for (int64_t d : shape_) {
-    MOEFQ_CHECK(d >= 0, what_, ": negative extent in shape");
-    numel_ *= d;
+    if (empty) break;
+    MOEFQ_CHECK(!__builtin_mul_overflow(numel_, d, &numel_) && !__builtin_mul_overflow(bytes, uint64_t(d), &bytes) &&
+                    bytes <= uint64_t(std::numeric_limits<int64_t>::max()),
+                what_, ": shape ", shape_str(), " of ", describe(dtype_),
+                " overflows: its element count or byte size does not fit in 64 bits");
   }
+  if (empty) numel_ = 0;
   if (t.strides && numel_ > 0) {
     int64_t expected = 1;
     for (int32_t i = t.ndim - 1; i >= 0; --i) {

@@ -71,3 +71,32 @@ def test_refused_cuda_tensor_is_released():
             moefq.qdq(torch.randn(1024, 1024, device="cuda").t(), "fp8", 1.0)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == start
+
+
+@pytest.mark.parametrize("own_streams", [False, True])
+def test_cuda_concurrent_forward_on_one_layer_matches_serial(own_streams):
+    """Threads sharing one CUDA layer (on torch's default stream, or each on a stream of its own):
+    each call gets its serial result; the layer's one workspace is never used by two calls at once."""
+    from test_bindings_hardening_threads import run_in_threads
+
+    L = moefq.MoeLayer("tiny", ranks=4, max_tokens=64, device="cuda")
+    xs = [tokens(200 + i, 64 + 32 * (i % 3)) for i in range(12)]
+    serial = [L.forward(x).clone() for x in xs]
+    torch.cuda.synchronize()
+    errors = []
+
+    def work(k):
+        stream = torch.cuda.Stream() if own_streams else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                for i in range(k, len(xs), 4):
+                    try:
+                        y = L.forward(xs[i])
+                        stream.synchronize()
+                        if same_bits(y, serial[i]) is not None:
+                            errors.append(f"call {i} differs from the serial result")
+                    except Exception as e:  # noqa: BLE001 - any error is a failure, reported below
+                        errors.append(repr(e))
+
+    run_in_threads(work, 4)
+    assert errors == []

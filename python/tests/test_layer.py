@@ -71,6 +71,38 @@ def test_layer_combine_weighting_after_matches_eval(tmp_path):
         moefq.eval(preset="tiny", device="cpu", combine_weighting="later")
 
 
+def test_layer_staging_matches_eval(tmp_path):
+    """staging= (the baseline: e4m3 or bf16 activations into the expert GEMMs) as moefq.eval takes it;
+    the default follows the model (tiny: e4m3; a Qwen3-MoE config: none)."""
+    calib, held_out = tokens(26, RANKS * TOKENS), tokens(27, RANKS * TOKENS)
+    acts = tmp_path / "acts.safetensors"
+    moefq.save_safetensors(acts, {"layers.0": np.concatenate([calib, held_out])})
+    report = moefq.eval(preset="tiny", activations=acts, ranks=RANKS, tokens=TOKENS, calib_batches=1, eval_batches=1,
+                        recipes=["moe_dispatch_fp8"], device="cpu", threads=1, staging="none")
+    assert report["staging"] == "none" and report["baseline"].startswith("bf16 activations")
+    layer = moefq.MoeLayer("tiny", ranks=RANKS, max_tokens=TOKENS, threads=1, staging="none")
+    assert layer.staging == "none"
+    assert moefq.MoeLayer("tiny", ranks=RANKS, max_tokens=TOKENS, threads=1).staging == "e4m3"
+    reference = layer.forward(held_out)
+    staged = moefq.MoeLayer("tiny", ranks=RANKS, max_tokens=TOKENS, threads=1, staging="e4m3").forward(held_out)
+    assert moefq.metrics(staged, reference)["rel_l2"] > 1e-2  # the other baseline
+    layer.configure("moe_dispatch_fp8")
+    dispatch_amax, _ = layer.calibrate([calib])
+    assert dispatch_amax == report["calibration"][0]["dispatch_amax"]
+    m = moefq.metrics(layer.forward(held_out), reference)
+    assert m["rel_l2"] == pytest.approx(report["results"][0]["rel_l2"], rel=1e-9)
+    cfg = tmp_path / "qwen.json"
+    cfg.write_text('{"model_type": "qwen3_moe", "hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 8, '
+                   '"num_experts_per_tok": 2, "norm_topk_prob": true}')
+    assert moefq.MoeLayer(config=cfg, max_tokens=4, threads=1).staging == "none"
+    with pytest.raises(ValueError, match="MoeLayer: staging: unknown staging 'bf16' \\(expected e4m3 or none\\)"):
+        moefq.MoeLayer("tiny", staging="bf16")
+    with pytest.raises(ValueError, match="staging: unknown staging 'fp8'"):
+        moefq.eval(preset="tiny", device="cpu", staging="fp8")
+    with pytest.raises(ValueError, match="staging: unknown staging 'fp8'"):
+        moefq.calibrate(tmp_path / "c.json", preset="tiny", device="cpu", staging="fp8")
+
+
 def test_layer_calibration_file_round_trip(tmp_path):
     layer = moefq.MoeLayer("tiny", ranks=RANKS, max_tokens=TOKENS, threads=1, recipe="moe_combine_nvfp4")
     layer.calibrate([tokens(22, RANKS * TOKENS)])

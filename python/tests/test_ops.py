@@ -78,11 +78,28 @@ def test_qdq_errors():
         moefq.qdq(ro, "fp8", 1.0)
 
 
+def fma32(v, w, acc):
+    """float32 fma(v, w, acc) with one rounding, elementwise: the product is exact in float64, the
+    two-sum s + err is the exact sum, and err decides the one case where rounding s to float32
+    differs from rounding the exact sum (s on a float32 midpoint)."""
+    p = v.astype(np.float64) * np.float64(w)
+    a = acc.astype(np.float64)
+    s = p + a
+    bb = s - p
+    err = (p - (s - bb)) + (a - bb)
+    r = s.astype(np.float32)
+    toward = np.where(s > r.astype(np.float64), np.float32(np.inf), np.float32(-np.inf))
+    n = np.nextafter(r, toward)
+    mid = (r.astype(np.float64) + n.astype(np.float64)) / 2
+    fix = (s == mid) & (err != 0) & ((err > 0) == (n > r))
+    return np.where(fix, n, r).astype(np.float32)
+
+
 def combine_oracle(rows, fmt, amax, shared=None, topk_idx=None, topk_weights=None):
     """The combine rule written out: per token, the active rows QDQ'd (moefq.qdq, checked against
-    the CLI above), each times its router weight when topk_weights is given (a float32 product,
-    rounded on its own), summed in fp32 from +0 in ascending slot order, the shared row added last,
-    one bf16 rounding (numpy's float32 operations round to nearest even, as the engine's do)."""
+    the CLI above), each added as fma(row, weight, acc) with one rounding when topk_weights is
+    given, summed in fp32 from +0 in ascending slot order, the shared row added last, one bf16
+    rounding (numpy's float32 operations round to nearest even, as the engine's do)."""
     K, T, H = rows.shape
     y = np.empty((T, H), dtype=np.uint16)
     for t in range(T):
@@ -94,9 +111,7 @@ def combine_oracle(rows, fmt, amax, shared=None, topk_idx=None, topk_weights=Non
             if fmt is not None:
                 row = moefq.qdq(row, fmt, amax)
             v = from_bf16_bits(row)
-            if topk_weights is not None:
-                v = np.float32(topk_weights[t, k]) * v
-            acc = acc + v
+            acc = fma32(v, topk_weights[t, k], acc) if topk_weights is not None else acc + v
         if shared is not None:
             acc = acc + from_bf16_bits(shared[t])
         y[t] = to_bf16_bits(acc)

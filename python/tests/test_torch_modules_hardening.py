@@ -16,6 +16,7 @@ except ImportError:
     pytest.skip("torch is not installed for this interpreter (Debian: python3-torch)", allow_module_level=True)
 
 import moefq
+import moefq.hf
 import moefq.torch as mt
 
 K, T, H = 3, 5, 64
@@ -132,7 +133,7 @@ class Qwen3MoeSparseMoeBlock(torch.nn.Module):
 
 
 class QuantizedQwen3Moe(torch.nn.Module):
-    """docs/python.md's worked example, as written there."""
+    """The quantizer modules inside MoE code of your own (a block of one Linear per expert, routed by hand)."""
 
     def __init__(self, block, fmt="nvfp4"):
         super().__init__()
@@ -155,7 +156,7 @@ class QuantizedQwen3Moe(torch.nn.Module):
         return self.combine(rows).reshape(shape), logits
 
 
-def test_docs_example_trains():
+def test_hand_written_block_trains():
     torch.manual_seed(4)
     m = QuantizedQwen3Moe(Qwen3MoeSparseMoeBlock(64, 4, 2).bfloat16())
     h = torch.randn(2, 8, 64).bfloat16()
@@ -329,7 +330,7 @@ def test_capture_checks_before_any_work(tmp_path):
 def test_capture_of_a_block_called_with_keywords(tmp_path):
     model, batches = TinyModel(keyword=True), [torch.randint(0, 10, (2, 3))]
     path = tmp_path / "a.safetensors"
-    if mt._HOOKS_SEE_KWARGS:
+    if moefq.hf._HOOKS_SEE_KWARGS:
         assert mt.capture_moe_inputs(model, [1], batches, path) == {1: 6}
     else:
         with pytest.raises(ValueError, match=r"layer 1's MoE block was called without a positional argument "

@@ -14,6 +14,7 @@
 #include "cli/commands.h"
 #include "cli/table.h"
 #include "moefq/dist_env.h"
+#include "moefq/errors.h"
 #include "moefq/fileio.h"
 #include "moefq/qdq.h"
 
@@ -53,6 +54,13 @@ struct BenchCase {
   std::function<int()> action;
 };
 
+// --staging e4m3|none into `staging` (unset: the model's default, weights.h's default_staging).
+void add_staging_option(CLI::App* sub, std::optional<Staging>& staging) {
+  sub->add_option_function<std::string>(
+      "--staging", [&staging](const std::string& v) { staging = staging_from_name(v, "--staging"); },
+      "activations into the expert GEMMs: e4m3 (1x128 scales) or none (bf16); default: as the model is served");
+}
+
 }  // namespace
 
 std::function<int()> add_bench_command(CLI::App& app) {
@@ -67,6 +75,14 @@ std::function<int()> add_bench_command(CLI::App& app) {
   ecpu->add_option("--ranks", eo->ranks, "simulated ranks (default 4)")->check(CLI::Range(1, 64));
   ecpu->add_option("--tokens", eo->tokens, "tokens per rank (default 256)")->check(rows_range());
   ecpu->add_option("--threads", eo->threads, "CPU threads (default: all)")->check(CLI::Range(0, 1024));
+  add_staging_option(ecpu, eo->staging);
+  ecpu->add_option_function<std::string>(
+      "--weights",
+      [eo](const std::string& v) {
+        MOEFQ_CHECK(v == "e4m3" || v == "bf16", "--weights: unknown format '", v, "' (expected e4m3 or bf16)");
+        eo->format = v == "bf16" ? WeightFormat::kBf16 : WeightFormat::kE4m3;
+      },
+      "expert weight format: e4m3 (default, 128x128 block scales) or bf16");
   ecpu->add_option("--reps", eo->reps, "timed calls (default 5)")->check(CLI::Range(1, 1000));
   ecpu->add_option("--json", eo->json, "also write the result as JSON to this file");
   ecpu->footer("Example:\n  moefq bench engine-cpu --preset tiny --ranks 4 --tokens 256");
@@ -83,6 +99,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   ev->add_option("--calib-batches", vo->calib_batches, "calibration batches (default 2)")->check(CLI::Range(1, 1000));
   ev->add_option("--eval-batches", vo->eval_batches, "evaluation batches (default 2)")->check(CLI::Range(1, 1000));
   ev->add_option("--device", vo->device, "auto | cpu | cuda (default auto)");
+  add_staging_option(ev, vo->staging);
   ev->add_option("--json", vo->json, "also write the results as JSON to this file");
   ev->footer("Example:\n  moefq bench eval --preset deepseek-v3 --layers 0-19 --ranks 8 --tokens 256 --json bench_eval.json");
   actions->push_back({ev, &vo->json, [vo] { return bench::run_bench_eval(*vo); }});
@@ -114,6 +131,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   moe->add_option("--configs", mo->configs,
                   "quantizer configurations, any of " + join(bench::moe_bench_configs(), "|") +
                       " (default all); none always runs, first");
+  add_staging_option(moe, mo->staging);
   moe->add_option("--calls", mo->calls_per_graph, "layer calls captured per graph (default 3)")->check(CLI::Range(1, 100));
   moe->add_option("--reps", mo->reps, "timed graph replays; the median is reported (default 7)")->check(CLI::Range(1, 1000));
   moe->add_option("--json", mo->json, "also write the results as JSON to this file");

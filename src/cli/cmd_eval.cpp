@@ -31,7 +31,7 @@ namespace fs = std::filesystem;
 struct EvalCliOptions {
   EvalOptions eval;
   std::string layers, device = "auto", out, save, synthetic = "model", pipeline = "device", combine_weighting;
-  std::string calibration;
+  std::string staging, calibration;
   int64_t seed = 1;  // parsed signed so that a negative seed is an error, not a wrapped value
   double max_rel_l2 = 0;
   bool wide = false;  // eval: every column of the rows in the terminal table
@@ -71,6 +71,10 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
   sub->add_option("--combine-weighting", o.combine_weighting,
                   "where the layer applies the router weight: before (default: the combine rows are weighted) or "
                   "after (the combine weights the unweighted rows, after their QDQ); default: the recipes' own");
+  sub->add_option("--staging", o.staging,
+                  "the activations into the expert GEMMs, i.e. the baseline: e4m3 (1x128 scales, the FP8 Mega-MoE "
+                  "engine) or none (bf16, as a bf16 model is served); default: as the model is served (e4m3 for "
+                  "e4m3 checkpoints and DeepSeek-V3/V4, Kimi; none for bf16 checkpoints, Qwen3, Mixtral, OLMoE, GLM)");
   sub->add_option("--pipeline", o.pipeline,
                   "with a GPU: device (default: the layer stays on the GPU) or host (the CUDA engine behind host "
                   "tensors, the earlier path, kept to compare with)");
@@ -90,6 +94,7 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
     o.eval.calibration = parse_calibration_methods(o.calibration, "--calibration");
   if (sub->get_option("--combine-weighting")->count() > 0)
     o.eval.combine_weighting = combine_weighting_option(o.combine_weighting, "--combine-weighting");
+  if (sub->get_option("--staging")->count() > 0) o.eval.staging = staging_from_name(o.staging, "--staging");
 #ifdef MOEFQ_HAS_CUDA
   // The GPU runner and its memory query, for a CPU run too: the plan of a refused CPU run asks the
   // GPU's free memory (only then) to say whether --device cuda would fit.
@@ -111,7 +116,7 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
     o.eval.backend_kind = "mega_moe";
     o.eval.device_name = cpu_device_name(o.eval.num_threads);
   }
-  o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
+  o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", terminal_safe(line).c_str()); };
 }
 
 // The inputs an output must not replace: the files named on the command line and every file of
@@ -146,11 +151,12 @@ std::string layer_list(const std::vector<int64_t>& layers) {
 void print_header(const char* tool, const EvalSetup& s) {
   const std::string evals = s.eval_batches > 0 ? " + " + std::to_string(s.eval_batches) + " evaluation" : "";
   std::printf("%s: %s, %s %s, %lld ranks x %lld tokens, %d calibration%s batches, seed %llu\n", tool,
-              s.model_source.c_str(), s.layers.size() == 1 ? "layer" : "layers", layer_list(s.layers).c_str(),
+              terminal_safe(s.model_source).c_str(), s.layers.size() == 1 ? "layer" : "layers", layer_list(s.layers).c_str(),
               (long long)s.ranks, (long long)s.tokens, s.calib_batches, evals.c_str(), (unsigned long long)s.seed);
   std::printf("weights: %s\nactivations: %s\ndevice: %s; router weight applied %s the combine\n",
-              s.weights_source.c_str(), s.activations_source.c_str(), s.device.c_str(),
+              terminal_safe(s.weights_source).c_str(), terminal_safe(s.activations_source).c_str(), s.device.c_str(),
               combine_weighting_name(s.combine_weighting));
+  std::printf("baseline: staging %s, %s\n", staging_name(s.staging), staging_baseline(s.staging));
   if (s.link.enabled())
     std::printf("link: %s, %lld ranks x %lld tokens per batch (transfer times: docs/eval.md)\n",
                 s.link.describe().c_str(), (long long)s.ranks, (long long)s.tokens);
@@ -168,10 +174,10 @@ int run_eval_command(EvalCliOptions& o, const CLI::App* sub) {
     std::fprintf(stderr, "moefq eval: wrote %s/report.json, report.csv, report.html\n", o.out.c_str());
   }
   print_header("moefq eval", r.setup);
-  std::printf("calibration: %s\n\n", r.calibration.source.c_str());
+  std::printf("calibration: %s\n\n", terminal_safe(r.calibration.source).c_str());
   for (const std::string& line : eval_table_lines(r, o.wide)) std::printf("%s\n", line.c_str());
   for (const std::string& line : eval_footer_lines(r, o.wide)) std::printf("%s\n", line.c_str());
-  for (const std::string& w : r.warnings) std::fprintf(stderr, "moefq eval: warning: %s\n", w.c_str());
+  for (const std::string& w : r.warnings) std::fprintf(stderr, "moefq eval: warning: %s\n", terminal_safe(w, true).c_str());
   finish_stdout();
   return 0;
 }
@@ -219,6 +225,10 @@ std::function<int()> add_eval_command(CLI::App& app) {
   sub->add_option("--recipe", o->eval.recipes,
                   "a recipe file or unit name (repeatable), or none (the unquantized layer); replaces the default "
                   "sweep (none + fp8, nvfp4, mxfp8, mxfp4 for dispatch, combine and both)");
+  sub->add_option("--sweep", o->eval.sweep,
+                  "without --recipe, which recipes run: default (the 13 above) or peers (none + each expert-parallel "
+                  "system's dispatch and combine as it computes them, with its router-weight placement: DeepEP, "
+                  "DeepGEMM and its SGLang fork, MoRI, vLLM; recipes/configs/ptq/presets/peers)");
   sub->add_option("--link", o->eval.link,
                   "turn the wire bytes into dispatch/combine transfer time per batch on this link: " + link_choices() +
                       " (bandwidths and latencies in docs/eval.md)");
@@ -246,7 +256,10 @@ std::function<int()> add_eval_command(CLI::App& app) {
       "             --recipe moe_combine_nvfp4 --recipe my_recipe.yaml --device cuda --out report\n"
       "  moefq calibrate --save calib.json && moefq eval --load-calibration calib.json\n"
       "  moefq eval --preset deepseek-v3 --ranks 8 --device cuda --max-rel-l2 0.05\n"
+      "  moefq eval --sweep peers --out report                 # every peer's wire formats side by side\n"
       "  moefq eval --calibration max,percentile:99.99,mse --link ib400\n"
+      "Formats (a recipe's num_bits): " + format_choices() + " (docs/numerics.md; the peers' formats "
+      "after logfmt10).\n"
       "Exit status: 0 success, 1 a failed check (a layout mismatch), 2 bad input (nothing is written then).");
   return [sub, o]() { return sub->parsed() ? run_eval_command(*o, sub) : 0; };
 }

@@ -2,6 +2,7 @@
 // the error metrics of each.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -67,9 +68,11 @@ void check_memory(uint64_t need, const std::string& what, const std::string& adv
               " of memory, but ", format_bytes(avail.value_or(0)), " is available; ", advice);
 }
 
-// [rows, cols] view of a tensor of any rank: blocks run along the last dimension.
+// [rows, cols] view of a tensor of any rank: blocks run along the last dimension. An empty tensor
+// is [0, cols] whatever its other dimensions (their product may not even fit in 64 bits).
 std::pair<int64_t, int64_t> as_matrix(const std::vector<int64_t>& shape) {
   if (shape.empty()) return {1, 1};
+  if (std::find(shape.begin(), shape.end(), int64_t{0}) != shape.end()) return {0, shape.back()};
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
   return {rows, shape.back()};
@@ -80,6 +83,7 @@ template <typename T>
 float qdq_tensor(Format f, const std::vector<T>& x, std::vector<T>& y, int64_t rows, int64_t cols,
                  std::optional<float> amax, bool cuda) {
   y.resize(x.size());
+  if (x.empty()) return amax.value_or(0.0f);  // nothing to do, however many rows or columns it has
   const DType dt = sizeof(T) == 2 ? DType::kBF16 : DType::kF32;
 #ifdef MOEFQ_HAS_CUDA
   if (cuda) return cuda::qdq_host_tensor(f, dt, x.data(), y.data(), rows, cols, amax);
@@ -139,8 +143,8 @@ void print_results(const std::vector<Result>& results) {
 
 nlohmann::json json_number(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(fmt_num(v)); }
 
-void write_report(const std::string& path, const QdqOptions& o, const std::string& device,
-                  const std::vector<Result>& results) {
+// The report's JSON text.
+std::string report_json(const QdqOptions& o, const std::string& device, const std::vector<Result>& results) {
   nlohmann::json j;
   j["tool"] = "moefq qdq";
   j["version"] = MOEFQ_VERSION;
@@ -155,7 +159,7 @@ void write_report(const std::string& path, const QdqOptions& o, const std::strin
                             {"skipped_nonfinite", r.m.skipped_nonfinite},
                             {"wire_bytes_per_row", json_number(r.wire_bytes_per_row)},
                             {"cast_fraction", r.cast_fraction ? json_number(*r.cast_fraction) : nlohmann::json()}});
-  write_file_atomic(path, j.dump(2) + "\n");
+  return j.dump(2) + "\n";
 }
 
 template <typename T>
@@ -262,11 +266,12 @@ int run_qdq(const QdqOptions& o, const CLI::App* sub) {
       if (!selected || !floating) {
         if (selected)
           std::fprintf(stderr, "note: %s has dtype %s; copied unchanged (only BF16 and F32 are quantized)\n",
-                       t.name.c_str(), st_dtype_name(t.dtype));
+                       terminal_safe(t.name).c_str(), st_dtype_name(t.dtype));
         writer.add(t.name, t.dtype, t.shape, file.read(t));
         continue;
       }
-      std::fprintf(stderr, "[%zu/%zu] %s %s %s%s\n", i + 1, tensors.size(), t.name.c_str(), st_dtype_name(t.dtype),
+      std::fprintf(stderr, "[%zu/%zu] %s %s %s%s\n", i + 1, tensors.size(), terminal_safe(t.name).c_str(),
+                   st_dtype_name(t.dtype),
                    shape_cell(t.shape).c_str(), elapsed_and_eta(start, double(before), double(data)).c_str());
       if (t.dtype == StDtype::kBF16) {
         const auto x = read_elements<bf16>(file, t);
@@ -281,15 +286,25 @@ int run_qdq(const QdqOptions& o, const CLI::App* sub) {
       }
     }
   }
-  // The files first: a reader that closes stdout early (`| head`) loses only the table.
+  // The files first: a reader that closes stdout early (`| head`) loses only the table. Both are
+  // written and synced before either is published, so that a failure of one (a full disk) leaves
+  // neither replaced.
+  std::optional<AtomicFile> out_file, report_file;
   if (!o.out.empty()) {
-    writer.write(o.out);
-    std::fprintf(stderr, "wrote %s\n", o.out.c_str());
+    out_file.emplace(o.out);
+    writer.write_to(*out_file);
   }
   if (!o.report.empty()) {
-    write_report(o.report, o, device, results);
-    std::fprintf(stderr, "wrote %s\n", o.report.c_str());
+    const std::string text = report_json(o, device, results);
+    report_file.emplace(o.report);
+    report_file->write(text.data(), text.size());
+    report_file->finish();
   }
+  for (std::optional<AtomicFile>* f : {&out_file, &report_file})
+    if (f->has_value()) {
+      (*f)->publish();
+      std::fprintf(stderr, "wrote %s\n", terminal_safe((*f)->path()).c_str());
+    }
   print_results(results);
   finish_stdout();
   return 0;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "moefq/errors.h"
+#include "moefq/fileio.h"
 #ifdef MOEFQ_HAS_CUDA
 #include "cuda/host_api.h"
 #endif
@@ -175,7 +176,7 @@ int run(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "moefq: error: %s\n", e.what());
+    std::fprintf(stderr, "moefq: error: %s\n", terminal_safe(e.what(), true).c_str());
     std::fprintf(stderr, "Run 'moefq --help' or 'moefq COMMAND --help' for usage.\n");
     return 2;
   }

@@ -1,8 +1,9 @@
 // moefq command-line entry: dispatches subcommands, maps errors to exit codes
-// (0 success, 1 a failed check, 2 bad input, 3 a bug) and removes temporary files on SIGINT,
-// SIGTERM and SIGHUP; SIGPIPE ends nothing (docs/cli.md).
+// (0 success, 1 a failed check, 2 bad input, 3 a bug) and removes temporary files on the
+// terminating signals; SIGPIPE and SIGXFSZ end nothing (docs/cli.md).
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <new>
 #include <string>
 
@@ -26,8 +27,19 @@ int main(int argc, char** argv) {
   try {
     return moefq::cli::run(argc, argv);
   } catch (const moefq::Error& e) {
-    std::fprintf(stderr, "moefq: error: %s\n", e.what());
+    if (e.kind() == moefq::ErrorKind::kInternal) {
+      std::fprintf(stderr, "moefq: internal error: %s\n", moefq::terminal_safe(e.what(), true).c_str());
+      return 3;
+    }
+    // Messages quote names from files and arguments: printed, they must not drive the terminal.
+    std::fprintf(stderr, "moefq: error: %s\n", moefq::terminal_safe(e.what(), true).c_str());
     return e.kind() == moefq::ErrorKind::kFailedCheck ? 1 : 2;
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A path the user gave that the system refuses (a symbolic link loop, a name too long, no
+    // permission): bad input naming the path, not a bug.
+    std::fprintf(stderr, "moefq: error: %s\n",
+                 moefq::terminal_safe(moefq::filesystem_error_message(e)).c_str());
+    return 2;
   } catch (const std::bad_alloc&) {
     // A size the command accepted but this machine cannot hold: bad input for this machine, not a bug.
     std::fprintf(stderr,
@@ -37,7 +49,7 @@ int main(int argc, char** argv) {
                  command_of(argc, argv).c_str());
     return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "moefq: internal error: %s\n", e.what());
+    std::fprintf(stderr, "moefq: internal error: %s\n", moefq::terminal_safe(e.what(), true).c_str());
     return 3;
   }
 }

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "moefq/fileio.h"
+
 namespace moefq::cli {
 
 namespace {
@@ -15,6 +17,11 @@ bool numeric(const std::string& s) {
 }
 
 }  // namespace
+
+void Table::add(std::vector<std::string> row) {
+  for (std::string& cell : row) cell = terminal_safe(cell);
+  rows_.push_back(std::move(row));
+}
 
 std::vector<std::string> Table::lines() const {
   std::vector<size_t> width;

@@ -13,7 +13,8 @@ class Table {
  public:
   // gap: the spaces between two columns.
   explicit Table(std::vector<std::string> header, int gap = 2) : rows_{std::move(header)}, gap_(gap) {}
-  void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  // A row; its cells are printed escaped (terminal_safe): names from files cannot drive the terminal.
+  void add(std::vector<std::string> row);
   // The header, its rule and the rows, without trailing spaces or newlines.
   std::vector<std::string> lines() const;
   void print(std::FILE* out = stdout) const;

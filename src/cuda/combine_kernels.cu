@@ -76,11 +76,11 @@ __device__ __forceinline__ void add_routed(R& rule, int4 raw, float weight, floa
   if constexpr (kCheck && !std::is_same_v<R, NoQdq>) {
     unpack(w, v);
 #pragma unroll
-    for (int i = 0; i < kChunkElems; ++i) plain[i] = add_rn(plain[i], weighted<kWeighted>(weight, v[i]));
+    for (int i = 0; i < kChunkElems; ++i) plain[i] = accumulate<kWeighted>(plain[i], weight, v[i]);
   }
   rule.template combine_chunk<kLanes>(w, v);
 #pragma unroll
-  for (int i = 0; i < kChunkElems; ++i) acc[i] = add_rn(acc[i], weighted<kWeighted>(weight, v[i]));
+  for (int i = 0; i < kChunkElems; ++i) acc[i] = accumulate<kWeighted>(acc[i], weight, v[i]);
 }
 
 // Rules that QDQ two routed rows' chunks at once (Rule<kNvfp4>::combine_chunk_pair).
@@ -101,12 +101,12 @@ __device__ __forceinline__ void add_routed_pair(const R& rule, int4 raw_a, int4 
     unpack(wb, vb);
 #pragma unroll
     for (int i = 0; i < kChunkElems; ++i)
-      plain[i] = add_rn(add_rn(plain[i], weighted<kWeighted>(weight_a, va[i])), weighted<kWeighted>(weight_b, vb[i]));
+      plain[i] = accumulate<kWeighted>(accumulate<kWeighted>(plain[i], weight_a, va[i]), weight_b, vb[i]);
   }
   rule.combine_chunk_pair(wa, wb, va, vb);
 #pragma unroll
   for (int i = 0; i < kChunkElems; ++i)
-    acc[i] = add_rn(add_rn(acc[i], weighted<kWeighted>(weight_a, va[i])), weighted<kWeighted>(weight_b, vb[i]));
+    acc[i] = accumulate<kWeighted>(accumulate<kWeighted>(acc[i], weight_a, va[i]), weight_b, vb[i]);
 }
 
 // Rules that take a whole batch of slots at once (Rule<kLogfmt10>::combine_batch).
@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
     int4 shared_raw = make_int4(0, 0, 0, 0);
     if (p.fused) shared_raw = load_row_chunk(p.shared + row_offset);
 
-    // docs/engine.md's order: fp32 from +0, active routed slots ascending, then the shared slot; no fma.
+    // docs/engine.md's order: fp32 from +0, active routed slots ascending, then the shared slot (weighted
+    // rows as one fma each, unweighted ones as adds).
     // Slots are visited by index in batches (no compaction): a slot costs a pointer add and one
     // uniform branch, an active one its load as well.
     float acc[kChunkElems] = {}, plain[kChunkElems] = {};
@@ -352,6 +353,13 @@ void launch_combine_qdq(const CombineRows& rows, bool quantize, Format f, const 
     case Format::kFp8Block128: return launch_rule<Rule<Format::kFp8Block128>>(p, n, with_check, stream);
     case Format::kFp8Block128Ue8m0: return launch_rule<Rule<Format::kFp8Block128Ue8m0>>(p, n, with_check, stream);
     case Format::kLogfmt10: return launch_rule<Rule<Format::kLogfmt10>>(p, n, with_check, stream);
+    case Format::kFp8Cast: return launch_rule<Rule<Format::kFp8Cast>>(p, n, with_check, stream);
+    case Format::kFp8CastNan: return launch_rule<Rule<Format::kFp8CastNan>>(p, n, with_check, stream);
+    case Format::kFp8Block128Ue8m0NoFloor: return launch_rule<Rule<Format::kFp8Block128Ue8m0NoFloor>>(p, n, with_check, stream);
+    case Format::kFp8Block128Mori: return launch_rule<Rule<Format::kFp8Block128Mori>>(p, n, with_check, stream);
+    case Format::kFp4Block128Mori: return launch_rule<Rule<Format::kFp4Block128Mori>>(p, n, with_check, stream);
+    case Format::kFp8Block128DeepGemm: return launch_rule<Rule<Format::kFp8Block128DeepGemm>>(p, n, with_check, stream);
+    case Format::kFp8Block128Vllm: return launch_rule<Rule<Format::kFp8Block128Vllm>>(p, n, with_check, stream);
   }
   MOEFQ_FAIL(ErrorKind::kInternal, kWho, ": unknown format");
 }

@@ -29,8 +29,8 @@ struct CombineRows {
   // the rows and the shared expert's output in separate tensors (the Python binding) set it.
   const bf16* shared = nullptr;
   // combine_weighting after: device [num_tokens, K] fp32 router weights (the rank's topk_weights
-  // region); each routed row is multiplied by its weight, fp32(w * x), before it is added (two
-  // roundings, never an fma). null: combine_weighting before (the rows are already weighted).
+  // region); each routed row x is added as acc = fma(x, w, acc) (one rounding, numerics.h
+  // weighted_add). null: combine_weighting before (the rows are already weighted).
   const float* topk_weights = nullptr;
 };
 

@@ -139,27 +139,28 @@ __global__ void plan_kernel(const RankPtrs* ranks, Offsets off, TokenCounts tc, 
 
 constexpr int kPullRun = 16;  // 16-byte chunks per lane per pass: rows up to 8192 bytes in one pass
 
-// Pulls each listed row (e4m3 bytes and scales) from its token rank's staged copy into the expert
-// rank's pool, with the row's router weight (1.0 when weight_rows is false: combine_weighting
+// Pulls each listed row (e4m3 bytes and scales, or bf16 with staging none: row_bytes = 2H and no
+// scales) from its token rank's staged copy into the expert rank's pool, with the row's router weight (1.0 when weight_rows is false: combine_weighting
 // after, the combine weights the row instead; times 1.0 is exact) and destination combine row (in
 // the token rank's buffer: for a real peer, a pointer into its memory, so the down GEMM's stores
 // go over NVLink). Grid: (E/R, n, splits), one warp per row.
 __global__ void __launch_bounds__(kThreads) pull_kernel(const RankPtrs* ranks, Offsets off, int R, int T, int K,
-                                                        int el, int H, int first_rank, bool weight_rows) {
+                                                        int el, int H, int row_bytes, bool scaled, int first_rank,
+                                                        bool weight_rows) {
   pdl_enter();
   const int le = blockIdx.x, d = first_rank + int(blockIdx.y);
   const RankPtrs me = ranks[d];
   const int n = me.counts[le], first = me.offsets[le];
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int32_t* list = reinterpret_cast<const int32_t*>(me.buf + off.expert_lists) + int64_t(le) * R * T;
-  const int hb = H / int(kB), chunks = H / 16;
+  const int hb = scaled ? H / int(kB) : 0, chunks = row_bytes / 16;
   for (int i = blockIdx.z * warps + (threadIdx.x >> 5); i < n; i += gridDim.z * warps) {
     const int32_t entry = list[i];
     const int src = entry / (T * K), t = entry / K % T, k = entry % K;
     const uint8_t* sbuf = ranks[src].buf;
     const int64_t row = int64_t(first) + i;
-    const int4* sx = reinterpret_cast<const int4*>(sbuf + off.staged_x + int64_t(t) * H);
-    int4* dx = reinterpret_cast<int4*>(me.buf + off.pool_x + row * H);
+    const int4* sx = reinterpret_cast<const int4*>(sbuf + off.staged_x + int64_t(t) * row_bytes);
+    int4* dx = reinterpret_cast<int4*>(me.buf + off.pool_x + row * row_bytes);
     const float* ss = reinterpret_cast<const float*>(sbuf + off.staged_scales) + int64_t(t) * hb;
     float* ds = reinterpret_cast<float*>(me.buf + off.pool_x_scales) + row * hb;
     // A lane issues all its loads of a pass before its stores: a load that follows a store
@@ -273,7 +274,8 @@ struct CudaEngine::RankState {
   DeviceBuffer<bf16*> row_out;            // [pool_rows]
   DeviceBuffer<float> ones;               // [T]: the shared expert's weight
   DeviceBuffer<bf16*> shared_out;         // [T]: slot K's combine rows
-  // shared_expert() on its own: staged x, its h, its output rows and counts.
+  // shared_expert() on its own: staged x, its h (e4m3 with scales, or bf16 and no scales with
+  // staging none), its output rows and counts.
   DeviceBuffer<uint8_t> solo_x8, solo_h8;
   DeviceBuffer<float> solo_xs, solo_hs;
   DeviceBuffer<bf16*> solo_out;
@@ -288,11 +290,11 @@ struct ExpertPass {
   const int32_t* counts;
   const int32_t* offsets;
   int num_groups;
-  const uint8_t* a;  // staged input rows, stride H
-  const float* a_scale;
+  const uint8_t* a;  // staged input rows, stride H elements (e4m3, or bf16 with staging none)
+  const float* a_scale;  // null with staging none
   const float* row_weight;
-  uint8_t* h8;  // re-staged h, stride ldh
-  float* h_scale;
+  uint8_t* h8;  // h (re-staged e4m3, or bf16), stride ldh elements
+  float* h_scale;  // null with staging none
   int64_t ldh;
   bf16* const* row_out;
   int64_t rows_bound;
@@ -301,9 +303,10 @@ struct ExpertPass {
 
 // The shape and operands of one grouped GEMM of the pass: rows of `a` (stride lda bytes, 1x128
 // scales) times every group's weights, stored contiguously (group g at g * n * k elements).
-GroupedGemmArgs gemm_args(const ExpertPass& p, WeightFormat f, int64_t n, int64_t k, const uint8_t* a, int64_t lda,
-                          const float* a_scale, const void* weights, const float* scales) {
+GroupedGemmArgs gemm_args(const ExpertPass& p, Staging st, WeightFormat f, int64_t n, int64_t k, const uint8_t* a,
+                          int64_t lda, const float* a_scale, const void* weights, const float* scales) {
   GroupedGemmArgs g;
+  g.a_format = st == Staging::kNone ? WeightFormat::kBf16 : WeightFormat::kE4m3;
   g.num_groups = p.num_groups;
   g.max_total_rows = p.rows_bound;
   g.n = n;
@@ -322,23 +325,27 @@ GroupedGemmArgs gemm_args(const ExpertPass& p, WeightFormat f, int64_t n, int64_
 }
 
 // pdl: the stream's previous operation is a kernel (cuda/pdl.cuh); so is each GEMM for the next.
-void run_pass(const ExpertPass& p, int64_t H, std::optional<float> clamp, WeightFormat f, cudaStream_t stream,
-              bool pdl) {
+void run_pass(const ExpertPass& p, int64_t H, std::optional<float> clamp, WeightFormat f, Staging st,
+              cudaStream_t stream, bool pdl) {
   const int64_t I = p.set->inter;
   SwigluEpilogue e1;
   e1.row_weight = p.row_weight;
   e1.has_clamp = clamp.has_value();
   e1.clamp = clamp.value_or(0.0f);
-  e1.h8 = p.h8;
+  if (st == Staging::kNone)
+    e1.h16 = reinterpret_cast<bf16*>(p.h8);
+  else
+    e1.h8 = p.h8;
   e1.ldh = p.ldh;
   e1.h_scale = p.h_scale;
   e1.ldh_scale = p.ldh / kB;
-  GroupedGemmArgs g1 = gemm_args(p, f, 2 * I, H, p.a, H, p.a_scale, p.set->gate_up.get(), p.set->gate_up_scale.get());
+  GroupedGemmArgs g1 =
+      gemm_args(p, st, f, 2 * I, H, p.a, H, p.a_scale, p.set->gate_up.get(), p.set->gate_up_scale.get());
   g1.pdl = pdl;
   launch_gemm_swiglu(g1, e1, stream);
   StoreEpilogue e2;
   e2.row_out = p.row_out;
-  GroupedGemmArgs g2 = gemm_args(p, f, H, I, p.h8, p.ldh, p.h_scale, p.set->down.get(), p.set->down_scale.get());
+  GroupedGemmArgs g2 = gemm_args(p, st, f, H, I, p.h8, p.ldh, p.h_scale, p.set->down.get(), p.set->down_scale.get());
   g2.pdl = pdl;
   launch_gemm_store(g2, e2, stream);
 }
@@ -425,10 +432,11 @@ void CudaEngine::init(std::span<const LayerWeights> w, const WeightFill* fill) {
       out[size_t(t)] = sh.fused_shared_slots() ? reinterpret_cast<bf16*>(rs->buf + layout_.combine_row_offset(cfg_.top_k, t)) : nullptr;
     rs->shared_out = DeviceBuffer<bf16*>(out);
     if (cfg_.num_shared > 0 && !sh.fused_shared_slots()) {
-      rs->solo_x8 = DeviceBuffer<uint8_t>(size_t(T * H));
-      rs->solo_xs = DeviceBuffer<float>(size_t(T * (H / kB)));
-      rs->solo_h8 = DeviceBuffer<uint8_t>(size_t(T * Is));
-      rs->solo_hs = DeviceBuffer<float>(size_t(T * (Is / kB)));
+      const bool scaled = sh.staging == Staging::kE4m3;
+      rs->solo_x8 = DeviceBuffer<uint8_t>(size_t(T * H * sh.staged_elem_bytes()));
+      rs->solo_xs = DeviceBuffer<float>(scaled ? size_t(T * (H / kB)) : 0);
+      rs->solo_h8 = DeviceBuffer<uint8_t>(size_t(T * Is * sh.staged_elem_bytes()));
+      rs->solo_hs = DeviceBuffer<float>(scaled ? size_t(T * (Is / kB)) : 0);
       rs->solo_out = DeviceBuffer<bf16*>(size_t(T));
       rs->solo_count = DeviceBuffer<int32_t>(std::vector<int32_t>{0, 0});
     }
@@ -464,6 +472,8 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
   const int64_t R = sh.num_ranks, T = sh.max_tokens, K = sh.top_k, H = sh.hidden, el = sh.local_experts();
   const int64_t P = sh.pool_rows(), imax = std::max(sh.intermediate, sh.shared_intermediate);
   const int64_t nl = num_local_ranks(), r0 = first_rank_;
+  const Staging st = sh.staging;
+  const bool scaled = st == Staging::kE4m3;
   MOEFQ_CHECK(int64_t(batches.size()) == nl, "forward: ", batches.size(), " batches for ", nl, " ranks");
   check_skip_flags(skip_combine, nl, "forward");  // before any work is enqueued (combine() checks again)
   TokenCounts tc{};
@@ -487,7 +497,8 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
                     layout_.rank_state.offset};
   const auto* rp = reinterpret_cast<const RankPtrs*>(rank_ptrs_.get());
 
-  // Token side: stage x, publish topk (and, real ranks, the token count) in the rank's own buffer.
+  // Token side: stage x (staging none: a copy of the bf16 rows), publish topk (and, real ranks, the
+  // token count) in the rank's own buffer.
   for (int64_t i = 0; i < nl; ++i) {
     const DeviceBatch& b = batches[size_t(i)];
     uint8_t* buf = ranks_[size_t(i)]->buf;
@@ -496,7 +507,11 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
       MOEFQ_CUDA_CHECK_LAUNCH();
     }
     if (b.num_tokens == 0) continue;
-    launch_stage_e4m3(b.x, buf + off.staged_x, reinterpret_cast<float*>(buf + off.staged_scales), b.num_tokens, H, stream);
+    if (scaled)
+      launch_stage_e4m3(b.x, buf + off.staged_x, reinterpret_cast<float*>(buf + off.staged_scales), b.num_tokens, H, stream);
+    else
+      MOEFQ_CUDA_CHECK(cudaMemcpyAsync(buf + off.staged_x, b.x, size_t(b.num_tokens * H) * 2, cudaMemcpyDeviceToDevice,
+                                       stream));
     MOEFQ_CUDA_CHECK(cudaMemcpyAsync(buf + off.topk_idx, b.topk_idx, size_t(b.num_tokens * K) * 4, cudaMemcpyDeviceToDevice, stream));
     MOEFQ_CUDA_CHECK(cudaMemcpyAsync(buf + off.topk_weights, b.topk_weights, size_t(b.num_tokens * K) * 4,
                                      cudaMemcpyDeviceToDevice, stream));
@@ -513,7 +528,8 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
   static const int sms = sm_count();
   const unsigned splits = unsigned(std::clamp<int64_t>((2 * sms + nl * el - 1) / (nl * el), 1, 64));
   launch_chained(pull_kernel, dim3(unsigned(el), unsigned(nl), splits), dim3(kThreads), 0, stream, pdl, rp, off, int(R),
-                 int(T), int(K), int(el), int(H), int(r0), weighting_ == CombineWeighting::kBefore);
+                 int(T), int(K), int(el), int(H), int(H * sh.staged_elem_bytes()), scaled, int(r0),
+                 weighting_ == CombineWeighting::kBefore);
 
   // Expert side of each rank: the routed experts over its pool, the fused shared expert over its
   // own staged tokens (intermediates after the pool, rows into slot K).
@@ -522,16 +538,18 @@ void CudaEngine::forward(std::span<const DeviceBatch> batches, cudaStream_t stre
     const int64_t n = batches[size_t(i)].num_tokens;
     uint8_t* buf = rs.buf;
     auto* h8 = buf + layout_.pool_h.offset;
-    auto* hs = reinterpret_cast<float*>(buf + layout_.pool_h_scales.offset);
-    run_pass({&rs.routed, rs.counts.get(), rs.offsets.get(), int(el), buf + off.pool_x,
-              reinterpret_cast<const float*>(buf + off.pool_x_scales), rs.row_weight.get(), h8, hs, imax,
-              rs.row_out.get(), routed_rows, P},
-             H, cfg_.swiglu_clamp, sh.weight_format, stream, pdl);
+    const int64_t hrow = imax * sh.staged_elem_bytes();  // bytes of a pool_h row
+    // Scales where the staging has them (none: null, the GEMMs read none).
+    auto* hs = scaled ? reinterpret_cast<float*>(buf + layout_.pool_h_scales.offset) : nullptr;
+    const auto* xs = scaled ? reinterpret_cast<const float*>(buf + off.pool_x_scales) : nullptr;
+    const auto* ss = scaled ? reinterpret_cast<const float*>(buf + off.staged_scales) : nullptr;
+    run_pass({&rs.routed, rs.counts.get(), rs.offsets.get(), int(el), buf + off.pool_x, xs, rs.row_weight.get(), h8, hs,
+              imax, rs.row_out.get(), routed_rows, P},
+             H, cfg_.swiglu_clamp, sh.weight_format, st, stream, pdl);
     if (fused_shared() && n > 0)
-      run_pass({&rs.shared, rs.counts.get() + el, rs.offsets.get() + el, 1, buf + off.staged_x,
-                reinterpret_cast<const float*>(buf + off.staged_scales), rs.ones.get(), h8 + P * imax,
-                hs + P * (imax / kB), imax, rs.shared_out.get(), n, T},
-               H, cfg_.swiglu_clamp, sh.weight_format, stream, pdl);
+      run_pass({&rs.shared, rs.counts.get() + el, rs.offsets.get() + el, 1, buf + off.staged_x, ss, rs.ones.get(),
+                h8 + P * hrow, scaled ? hs + P * (imax / kB) : nullptr, imax, rs.shared_out.get(), n, T},
+               H, cfg_.swiglu_clamp, sh.weight_format, st, stream, pdl);
   }
   // Every expert rank's rows are in this rank's combine region before the combine reads them, and
   // no peer still pulls from the staged tokens that the next call overwrites.
@@ -580,14 +598,23 @@ void CudaEngine::shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y, 
   if (n == 0) return;
   RankState& rs = *ranks_[size_t(rank - first_rank_)];
   const int64_t H = cfg_.hidden, Is = rs.shared.inter;
-  launch_stage_e4m3(x, rs.solo_x8.get(), rs.solo_xs.get(), n, H, stream);
-  const bool pdl = pdl_enabled();  // each of the kernels below follows a kernel
-  launch_chained(row_pointers_kernel, dim3(unsigned((n + 255) / 256)), dim3(256), 0, stream, pdl, y, n, H,
+  const Staging st = layout_.shape().staging;
+  const bool scaled = st == Staging::kE4m3;
+  // Staging none: a copy of the bf16 x (the GEMM's 16-byte loads need an aligned base, which a
+  // caller's view need not have).
+  if (scaled)
+    launch_stage_e4m3(x, rs.solo_x8.get(), rs.solo_xs.get(), n, H, stream);
+  else
+    MOEFQ_CUDA_CHECK(cudaMemcpyAsync(rs.solo_x8.get(), x, size_t(n * H) * 2, cudaMemcpyDeviceToDevice, stream));
+  const uint8_t* a = rs.solo_x8.get();
+  const bool pdl = pdl_enabled();  // each of the kernels below follows a kernel (the first: the staging's)
+  launch_chained(row_pointers_kernel, dim3(unsigned((n + 255) / 256)), dim3(256), 0, stream, pdl && scaled, y, n, H,
                  rs.solo_out.get());
   launch_chained(set_count_kernel, dim3(1), dim3(1), 0, stream, pdl, rs.solo_count.get(), int32_t(n));
-  run_pass({&rs.shared, rs.solo_count.get(), rs.solo_count.get() + 1, 1, rs.solo_x8.get(), rs.solo_xs.get(),
-            rs.ones.get(), rs.solo_h8.get(), rs.solo_hs.get(), Is, rs.solo_out.get(), n, max_tokens()},
-           H, cfg_.swiglu_clamp, layout_.shape().weight_format, stream, pdl);
+  run_pass({&rs.shared, rs.solo_count.get(), rs.solo_count.get() + 1, 1, a, scaled ? rs.solo_xs.get() : nullptr,
+            rs.ones.get(), rs.solo_h8.get(), scaled ? rs.solo_hs.get() : nullptr, Is, rs.solo_out.get(), n,
+            max_tokens()},
+           H, cfg_.swiglu_clamp, layout_.shape().weight_format, st, stream, pdl);
 }
 
 }  // namespace moefq::cuda

@@ -29,6 +29,11 @@
 //   through cp.async with mbarrier arrival on the same barrier. Only the producer's first warp
 //   works. bf16 weights: B by TMA, A converted e4m3 -> bf16 (exact) by the whole producer
 //   warpgroup on the way to shared memory, and the bf16 wgmma is used.
+// - bf16 A (staging none): the bf16 wgmma; the producer warpgroup copies A's bf16 rows into the
+//   stage as it converts e4m3 A (no A scales: 1). With bf16 B, B comes by TMA or cp.async as
+//   above; with e4m3 B (no bulk tensor path) the producer converts B e4m3 -> bf16 (exact) the
+//   same way and its 128 x 128 block scales are applied at the promotion as for e4m3 x e4m3. The
+//   SwiGLU epilogue then writes h rounded to bf16 instead of re-staging it.
 // - Producer, fallback path (no b_all): cp.async (16-byte, zero fill for rows past the group's
 //   count, so those rows are never read) into the same stages; weight pointers from args.b.
 // - Consumers: per 128-block and column block, 4 wgmma m64n128k32 (8 x k16 for bf16) into a
@@ -79,6 +84,12 @@ constexpr int kMaxStagesTma = 12;
 constexpr int kSmemLimit = 227 * 1024;  // sm_90 dynamic shared memory per block
 
 enum class Epi { kSwiglu, kStore };
+// The operand types: e4m3 x e4m3 (the fp8 wgmma), e4m3 x bf16, bf16 x bf16 and bf16 x e4m3 (A x B;
+// the bf16 wgmma, e4m3 operands converted exactly on the way to shared memory).
+enum class Ops { kFp8, kA8W16, kBf16, kA16W8 };
+constexpr bool bf16_mma(Ops o) { return o != Ops::kFp8; }
+constexpr bool a_bf16(Ops o) { return o == Ops::kBf16 || o == Ops::kA16W8; }
+constexpr bool b_bf16(Ops o) { return o == Ops::kA8W16 || o == Ops::kBf16; }
 constexpr int kHandoffWords = 128;  // 32-bit words per tile row in the hand-off buffer
 constexpr int kEpilogueWarps = 3;   // the producer warpgroup's warps 1-3, where they run it (Layout)
 
@@ -101,7 +112,8 @@ struct KernelParams {
   int64_t lda_scale = 0;
   const void* const* b = nullptr;
   const float* const* b_scale = nullptr;
-  const float* b_scale_all = nullptr;  // TMA path, e4m3: group g's scales at + g * (n / 128) * num_kb
+  const uint8_t* b_all = nullptr;      // without b: group g's B at + g * n * k elements
+  const float* b_scale_all = nullptr;  // without b_scale, e4m3: group g's scales at + g * (n / 128) * num_kb
   SwigluEpilogue swiglu;
   float silu_clamp = 0.0f;  // silu_f32(swiglu.clamp), when has_clamp
   StoreEpilogue store;
@@ -193,7 +205,7 @@ __device__ __forceinline__ int handoff_index(int row, int word) {
 // warp `warp` of `num_warps` takes rows warp, warp + num_warps, ...; lane l owns the row's words
 // 4l .. 4l + 3. The per-row operand (SwiGLU: router weight; store: output row pointer) of 32 rows
 // is loaded at once, one row per lane, and passed by shuffles.
-template <Epi kEpi>
+template <Epi kEpi, bool kH16>
 __device__ __forceinline__ void run_epilogue(const KernelParams& p, const Tile& tl, const uint32_t* handoff, int row0,
                                              int rows, int warp, int num_warps, int lane) {
   constexpr unsigned kAll = 0xFFFFFFFFu;
@@ -215,7 +227,8 @@ __device__ __forceinline__ void run_epilogue(const KernelParams& p, const Tile& 
       }
     } else {
       // h = silu(g) * u * weight per column pair, the row's amax over its 128 values, e4m3 with
-      // the row's new scale (numerics.h, stage_scale / stage_encode): 4 bytes per lane.
+      // the row's new scale (numerics.h, stage_scale / stage_encode): 4 bytes per lane; with bf16
+      // A (kH16) h rounded to bf16 instead: 8 bytes per lane, no scale.
       const SwigluEpilogue& e = p.swiglu;
       const float w_lane = e.row_weight[tl.row0 + my_row];
       for (int i = 0; i < n; i += 2) {
@@ -241,20 +254,30 @@ __device__ __forceinline__ void run_epilogue(const KernelParams& p, const Tile& 
             amax[a] = max_ignore_nan(amax[a], abs_f32(h[a][c]));
           }
         }
+        if constexpr (kH16) {
 #pragma unroll
-        for (int a = 0; a < 2; ++a) {
-          // fmaxf is exact and order-free: the row's maximum whatever the lanes' order.
+          for (int a = 0; a < 2; ++a) {
+            if (a == 1 && i + 1 >= n) break;
+            const int64_t row = tl.row0 + row0 + warp + (base + ia[a]) * num_warps;
+            *reinterpret_cast<uint2*>(e.h16 + row * e.ldh + tl.n0 + 4 * lane) =
+                make_uint2(bf16x2_round(h[a][0], h[a][1]), bf16x2_round(h[a][2], h[a][3]));
+          }
+        } else {
 #pragma unroll
-          for (int o = 16; o > 0; o >>= 1) amax[a] = fmaxf(amax[a], __shfl_xor_sync(kAll, amax[a], o));
-          if (a == 1 && i + 1 >= n) break;
-          const float sf = stage_scale(amax[a]);
-          const float inv = div_rn(1.0f, sf);
-          const int64_t row = tl.row0 + row0 + warp + (base + ia[a]) * num_warps;
-          uint32_t q = 0;
+          for (int a = 0; a < 2; ++a) {
+            // fmaxf is exact and order-free: the row's maximum whatever the lanes' order.
 #pragma unroll
-          for (int c = 0; c < 4; ++c) q |= uint32_t(stage_encode(h[a][c], inv)) << (8 * c);
-          *reinterpret_cast<uint32_t*>(e.h8 + row * e.ldh + tl.n0 + 4 * lane) = q;
-          if (lane == 0) e.h_scale[row * e.ldh_scale + tl.n0 / 128] = sf;
+            for (int o = 16; o > 0; o >>= 1) amax[a] = fmaxf(amax[a], __shfl_xor_sync(kAll, amax[a], o));
+            if (a == 1 && i + 1 >= n) break;
+            const float sf = stage_scale(amax[a]);
+            const float inv = div_rn(1.0f, sf);
+            const int64_t row = tl.row0 + row0 + warp + (base + ia[a]) * num_warps;
+            uint32_t q = 0;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) q |= uint32_t(stage_encode(h[a][c], inv)) << (8 * c);
+            *reinterpret_cast<uint32_t*>(e.h8 + row * e.ldh + tl.n0 + 4 * lane) = q;
+            if (lane == 0) e.h_scale[row * e.ldh_scale + tl.n0 / 128] = sf;
+          }
         }
       }
     }
@@ -308,9 +331,11 @@ __device__ __forceinline__ void tma_producer_e4m3(const KernelParams& p, uint8_t
   cp_async_wait_all();
 }
 
-template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
-__global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 1)
+template <int kMathWG, Ops kOps, Epi kEpi, bool kTma>
+__global__ void __launch_bounds__(Layout<kMathWG, bf16_mma(kOps), kEpi, kTma>::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ KernelParams p) {
+  constexpr bool kBf16 = bf16_mma(kOps), kA16 = a_bf16(kOps), kB16 = b_bf16(kOps);
+  static_assert(!(kOps == Ops::kA16W8 && kTma), "bf16 x e4m3 has no bulk tensor path");
   using L = Layout<kMathWG, kBf16, kEpi, kTma>;
   constexpr int kBM = L::kBM;
 
@@ -373,7 +398,7 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
         for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ephase ^= 1) {
           const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
           mbar_wait(smem_addr(epi_full), ephase);
-          run_epilogue<kEpi>(p, tl, handoff, 0, tl.rows, threadIdx.x / 32 - 1, kEpilogueWarps, threadIdx.x & 31);
+          run_epilogue<kEpi, kA16>(p, tl, handoff, 0, tl.rows, threadIdx.x / 32 - 1, kEpilogueWarps, threadIdx.x & 31);
           mbar_arrive(smem_addr(epi_empty));
         }
       }
@@ -384,8 +409,12 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
       uint32_t phase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const Tile tl = decode_tile(p, tile, tile_prefix, kBM);
-        const uint8_t* bw = kTma ? nullptr : static_cast<const uint8_t*>(p.b[tl.g]);
-        const float* bs = kBf16 ? nullptr : p.b_scale[tl.g];
+        const uint8_t* bw = kTma ? nullptr
+                            : p.b ? static_cast<const uint8_t*>(p.b[tl.g])
+                                  : p.b_all + int64_t(tl.g) * p.n * p.k * (kB16 ? 2 : 1);
+        const float* bs = kB16 ? nullptr
+                          : p.b_scale ? p.b_scale[tl.g]
+                                      : p.b_scale_all + int64_t(tl.g) * (p.n / 128) * p.num_kb;
         const int nblk = tl.has1 ? 2 : 1;
         for (int kb = 0; kb < p.num_kb; ++kb) {
           mbar_wait(smem_addr(&empty[s]), phase ^ 1);
@@ -400,6 +429,9 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
 #pragma unroll 4
               for (int r = t >> 3; r < kBN; r += 16)
                 cp_async_16(sb + r * 128 + ((ch ^ (r & 7)) << 4), bw + (n0 + r) * p.k + kbyte + ch * 16, 16);
+              if (t == c) cp_async_4(sc + (kBM + c) * 4, bs + (n0 / 128) * p.num_kb + kb, 4);
+            } else if constexpr (kOps == Ops::kA16W8) {
+              // e4m3 B is converted with A below; here only its block scale.
               if (t == c) cp_async_4(sc + (kBM + c) * 4, bs + (n0 / 128) * p.num_kb + kb, 4);
             } else if constexpr (kTma) {
               // B: two boxes of [128 rows][64 bf16], one per swizzle atom along k ([half][row][128 B]).
@@ -428,22 +460,17 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
                           v ? 16 : 0);
             }
           }
-          if (t < kBM) {
+          if (!kA16 && t < kBM) {
             const bool v = t < tl.rows;
             cp_async_4(sc + t * 4, v ? p.a_scale + (tl.row0 + t) * p.lda_scale + kb : p.a_scale, v ? 4 : 0);
           }
           cp_async_arrive_noinc(smem_addr(&full[s]));
           if constexpr (kBf16) {
-            // A: 16 e4m3 of a row -> 32 bytes of bf16, two 16-byte chunks of the same k half.
+            // 16 k of a row (e4m3: 16 bytes converted; bf16 A: 32 bytes copied) -> 32 bytes of
+            // bf16 in the stage, two 16-byte chunks of the same k half ([half][rows][128 B]).
             const int ch = t & 7;
-            for (int r = t >> 3; r < kBM; r += 16) {
-              uint4 v = make_uint4(0, 0, 0, 0);
-              if (r < tl.rows) v = __ldg(reinterpret_cast<const uint4*>(p.a + (tl.row0 + r) * p.lda + kbyte + ch * 16));
-              const uint4 o0 = make_uint4(e4m3x2_to_bf16x2(v.x), e4m3x2_to_bf16x2(v.x >> 16), e4m3x2_to_bf16x2(v.y),
-                                          e4m3x2_to_bf16x2(v.y >> 16));
-              const uint4 o1 = make_uint4(e4m3x2_to_bf16x2(v.z), e4m3x2_to_bf16x2(v.z >> 16), e4m3x2_to_bf16x2(v.w),
-                                          e4m3x2_to_bf16x2(v.w >> 16));
-              const uint32_t row = sa + (ch >> 2) * (kBM * 128) + r * 128;
+            const auto put = [&](uint32_t tile, int rows_in_tile, int r, const uint4& o0, const uint4& o1) {
+              const uint32_t row = tile + (ch >> 2) * (rows_in_tile * 128) + r * 128;
               const int a0 = (2 * ch) & 7;
               asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row + ((a0 ^ (r & 7)) << 4)), "r"(o0.x),
                            "r"(o0.y), "r"(o0.z), "r"(o0.w)
@@ -451,6 +478,36 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
               asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row + (((a0 + 1) ^ (r & 7)) << 4)),
                            "r"(o1.x), "r"(o1.y), "r"(o1.z), "r"(o1.w)
                            : "memory");
+            };
+            const auto put_e4m3 = [&](uint32_t tile, int rows_in_tile, int r, const uint4& v) {
+              put(tile, rows_in_tile, r,
+                  make_uint4(e4m3x2_to_bf16x2(v.x), e4m3x2_to_bf16x2(v.x >> 16), e4m3x2_to_bf16x2(v.y),
+                             e4m3x2_to_bf16x2(v.y >> 16)),
+                  make_uint4(e4m3x2_to_bf16x2(v.z), e4m3x2_to_bf16x2(v.z >> 16), e4m3x2_to_bf16x2(v.w),
+                             e4m3x2_to_bf16x2(v.w >> 16)));
+            };
+            for (int r = t >> 3; r < kBM; r += 16) {
+              if constexpr (kA16) {
+                uint4 v0 = make_uint4(0, 0, 0, 0), v1 = v0;
+                if (r < tl.rows) {
+                  const uint4* src = reinterpret_cast<const uint4*>(p.a + ((tl.row0 + r) * p.lda + kbyte + ch * 16) * 2);
+                  v0 = __ldg(src);
+                  v1 = __ldg(src + 1);
+                }
+                put(sa, kBM, r, v0, v1);
+              } else {
+                uint4 v = make_uint4(0, 0, 0, 0);
+                if (r < tl.rows) v = __ldg(reinterpret_cast<const uint4*>(p.a + (tl.row0 + r) * p.lda + kbyte + ch * 16));
+                put_e4m3(sa, kBM, r, v);
+              }
+            }
+            if constexpr (kOps == Ops::kA16W8) {
+              for (int c = 0; c < nblk; ++c) {
+                const int64_t n0 = c ? tl.n1 : tl.n0;
+                for (int r = t >> 3; r < kBN; r += 16)
+                  put_e4m3(sa + L::kABytes + c * L::kBBytes, kBN, r,
+                           __ldg(reinterpret_cast<const uint4*>(bw + (n0 + r) * p.k + kbyte + ch * 16)));
+              }
             }
             fence_proxy_async();
             mbar_arrive(smem_addr(&full[s]));
@@ -528,8 +585,8 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
         const uint32_t sa = smem_addr(smem + size_t(s) * L::kStageBytes) + wgc * 64 * 128;
         const uint32_t sb = smem_addr(smem + size_t(s) * L::kStageBytes + L::kABytes);
         const float* sc = scales + s * L::kScaleFloats;
-        const float a0 = sc[r0], a1 = sc[r0 + 8];
-        const float b0 = kBf16 ? 1.0f : sc[kBM], b1 = kBf16 ? 1.0f : sc[kBM + 1];
+        const float a0 = kA16 ? 1.0f : sc[r0], a1 = kA16 ? 1.0f : sc[r0 + 8];
+        const float b0 = kB16 ? 1.0f : sc[kBM], b1 = kB16 ? 1.0f : sc[kBM + 1];
         const float f00 = __fmul_rn(a0, b0), f01 = __fmul_rn(a1, b0);
         const float f10 = __fmul_rn(a0, b1), f11 = __fmul_rn(a1, b1);
         if constexpr (kRegA) {
@@ -587,7 +644,7 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
         for (int i = 0; i < 2; ++i) {
           hand_off(buf, lane / 4, i);
           __syncwarp();
-          run_epilogue<kEpi>(p, tl, buf, 16 * w + 8 * i, min(8, tl.rows - (16 * w + 8 * i)), 0, 1, lane);
+          run_epilogue<kEpi, kA16>(p, tl, buf, 16 * w + 8 * i, min(8, tl.rows - (16 * w + 8 * i)), 0, 1, lane);
           __syncwarp();
         }
       }
@@ -599,17 +656,30 @@ __global__ void __launch_bounds__(Layout<kMathWG, kBf16, kEpi, kTma>::kThreads, 
 // ---------------------------------------------------------------------------------------------
 // Host side
 
-template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
+template <int kMathWG, Ops kOps, Epi kEpi, bool kTma>
 void set_attributes() {
-  MOEFQ_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kMathWG, kBf16, kEpi, kTma>,
+  MOEFQ_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kMathWG, kOps, kEpi, kTma>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemLimit));
 }
-template <int kMathWG, bool kBf16>
+// Bulk tensor loads exist for every operand pair but bf16 x e4m3.
+template <Ops kOps>
+constexpr bool kHasTma = kOps != Ops::kA16W8;
+template <int kMathWG, Ops kOps>
 void set_attributes_all() {
-  set_attributes<kMathWG, kBf16, Epi::kSwiglu, false>();
-  set_attributes<kMathWG, kBf16, Epi::kSwiglu, true>();
-  set_attributes<kMathWG, kBf16, Epi::kStore, false>();
-  set_attributes<kMathWG, kBf16, Epi::kStore, true>();
+  set_attributes<kMathWG, kOps, Epi::kSwiglu, false>();
+  set_attributes<kMathWG, kOps, Epi::kStore, false>();
+  if constexpr (kHasTma<kOps>) {
+    set_attributes<kMathWG, kOps, Epi::kSwiglu, true>();
+    set_attributes<kMathWG, kOps, Epi::kStore, true>();
+  }
+}
+
+template <int kMathWG>
+void set_attributes_every_ops() {
+  set_attributes_all<kMathWG, Ops::kFp8>();
+  set_attributes_all<kMathWG, Ops::kA8W16>();
+  set_attributes_all<kMathWG, Ops::kBf16>();
+  set_attributes_all<kMathWG, Ops::kA16W8>();
 }
 
 constexpr int kMaxDevices = 64;
@@ -660,10 +730,8 @@ CUtensorMap make_tensor_map(const void* base, CUtensorMapDataType type, uint64_t
 
 void prepare_device(int dev) {
   std::call_once(g_prepared[dev], [dev] {
-    set_attributes_all<1, false>();
-    set_attributes_all<2, false>();
-    set_attributes_all<1, true>();
-    set_attributes_all<2, true>();
+    set_attributes_every_ops<1>();
+    set_attributes_every_ops<2>();
     MOEFQ_CUDA_CHECK(cudaDeviceGetAttribute(&g_num_sms[dev], cudaDevAttrMultiProcessorCount, dev));
     std::vector<float> silu(size_t(1) << 16);
     for (uint32_t b = 0; b < silu.size(); ++b) silu[b] = silu_f32(bf16_to_f32(uint16_t(b)));
@@ -672,16 +740,24 @@ void prepare_device(int dev) {
   });
 }
 
-// Whether the bulk tensor path applies: all groups' B in one allocation and, for e4m3 weights
-// (A by TMA too), the rows allocated at A; addresses 16-byte aligned as TMA requires.
-bool use_tma(const GroupedGemmArgs& a) {
-  const bool bf16 = a.b_format == WeightFormat::kBf16;
-  auto aligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; };
-  return a.b_all && aligned(a.b_all) && (bf16 || (a.a_rows > 0 && aligned(a.a)));
+Ops ops_of(const GroupedGemmArgs& a) {
+  const bool a16 = a.a_format == WeightFormat::kBf16, b16 = a.b_format == WeightFormat::kBf16;
+  return a16 ? (b16 ? Ops::kBf16 : Ops::kA16W8) : (b16 ? Ops::kA8W16 : Ops::kFp8);
 }
 
-template <int kMathWG, bool kBf16, Epi kEpi, bool kTma>
+// Whether the bulk tensor path applies: all groups' B in one allocation and, for e4m3 x e4m3
+// (A by TMA too), the rows allocated at A; addresses 16-byte aligned as TMA requires. Never for
+// bf16 A with e4m3 B (B is converted by the producer).
+bool use_tma(const GroupedGemmArgs& a) {
+  const Ops ops = ops_of(a);
+  auto aligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; };
+  return ops != Ops::kA16W8 && a.b_all && aligned(a.b_all) &&
+         (ops != Ops::kFp8 || (a.a_rows > 0 && aligned(a.a)));
+}
+
+template <int kMathWG, Ops kOps, Epi kEpi, bool kTma>
 void launch_kernel(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStream_t stream) {
+  constexpr bool kBf16 = bf16_mma(kOps);
   using L = Layout<kMathWG, kBf16, kEpi, kTma>;
   kp.stages = L::stages_for(kp.num_groups, kTma ? kMaxStagesTma : kMaxStagesCpAsync);
   MOEFQ_CHECK(kp.stages >= 2, "grouped GEMM: ", kp.num_groups, " groups leave too little shared memory");
@@ -697,27 +773,35 @@ void launch_kernel(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStrea
   }
   const int64_t max_tiles = ((a.max_total_rows + L::kBM - 1) / L::kBM + kp.num_groups) * kp.n_tiles;
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(g_num_sms[dev], max_tiles)));
-  launch_chained(grouped_gemm_kernel<kMathWG, kBf16, kEpi, kTma>, dim3(grid), dim3(L::kThreads),
+  launch_chained(grouped_gemm_kernel<kMathWG, kOps, kEpi, kTma>, dim3(grid), dim3(L::kThreads),
                  L::smem_bytes(kp.stages, kp.num_groups), stream, a.pdl, kp);
 }
 
-template <int kMathWG, bool kBf16, Epi kEpi>
+template <int kMathWG, Ops kOps, Epi kEpi>
 void launch_path(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStream_t stream) {
-  if (Layout<kMathWG, kBf16, kEpi, false>::kBlocks == 1) {  // one 128-column block per tile
+  if (Layout<kMathWG, bf16_mma(kOps), kEpi, false>::kBlocks == 1) {  // one 128-column block per tile
     kp.n_tiles = int(a.n / kBN);
     kp.tile_step = kBN;
     kp.pair_step = a.n;
   }
-  if (use_tma(a))
-    launch_kernel<kMathWG, kBf16, kEpi, true>(kp, a, dev, stream);
-  else
-    launch_kernel<kMathWG, kBf16, kEpi, false>(kp, a, dev, stream);
+  if constexpr (kHasTma<kOps>)
+    if (use_tma(a)) return launch_kernel<kMathWG, kOps, kEpi, true>(kp, a, dev, stream);
+  launch_kernel<kMathWG, kOps, kEpi, false>(kp, a, dev, stream);
+}
+
+template <int kMathWG, Epi kEpi>
+void launch_ops(KernelParams kp, const GroupedGemmArgs& a, int dev, cudaStream_t stream) {
+  switch (ops_of(a)) {
+    case Ops::kFp8: return launch_path<kMathWG, Ops::kFp8, kEpi>(kp, a, dev, stream);
+    case Ops::kA8W16: return launch_path<kMathWG, Ops::kA8W16, kEpi>(kp, a, dev, stream);
+    case Ops::kBf16: return launch_path<kMathWG, Ops::kBf16, kEpi>(kp, a, dev, stream);
+    case Ops::kA16W8: return launch_path<kMathWG, Ops::kA16W8, kEpi>(kp, a, dev, stream);
+  }
 }
 
 template <Epi kEpi>
 void launch_any(const GroupedGemmArgs& a, KernelParams kp, cudaStream_t stream) {
-  const bool bf16 = a.b_format == WeightFormat::kBf16;
-  MOEFQ_CHECK(use_tma(a) || a.b, "grouped GEMM: null b (and no 16-byte aligned b_all with a_rows for the bulk path)");
+  MOEFQ_CHECK(use_tma(a) || a.b || a.b_all, "grouped GEMM: null b and b_all");
   const int dev = current_device();
   prepare_device(dev);
   int rows = a.tile_rows;
@@ -730,9 +814,9 @@ void launch_any(const GroupedGemmArgs& a, KernelParams kp, cudaStream_t stream) 
   }
   MOEFQ_CHECK(rows == 64 || rows == 128, "grouped GEMM: tile_rows must be 0, 64 or 128 (got ", rows, ")");
   if (rows == 64)
-    bf16 ? launch_path<1, true, kEpi>(kp, a, dev, stream) : launch_path<1, false, kEpi>(kp, a, dev, stream);
+    launch_ops<1, kEpi>(kp, a, dev, stream);
   else
-    bf16 ? launch_path<2, true, kEpi>(kp, a, dev, stream) : launch_path<2, false, kEpi>(kp, a, dev, stream);
+    launch_ops<2, kEpi>(kp, a, dev, stream);
 }
 
 KernelParams common_params(const GroupedGemmArgs& a, const char* what) {
@@ -740,9 +824,10 @@ KernelParams common_params(const GroupedGemmArgs& a, const char* what) {
   MOEFQ_CHECK(a.n > 0 && a.k > 0 && a.n % 128 == 0 && a.k % 128 == 0, what, ": n and k must be positive multiples of 128 (got n=",
               a.n, ", k=", a.k, ")");
   MOEFQ_CHECK(a.lda % 16 == 0 && a.lda >= a.k, what, ": lda must be a multiple of 16 and at least k (got ", a.lda, ")");
-  MOEFQ_CHECK(a.lda_scale >= a.k / 128, what, ": lda_scale must be at least k / 128 (got ", a.lda_scale, ")");
-  MOEFQ_CHECK(a.counts && a.row_offset && a.a && a.a_scale && (a.b || a.b_all), what, ": null device pointer");
-  MOEFQ_CHECK(a.b_format == WeightFormat::kBf16 || a.b_scale || (a.b_scale_all && use_tma(a)), what,
+  const bool a8 = a.a_format == WeightFormat::kE4m3;
+  MOEFQ_CHECK(!a8 || a.lda_scale >= a.k / 128, what, ": lda_scale must be at least k / 128 (got ", a.lda_scale, ")");
+  MOEFQ_CHECK(a.counts && a.row_offset && a.a && (a.a_scale || !a8) && (a.b || a.b_all), what, ": null device pointer");
+  MOEFQ_CHECK(a.b_format == WeightFormat::kBf16 || a.b_scale || (a.b_scale_all && (use_tma(a) || !a.b)), what,
               ": e4m3 weights need b_scale (or b_scale_all with b_all)");
   MOEFQ_CHECK(int64_t(a.num_groups) * a.n < (int64_t(1) << 31), what, ": G * n must stay below 2^31");
   KernelParams kp;
@@ -758,6 +843,7 @@ KernelParams common_params(const GroupedGemmArgs& a, const char* what) {
   kp.lda_scale = a.lda_scale;
   kp.b = a.b;
   kp.b_scale = a.b_scale;
+  kp.b_all = static_cast<const uint8_t*>(a.b_all);
   kp.b_scale_all = a.b_scale_all;
   return kp;
 }
@@ -769,7 +855,8 @@ void prepare_grouped_gemm() { prepare_device(current_device()); }
 void launch_gemm_swiglu(const GroupedGemmArgs& args, const SwigluEpilogue& epi, cudaStream_t stream) {
   KernelParams kp = common_params(args, "launch_gemm_swiglu");
   MOEFQ_CHECK(args.n % 256 == 0, "launch_gemm_swiglu: n = 2I must be a multiple of 256 (got ", args.n, ")");
-  MOEFQ_CHECK(epi.row_weight && epi.h8 && epi.h_scale, "launch_gemm_swiglu: null epilogue pointer");
+  MOEFQ_CHECK(epi.row_weight && (args.a_format == WeightFormat::kBf16 ? epi.h16 != nullptr : epi.h8 && epi.h_scale),
+              "launch_gemm_swiglu: null epilogue pointer (h16 for bf16 A, h8 and h_scale for e4m3 A)");
   MOEFQ_CHECK(epi.ldh % 8 == 0 && epi.ldh >= args.n / 2 && epi.ldh_scale >= args.n / 256,
               "launch_gemm_swiglu: ldh must be a multiple of 8 and at least I; ldh_scale at least I / 128");
   if (args.max_total_rows <= 0) return;

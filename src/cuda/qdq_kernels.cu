@@ -187,6 +187,13 @@ void launch_typed(Format f, const T* x, T* y, int64_t rows, int64_t cols, const 
     case Format::kFp8Block128Ue8m0:
       return launch_format<T, Format::kFp8Block128Ue8m0>(x, y, rows, cols, amax, stream);
     case Format::kLogfmt10: return launch_logfmt(x, y, rows, cols, stream);
+    case Format::kFp8Cast: return launch_format<T, Format::kFp8Cast>(x, y, rows, cols, amax, stream);
+    case Format::kFp8CastNan: return launch_format<T, Format::kFp8CastNan>(x, y, rows, cols, amax, stream);
+    case Format::kFp8Block128Ue8m0NoFloor: return launch_format<T, Format::kFp8Block128Ue8m0NoFloor>(x, y, rows, cols, amax, stream);
+    case Format::kFp8Block128Mori: return launch_format<T, Format::kFp8Block128Mori>(x, y, rows, cols, amax, stream);
+    case Format::kFp4Block128Mori: return launch_format<T, Format::kFp4Block128Mori>(x, y, rows, cols, amax, stream);
+    case Format::kFp8Block128DeepGemm: return launch_format<T, Format::kFp8Block128DeepGemm>(x, y, rows, cols, amax, stream);
+    case Format::kFp8Block128Vllm: return launch_format<T, Format::kFp8Block128Vllm>(x, y, rows, cols, amax, stream);
   }
 }
 

@@ -38,13 +38,12 @@ __device__ __forceinline__ int4 pack(const float (&v)[4]) {
 constexpr int kCombineElems = 8;
 using CombineWords = uint32_t[4];
 
-// A routed value as the combine's sum takes it: combine_weighting after multiplies it by the
-// slot's router weight first (its own rounding, then the add's: mul_rn and add_rn are never
-// contracted to an fma).
+// A routed value added to the combine's fp32 sum: combine_weighting after adds it times the slot's
+// router weight as one fma (numerics.h weighted_add), before adds it as it is.
 template <bool kWeighted>
-__device__ __forceinline__ float weighted(float weight, float v) {
-  if constexpr (kWeighted) return mul_rn(weight, v);
-  return v;
+__device__ __forceinline__ float accumulate(float acc, float weight, float v) {
+  if constexpr (kWeighted) return weighted_add(acc, v, weight);
+  return add_rn(acc, v);
 }
 
 // The chunk's 8 bf16 as fp32 (exact): lo = w << 16, hi = w with the low half cleared.
@@ -369,6 +368,59 @@ struct Rule<Format::kFp8Block128Ue8m0> : Fp8BlockRule<true> {
   using Fp8BlockRule::Fp8BlockRule;
 };
 
+// The other peers' rules (numerics.h PeerRule): blocks of 128 (single elements for the unscaled
+// casts), the block's parameters from its maximum, each element by peer_qdq. The combine's chunk
+// takes the sum-exact form of each element (peer_qdq_sum: no conversion instructions) and rounds
+// the 8 values to bf16, as the CPU quantizer stores them.
+template <PeerRule R>
+struct PeerFormatRule {
+  static constexpr bool kBlocked = R != PeerRule::kFp8Cast && R != PeerRule::kFp8CastNan;
+  static constexpr int kBlock = kBlocked ? kPeerBlock : 0;
+  using Shared = NoShared;
+  __device__ PeerFormatRule(const float*, Shared&) {}
+  __device__ float reduce(float m, float x) const { return max_ignore_nan(m, abs_f32(x)); }
+  __device__ PeerParams block_param(float bmax) const { return peer_params<R>(bmax); }
+  __device__ float apply(float x, PeerParams p) const { return peer_qdq<R>(x, p); }
+  template <int kLanes>
+  __device__ void combine_chunk(const CombineWords& w, float (&v)[kCombineElems]) const {
+    float bmax = 0.0f;
+    if constexpr (kBlocked) bmax = combine_block_max<kLanes>(w);
+    const PeerParams p = block_param(bmax);
+    unpack(w, v);
+#pragma unroll
+    for (int i = 0; i < kCombineElems; ++i) v[i] = peer_qdq_sum<R>(v[i], p);
+    round_to_bf16(v);
+  }
+};
+template <>
+struct Rule<Format::kFp8Cast> : PeerFormatRule<PeerRule::kFp8Cast> {
+  using PeerFormatRule::PeerFormatRule;
+};
+template <>
+struct Rule<Format::kFp8CastNan> : PeerFormatRule<PeerRule::kFp8CastNan> {
+  using PeerFormatRule::PeerFormatRule;
+};
+template <>
+struct Rule<Format::kFp8Block128Ue8m0NoFloor> : PeerFormatRule<PeerRule::kUe8m0NoFloor> {
+  using PeerFormatRule::PeerFormatRule;
+};
+template <>
+struct Rule<Format::kFp8Block128Mori> : PeerFormatRule<PeerRule::kMoriFp8Block> {
+  using PeerFormatRule::PeerFormatRule;
+};
+template <>
+struct Rule<Format::kFp4Block128Mori> : PeerFormatRule<PeerRule::kMoriFp4Block> {
+  using PeerFormatRule::PeerFormatRule;
+};
+template <>
+struct Rule<Format::kFp8Block128DeepGemm> : PeerFormatRule<PeerRule::kDeepGemmBlock> {
+  using PeerFormatRule::PeerFormatRule;
+};
+template <>
+struct Rule<Format::kFp8Block128Vllm> : PeerFormatRule<PeerRule::kVllmBlock> {
+  using PeerFormatRule::PeerFormatRule;
+};
+
 // logfmt10 in the combine (numerics.h): a block of 128 spans 16 lanes; a cast group (8 blocks when
 // H is a multiple of 1024, else 4) spans 4 or 2 warps of the 128-thread CTA, which always starts on
 // a group (CTAs cover 1024 channels of one token). The rule takes a batch of 8 routed slots at once
@@ -423,8 +475,8 @@ struct Rule<Format::kLogfmt10> {
   // Adds the batch's active routed slots (bit j of `active`: raw[j] holds slot j's chunk; the
   // others are zero) to acc in slot order, QDQ'd where their group is cast; with kCheck the
   // unquantized values go into plain as well. kWeighted (combine_weighting after): each slot's
-  // values are multiplied by slot_weight(j) first (mul_rn, then the add; called once per active
-  // slot, by the whole warp).
+  // values are added times slot_weight(j) as one fma (accumulate; called once per active slot, by
+  // the whole warp).
   template <bool kCheck, bool kWeighted = false, typename SlotWeight = float (*)(int)>
   __device__ void combine_batch(const int4 (&raw)[kBatch], uint32_t active, float (&acc)[kCombineElems],
                                 float (&plain)[kCombineElems], const SlotWeight& slot_weight = nullptr) {
@@ -474,7 +526,7 @@ struct Rule<Format::kLogfmt10> {
       if constexpr (kWeighted) weight = slot_weight(j);
       if constexpr (kCheck) {
 #pragma unroll
-        for (int i = 0; i < kCombineElems; ++i) plain[i] = add_rn(plain[i], weighted<kWeighted>(weight, v[i]));
+        for (int i = 0; i < kCombineElems; ++i) plain[i] = accumulate<kWeighted>(plain[i], weight, v[i]);
       }
       if (cast & (1u << j)) {
         const int src = base | rev3(j);
@@ -499,7 +551,7 @@ struct Rule<Format::kLogfmt10> {
         round_to_bf16(v);
       }
 #pragma unroll
-      for (int i = 0; i < kCombineElems; ++i) acc[i] = add_rn(acc[i], weighted<kWeighted>(weight, v[i]));
+      for (int i = 0; i < kCombineElems; ++i) acc[i] = accumulate<kWeighted>(acc[i], weight, v[i]);
     }
   }
 };

@@ -35,19 +35,20 @@ BufferLayout::BufferLayout(const BufferShape& s) : shape_(s) {
   const size_t el = size_t(s.local_experts()), R = size_t(s.num_ranks), T = size_t(s.max_tokens);
   const size_t K = size_t(s.top_k), H = size_t(s.hidden), P = size_t(s.pool_rows());
   const size_t imax = size_t(std::max(s.intermediate, s.shared_intermediate));
+  const size_t eb = size_t(s.staged_elem_bytes()), scaled = s.staging == Staging::kNone ? 0 : 1;
   const size_t ws_begin = cursor;
   expert_counts = take(el * 4);
   expert_lists = take(el * R * T * 4);
   rank_state = take(16 * 4);
   workspace = {ws_begin, cursor - ws_begin};
-  staged_x = take(T * H);
-  staged_scales = take(T * (H / kStageBlock) * 4);
+  staged_x = take(T * H * eb);
+  staged_scales = take(T * (H / kStageBlock) * 4 * scaled);
   topk_idx = take(T * K * 4);
   topk_weights = take(T * K * 4);
-  pool_x = take(P * H);
-  pool_x_scales = take(P * (H / kStageBlock) * 4);
-  pool_h = take((P + T) * imax);
-  pool_h_scales = take((P + T) * (imax / kStageBlock) * 4);
+  pool_x = take(P * H * eb);
+  pool_x_scales = take(P * (H / kStageBlock) * 4 * scaled);
+  pool_h = take((P + T) * imax * eb);
+  pool_h_scales = take((P + T) * (imax / kStageBlock) * 4 * scaled);
   combine = take((K + size_t(s.fused_shared_slots())) * T * H * 2);
   total_ = cursor;
 }

@@ -4,10 +4,13 @@
 #include "moefq/checkpoint.h"
 
 #include <bit>
+#include <cmath>
+#include <type_traits>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -15,6 +18,7 @@
 
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
+#include "moefq/host_memory.h"
 #include "moefq/safetensors.h"
 
 namespace moefq {
@@ -115,11 +119,16 @@ class Checkpoint {
   void read_index(const std::string& path) {
     index_path_ = path;
     const std::string text = read_regular_file(path, kMaxIndexBytes, "checkpoint index " + path);
+    // An index nests 3 deep (root, weight_map or metadata, a value).
+    check_json_text(text, "checkpoint index " + path, 16);
     nlohmann::json root;
     try {
       root = nlohmann::json::parse(text);
     } catch (const nlohmann::json::exception& e) {
       MOEFQ_FAIL(ErrorKind::kBadInput, path, ": malformed checkpoint index (not JSON): ", e.what());
+    } catch (const std::bad_alloc&) {
+      MOEFQ_FAIL(ErrorKind::kBadInput, "checkpoint index ", path, ": ran out of memory while reading this ",
+                 format_bytes(text.size()), " file");
     }
     MOEFQ_CHECK(root.is_object(), path, ": malformed checkpoint index: the top level is a JSON ",
                 root.type_name(), ", expected an object with \"weight_map\"");
@@ -175,6 +184,26 @@ void append_tensor(std::vector<T>& out, const Checkpoint::Found& t) {
   t.file->read_into(*t.info, {reinterpret_cast<uint8_t*>(out.data() + old), n});
 }
 
+// A weight or block scale that is NaN or infinite would only surface later, as NaN in the
+// calibration data of a rank; name the tensor and its file instead. `values` are the elements of
+// t as read (e4m3 codes, bf16 bits or fp32 values); `first` skips those read before.
+template <typename T>
+void check_finite(const Checkpoint::Found& t, const std::vector<T>& values, size_t first) {
+  for (size_t i = first; i < values.size(); ++i) {
+    bool finite;
+    if constexpr (std::is_same_v<T, float>) finite = std::isfinite(values[i]);
+    else if constexpr (std::is_same_v<T, bf16>) finite = (values[i].bits & 0x7f80) != 0x7f80;
+    else finite = (uint8_t(values[i]) & 0x7f) != 0x7f;  // e4m3 has NaN only: S.1111.111
+    if (finite) continue;
+    std::string shown;
+    if constexpr (std::is_same_v<T, float>) shown = detail::concat(values[i]);
+    else if constexpr (std::is_same_v<T, bf16>) shown = detail::concat(to_f32(values[i]));
+    else shown = "NaN";
+    MOEFQ_FAIL(ErrorKind::kBadInput, "tensor ", t.info->name, " in ", t.file->path(), ": element ", i - first, " is ",
+               shown, "; a checkpoint's weights and block scales must be finite");
+  }
+}
+
 // The format an expert weight's dtype stands for.
 WeightFormat format_of(const Checkpoint::Found& t, const std::string& name) {
   MOEFQ_CHECK(t.info->dtype == StDtype::kF8E4M3 || t.info->dtype == StDtype::kBF16, "tensor ", name, " in ",
@@ -226,10 +255,18 @@ ExpertWeights load_expert(Checkpoint& ckpt, const LayerTensorNames& names, const
   for (size_t i = 0; i < 3; ++i) {
     const bool down = i == 2;
     if (w.format == WeightFormat::kE4m3) {
-      append_tensor(down ? w.down_e4m3 : w.gate_up_e4m3, t.weights[i]);
-      append_tensor(down ? w.down_scale : w.gate_up_scale, t.scales[i]);
+      auto& codes = down ? w.down_e4m3 : w.gate_up_e4m3;
+      auto& scales = down ? w.down_scale : w.gate_up_scale;
+      const size_t codes_before = codes.size(), scales_before = scales.size();
+      append_tensor(codes, t.weights[i]);
+      append_tensor(scales, t.scales[i]);
+      check_finite(t.weights[i], codes, codes_before);
+      check_finite(t.scales[i], scales, scales_before);
     } else {
-      append_tensor(down ? w.down_bf16 : w.gate_up_bf16, t.weights[i]);
+      auto& values = down ? w.down_bf16 : w.gate_up_bf16;
+      const size_t before = values.size();
+      append_tensor(values, t.weights[i]);
+      check_finite(t.weights[i], values, before);
     }
   }
   return w;
@@ -342,7 +379,11 @@ LayerWeights load_checkpoint_layer(const std::string& dir, int64_t layer, const 
     lw.gate.resize(raw.size());
     for (size_t i = 0; i < raw.size(); ++i) lw.gate[i] = to_f32(raw[i]);
   }
-  if (b) append_tensor(lw.gate_bias, *b);
+  check_finite(g, lw.gate, 0);
+  if (b) {
+    append_tensor(lw.gate_bias, *b);
+    check_finite(*b, lw.gate_bias, 0);
+  }
   return lw;
 }
 

@@ -44,6 +44,7 @@ BufferShape engine_buffer_shape(const MoeConfig& cfg, int64_t num_ranks, int64_t
   s.intermediate = cfg.intermediate;
   s.shared_intermediate = opt.fuse_shared ? cfg.intermediate * cfg.num_shared : 0;
   s.weight_format = w.empty() || w[0].experts.empty() ? WeightFormat::kE4m3 : w[0].experts[0].format;
+  s.staging = opt.staging;
   return s;
 }
 
@@ -85,13 +86,20 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
   const int64_t el = sh.local_experts(), hb = H / kB;
   const bool fused = sh.fused_shared_slots() > 0;
   const bool after = opt_.combine_weighting == CombineWeighting::kAfter;
+  const Staging st = sh.staging;
+  const bool scaled = st == Staging::kE4m3;
+  const int64_t xb = H * sh.staged_elem_bytes();  // bytes of a staged x row
   validate_batches(batches, R, T, E, K);
 
-  // Token side: stage x, publish topk_idx / topk_weights in the rank's own buffer.
+  // Token side: stage x (e4m3 with scales, or a bf16 copy), publish topk_idx / topk_weights in the
+  // rank's own buffer.
   for (int64_t r = 0; r < R; ++r) {
     const RankBatch& b = batches[size_t(r)];
     auto& buf = buffers_[size_t(r)];
-    stage_e4m3_ref(b.x, at<uint8_t>(buf, layout_.staged_x), at<float>(buf, layout_.staged_scales), b.num_tokens, H);
+    if (scaled)
+      stage_e4m3_ref(b.x, at<uint8_t>(buf, layout_.staged_x), at<float>(buf, layout_.staged_scales), b.num_tokens, H);
+    else if (b.num_tokens > 0)
+      std::memcpy(at<uint8_t>(buf, layout_.staged_x), b.x, size_t(b.num_tokens * xb));
     if (b.num_tokens == 0) continue;
     std::memcpy(at<int32_t>(buf, layout_.topk_idx), b.topk_idx, size_t(b.num_tokens * K) * 4);
     std::memcpy(at<float>(buf, layout_.topk_weights), b.topk_weights, size_t(b.num_tokens * K) * 4);
@@ -112,10 +120,15 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
       }
   }
 
-  // Expert side: pull each listed row (e4m3 bytes and scales) from its token rank into the pool,
+  // Expert side: pull each listed row (e4m3 bytes and scales, or bf16) from its token rank into the pool,
   // then run the expert on it; the output row goes into the token rank's combine region. Rows of
   // one expert are computed in groups; each writes only its own pool and combine rows.
   const int64_t imax = std::max(sh.intermediate, sh.shared_intermediate), ib = imax / kB;
+  const int64_t hrow = imax * sh.staged_elem_bytes();  // bytes of a pool_h row
+  // A row's scales, where the staging has them (none: null, never read).
+  const auto scales = [scaled](std::vector<uint8_t>& b, const Region& reg, int64_t row, int64_t per_row) {
+    return scaled ? at<float>(b, reg) + row * per_row : nullptr;
+  };
   std::vector<ExpertGroup> groups;
   for (int64_t d = 0; d < R; ++d) {
     auto& buf = buffers_[size_t(d)];
@@ -126,14 +139,14 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
         const int32_t entry = at<int32_t>(buf, layout_.expert_lists)[le * R * T + i];
         const int64_t src = entry / K / T, t = entry / K % T, k = entry % K;
         auto& sbuf = buffers_[size_t(src)];
-        uint8_t* x8 = at<uint8_t>(buf, layout_.pool_x) + row * H;
-        float* xs = at<float>(buf, layout_.pool_x_scales) + row * hb;
-        std::memcpy(x8, at<uint8_t>(sbuf, layout_.staged_x) + t * H, size_t(H));
-        std::memcpy(xs, at<float>(sbuf, layout_.staged_scales) + t * hb, size_t(hb) * 4);
+        uint8_t* x8 = at<uint8_t>(buf, layout_.pool_x) + row * xb;
+        float* xs = scales(buf, layout_.pool_x_scales, row, hb);
+        std::memcpy(x8, at<uint8_t>(sbuf, layout_.staged_x) + t * xb, size_t(xb));
+        if (scaled) std::memcpy(xs, at<float>(sbuf, layout_.staged_scales) + t * hb, size_t(hb) * 4);
         // combine_weighting after: the row stays unweighted (weight 1.0 is exact), the combine weights it.
         const float w = after ? 1.0f : at<float>(sbuf, layout_.topk_weights)[t * K + k];
-        add_expert_row(groups, &experts_[size_t(d)][size_t(le)], i == 0, x8, xs, w,
-                at<uint8_t>(buf, layout_.pool_h) + row * imax, at<float>(buf, layout_.pool_h_scales) + row * ib,
+        add_expert_row(groups, &experts_[size_t(d)][size_t(le)], st, i == 0, x8, xs, w,
+                at<uint8_t>(buf, layout_.pool_h) + row * hrow, scales(buf, layout_.pool_h_scales, row, ib),
                 reinterpret_cast<bf16*>(sbuf.data() + layout_.combine_row_offset(k, t)));
       }
     }
@@ -143,9 +156,9 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
   for (int64_t r = 0; fused && r < R; ++r) {
     auto& buf = buffers_[size_t(r)];
     for (int64_t t = 0; t < batches[size_t(r)].num_tokens; ++t)
-      add_expert_row(groups, &shared_[size_t(r)], t == 0, at<uint8_t>(buf, layout_.staged_x) + t * H,
-              at<float>(buf, layout_.staged_scales) + t * hb, 1.0f, at<uint8_t>(buf, layout_.pool_h) + (P + t) * imax,
-              at<float>(buf, layout_.pool_h_scales) + (P + t) * ib,
+      add_expert_row(groups, &shared_[size_t(r)], st, t == 0, at<uint8_t>(buf, layout_.staged_x) + t * xb,
+              scales(buf, layout_.staged_scales, t, hb), 1.0f, at<uint8_t>(buf, layout_.pool_h) + (P + t) * hrow,
+              scales(buf, layout_.pool_h_scales, P + t, ib),
               reinterpret_cast<bf16*>(buf.data() + layout_.combine_row_offset(K, t)));
   }
   run_expert_groups(groups, cfg_.swiglu_clamp, num_threads_);
@@ -172,7 +185,7 @@ void CpuEngine::forward(std::span<const RankBatch> batches) {
 void CpuEngine::shared_expert(int64_t rank, const bf16* x, int64_t num_tokens, bf16* y) const {
   MOEFQ_CHECK(!shared_.empty(), "shared_expert: the config has no shared expert");
   MOEFQ_ASSERT(rank >= 0 && rank < num_ranks(), "shared_expert: rank out of range");
-  run_expert_on_tokens(shared_[size_t(rank)], x, num_tokens, y, cfg_.swiglu_clamp, num_threads_);
+  run_expert_on_tokens(shared_[size_t(rank)], opt_.staging, x, num_tokens, y, cfg_.swiglu_clamp, num_threads_);
 }
 
 }  // namespace moefq

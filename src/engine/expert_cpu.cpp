@@ -54,8 +54,29 @@ void run_gemm(const ExpertGroup* groups, size_t count, const float* const* a, co
   }
 }
 
+// Block scales of 1 for the rows of staging none (the weights' own scales still apply), enough
+// for any k of a matrix (H, I <= 131072).
+const float* unit_scales() {
+  static const std::vector<float> ones(131072 / kB, 1.0f);
+  return ones.data();
+}
+
+// Row i's [n] input as fp32 element values, and its block scales: e4m3 codes decoded (scaled by
+// a_scale at the promotion), or bf16 values with scales 1.
+const float* decode_row(Staging staging, const void* a, const float* a_scale, int64_t n, float* out) {
+  if (staging == Staging::kNone) {
+    const bf16* x = static_cast<const bf16*>(a);
+    for (int64_t k = 0; k < n; ++k) out[k] = to_f32(x[k]);
+    return unit_scales();
+  }
+  const uint8_t* x8 = static_cast<const uint8_t*>(a);
+  for (int64_t k = 0; k < n; ++k) out[k] = e4m3_decode(x8[k]);
+  return a_scale;
+}
+
 // A run of groups of one expert: gate/up GEMM on the staged inputs, bf16 rounding, clamp,
-// h = silu(g) * u * weight, re-staging, down GEMM, bf16 rounding.
+// h = silu(g) * u * weight, re-staging (or bf16 rounding with staging none), down GEMM, bf16
+// rounding.
 void run_groups(const ExpertGroup* groups, size_t count, std::optional<float> clamp, Scratch& s) {
   const PreparedExpert& e = *groups[0].expert;
   const int64_t H = e.hidden, I = e.inter, astride = std::max(H, I), gstride = std::max(2 * I, H);
@@ -69,9 +90,8 @@ void run_groups(const ExpertGroup* groups, size_t count, std::optional<float> cl
     for (int r = 0; r < groups[g].n; ++r) {
       const size_t i = g * kGemmRows + size_t(r);
       float* ar = s.a.data() + i * size_t(astride);
-      for (int64_t k = 0; k < H; ++k) ar[k] = e4m3_decode(groups[g].a8[r][k]);
+      a_scale[i] = decode_row(groups[g].staging, groups[g].a[r], groups[g].a_scale[r], H, ar);
       a[i] = ar;
-      a_scale[i] = groups[g].a_scale[r];
       acc[i] = s.acc.data() + i * size_t(gstride);
     }
   run_gemm(groups, count, a.data(), a_scale.data(), e.gate_up, 2 * I, H, acc.data(), s);
@@ -88,10 +108,14 @@ void run_groups(const ExpertGroup* groups, size_t count, std::optional<float> cl
         }
         s.h[size_t(k)] = mul_rn(mul_rn(silu_f32(gv), uv), groups[g].weight[r]);
       }
-      stage_e4m3_ref(s.h.data(), groups[g].h8[r], groups[g].h_scale[r], 1, I);
-      float* ar = s.a.data() + i * size_t(astride);
-      for (int64_t k = 0; k < I; ++k) ar[k] = e4m3_decode(groups[g].h8[r][k]);
-      h_scale[i] = groups[g].h_scale[r];
+      if (groups[g].staging == Staging::kNone) {
+        bf16* h16 = static_cast<bf16*>(groups[g].h[r]);
+        for (int64_t k = 0; k < I; ++k) h16[k].bits = bf16_round(s.h[size_t(k)]);
+      } else {
+        stage_e4m3_ref(s.h.data(), static_cast<uint8_t*>(groups[g].h[r]), groups[g].h_scale[r], 1, I);
+      }
+      h_scale[i] = decode_row(groups[g].staging, groups[g].h[r], groups[g].h_scale[r], I,
+                              s.a.data() + i * size_t(astride));
     }
   run_gemm(groups, count, a.data(), h_scale.data(), e.down, H, I, acc.data(), s);
   for (size_t g = 0; g < count; ++g)
@@ -110,17 +134,19 @@ PreparedExpert::PreparedExpert(const ExpertWeights& w, int64_t h, int64_t i) : h
   down = view_matrix(w, w.down_e4m3, w.down_scale, w.down_bf16, h, i);
 }
 
-void add_expert_row(std::vector<ExpertGroup>& groups, const PreparedExpert* e, bool new_group, const uint8_t* a8,
-                    const float* a_scale, float weight, uint8_t* h8, float* h_scale, bf16* out) {
+void add_expert_row(std::vector<ExpertGroup>& groups, const PreparedExpert* e, Staging staging, bool new_group,
+                    const void* a, const float* a_scale, float weight, void* h, float* h_scale, bf16* out) {
   if (new_group || groups.empty() || groups.back().n == kGemmRows) {
     groups.emplace_back();
     groups.back().expert = e;
+    groups.back().staging = staging;
   }
   ExpertGroup& g = groups.back();
-  g.a8[g.n] = a8;
+  MOEFQ_ASSERT(g.staging == staging, "add_expert_row: one group mixes stagings");
+  g.a[g.n] = a;
   g.a_scale[g.n] = a_scale;
   g.weight[g.n] = weight;
-  g.h8[g.n] = h8;
+  g.h[g.n] = h;
   g.h_scale[g.n] = h_scale;
   g.out[g.n] = out;
   ++g.n;
@@ -140,15 +166,22 @@ void run_expert_groups(const std::vector<ExpertGroup>& groups, std::optional<flo
   });
 }
 
-void run_expert_on_tokens(const PreparedExpert& e, const bf16* x, int64_t n, bf16* y, std::optional<float> clamp,
-                          int num_threads) {
+void run_expert_on_tokens(const PreparedExpert& e, Staging staging, const bf16* x, int64_t n, bf16* y,
+                          std::optional<float> clamp, int num_threads) {
   const int64_t H = e.hidden, hb = H / kB, I = e.inter, ib = I / kB;
+  std::vector<ExpertGroup> groups;
+  if (staging == Staging::kNone) {
+    std::vector<bf16> h16(size_t(n * I));
+    for (int64_t t = 0; t < n; ++t)
+      add_expert_row(groups, &e, staging, t == 0, x + t * H, nullptr, 1.0f, h16.data() + t * I, nullptr, y + t * H);
+    run_expert_groups(groups, clamp, num_threads);
+    return;
+  }
   std::vector<uint8_t> x8(size_t(n * H)), h8(size_t(n * I));
   std::vector<float> xs(size_t(n * hb)), hs(size_t(n * ib));
   stage_e4m3_ref(x, x8.data(), xs.data(), n, H);
-  std::vector<ExpertGroup> groups;
   for (int64_t t = 0; t < n; ++t)
-    add_expert_row(groups, &e, t == 0, x8.data() + t * H, xs.data() + t * hb, 1.0f, h8.data() + t * I,
+    add_expert_row(groups, &e, staging, t == 0, x8.data() + t * H, xs.data() + t * hb, 1.0f, h8.data() + t * I,
                    hs.data() + t * ib, y + t * H);
   run_expert_groups(groups, clamp, num_threads);
 }
@@ -157,7 +190,7 @@ void combine_rows(const bf16* const* rows, int n, int64_t H, bf16* y, const floa
   const int nw = weights ? num_weighted : 0;
   for (int64_t h = 0; h < H; ++h) {
     float acc = 0.0f;
-    for (int i = 0; i < nw; ++i) acc = add_rn(acc, mul_rn(weights[i], to_f32(rows[i][h])));
+    for (int i = 0; i < nw; ++i) acc = weighted_add(acc, to_f32(rows[i][h]), weights[i]);
     for (int i = nw; i < n; ++i) acc = add_rn(acc, to_f32(rows[i][h]));
     y[h].bits = bf16_round(acc);
   }

@@ -23,32 +23,34 @@ struct PreparedExpert {
   PreparedExpert(const ExpertWeights& w, int64_t hidden, int64_t inter);
 };
 
-// Up to kGemmRows rows through one expert. Row r reads its staged input a8[r] ([H] e4m3) and
-// a_scale[r] ([H/128]), is weighted by weight[r], leaves its re-staged SwiGLU output in h8[r] /
-// h_scale[r] ([I], [I/128]) and its output row in out[r] ([H] bf16).
+// Up to kGemmRows rows through one expert, all with the same staging (weights.h). Row r reads its
+// input a[r] ([H]: e4m3 codes with a_scale[r] [H/128] fp32, or bf16 with staging none), is
+// weighted by weight[r], leaves its SwiGLU output in h[r] ([I]: re-staged e4m3 with h_scale[r]
+// [I/128], or bf16) and its output row in out[r] ([H] bf16). The scale pointers are unused (null)
+// with staging none.
 struct ExpertGroup {
   const PreparedExpert* expert = nullptr;
+  Staging staging = Staging::kE4m3;
   int n = 0;
-  const uint8_t* a8[kGemmRows];
+  const void* a[kGemmRows];
   const float* a_scale[kGemmRows];
   float weight[kGemmRows];
-  uint8_t* h8[kGemmRows];
+  void* h[kGemmRows];
   float* h_scale[kGemmRows];
   bf16* out[kGemmRows];
 };
 
 // Appends a row, starting a new group when asked (a new expert) or when the last one is full.
-void add_expert_row(std::vector<ExpertGroup>& groups, const PreparedExpert* e, bool new_group,
-                    const uint8_t* a8, const float* a_scale, float weight, uint8_t* h8, float* h_scale,
-                    bf16* out);
+void add_expert_row(std::vector<ExpertGroup>& groups, const PreparedExpert* e, Staging staging, bool new_group,
+                    const void* a, const float* a_scale, float weight, void* h, float* h_scale, bf16* out);
 
 // Runs every group (in any order, on num_threads threads: each writes only its own rows).
 void run_expert_groups(const std::vector<ExpertGroup>& groups, std::optional<float> swiglu_clamp,
                        int num_threads);
 
 // An expert on whole tokens, weight 1 (the shared expert run on its own): stages x ([n, H] bf16)
-// and writes y ([n, H] bf16).
-void run_expert_on_tokens(const PreparedExpert& e, const bf16* x, int64_t n, bf16* y,
+// as `staging` says and writes y ([n, H] bf16).
+void run_expert_on_tokens(const PreparedExpert& e, Staging staging, const bf16* x, int64_t n, bf16* y,
                           std::optional<float> swiglu_clamp, int num_threads);
 
 // The most rows a token's combine reads: K <= 32 routed slots and the fused shared slot.
@@ -58,7 +60,8 @@ inline constexpr int kMaxCombineRows = 33;
 // rows[1][h], ... in the given order (the active routed slots ascending, then the fused shared
 // slot). rows: n pointers to [H] bf16 rows; y: [H] bf16. weights (combine_weighting after): null,
 // or the fp32 router weight of each of the first num_weighted rows (the routed ones), which then
-// add fp32(weights[i] * row[h]): one rounding for the product, one for the sum, never an fma.
+// add as acc = fma(row[h], weights[i], acc) (numerics.h weighted_add): one rounding, as DeepEP's
+// low-latency combine accumulates.
 void combine_rows(const bf16* const* rows, int n, int64_t H, bf16* y, const float* weights = nullptr,
                   int num_weighted = 0);
 

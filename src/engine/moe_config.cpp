@@ -266,6 +266,7 @@ std::vector<std::string> hf_model_types() {
 MoeConfig load_hf_config(const std::string& path) {
   // A config.json is a few KiB; the cap bounds a hostile one.
   const std::string text = read_regular_file(path, size_t(16) << 20, "model config " + path);
+  check_json_text(text, "model config " + path, 64);  // before the parser recurses into it
   Json doc;
   try {
     doc = Json::parse(text);

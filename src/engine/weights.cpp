@@ -67,6 +67,33 @@ const char* weight_format_name(WeightFormat f) {
   return "unknown";
 }
 
+const char* staging_name(Staging s) { return s == Staging::kNone ? "none" : "e4m3"; }
+
+std::optional<Staging> parse_staging(std::string_view name) {
+  if (name == "e4m3") return Staging::kE4m3;
+  if (name == "none") return Staging::kNone;
+  return std::nullopt;
+}
+
+Staging staging_from_name(std::string_view name, std::string_view what) {
+  const std::optional<Staging> s = parse_staging(name);
+  MOEFQ_CHECK(s.has_value(), what, ": unknown staging '", name, "' (expected e4m3 or none)");
+  return *s;
+}
+
+const char* staging_baseline(Staging s) {
+  return s == Staging::kNone ? "bf16 activations into the expert GEMMs (a bf16 grouped-GEMM layer)"
+                             : "e4m3 activations with 1x128 scales into the expert GEMMs (FP8 Mega-MoE)";
+}
+
+Staging default_staging(const MoeConfig& cfg, std::optional<WeightFormat> checkpoint_format) {
+  if (checkpoint_format) return *checkpoint_format == WeightFormat::kBf16 ? Staging::kNone : Staging::kE4m3;
+  constexpr std::string_view kBf16Served[] = {"deepseek_v2", "glm4_moe", "qwen3_moe", "mixtral", "olmoe"};
+  for (std::string_view t : kBf16Served)
+    if (cfg.model_type == t) return Staging::kNone;
+  return Staging::kE4m3;
+}
+
 std::vector<float> ExpertWeights::gate_up_f32() const {
   if (format == WeightFormat::kE4m3)
     return dequant_e4m3(gate_up_e4m3, gate_up_scale, 2 * intermediate, hidden, "gate_up");

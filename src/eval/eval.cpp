@@ -311,8 +311,12 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   // Recipes, resolved against the quantizers of every evaluated layer (so a recipe may name one
   // layer's quantizer).
   if (with_recipes) {
+    MOEFQ_CHECK(o.sweep.empty() || o.sweep == "default" || o.sweep == "peers", "--sweep '", o.sweep,
+                "': unknown sweep (expected default or peers)");
+    MOEFQ_CHECK(o.sweep.empty() || o.recipes.empty(), "--sweep ", o.sweep,
+                " and --recipe both choose the recipes; give one of them");
     if (o.recipes.empty()) {
-      p.recipes = default_sweep();
+      p.recipes = o.sweep == "peers" ? peers_sweep(o.combine_weighting) : default_sweep();
     } else {
       std::set<std::string> names;
       for (const std::string& r : o.recipes) {
@@ -354,6 +358,10 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   }
   s.combine_weighting = weighting.value_or(CombineWeighting::kBefore);
   p.runner.combine_weighting = s.combine_weighting;
+  // The baseline: as the model is served unless --staging says otherwise.
+  s.staging = o.staging.value_or(default_staging(
+      s.config, p.runner.checkpoint_dir.empty() ? std::nullopt : std::optional(p.runner.weight_format)));
+  p.runner.staging = s.staging;
 }
 
 // The memory plan, refused with the figures when the run does not fit; `command` ("moefq eval")
@@ -718,6 +726,42 @@ std::vector<NamedRecipe> default_sweep() {
   return sweep;
 }
 
+namespace {
+// The peer recipes, grouped by system (the HTML report's order).
+struct PeerRecipe {
+  const char* peer;
+  const char* name;
+};
+constexpr PeerRecipe kPeerRecipes[] = {
+    {"DeepEP", "deepep_ll_fp8"},
+    {"DeepEP", "deepep_ll_fp8_ue8m0"},
+    {"DeepEP", "deepep_ll_logfmt10"},
+    {"DeepGEMM", "deepgemm_fp8_dispatch"},
+    {"SGLang DeepGEMM fork", "sglang_deepgemm_fp8_combine"},
+    {"MoRI", "mori_fp8_direct"},
+    {"MoRI", "mori_fp8_direct_sat"},
+    {"MoRI", "mori_fp8_blockwise"},
+    {"MoRI", "mori_fp4_blockwise"},
+    {"vLLM", "vllm_fp8_dispatch"},
+};
+}  // namespace
+
+std::vector<NamedRecipe> peers_sweep(std::optional<CombineWeighting> only) {
+  std::vector<NamedRecipe> sweep{default_sweep().front()};  // none
+  for (const PeerRecipe& p : kPeerRecipes) {
+    NamedRecipe r{p.name, load_recipe(std::string("configs/ptq/presets/peers/") + p.name)};
+    r.recipe.name = p.name;
+    if (!only || r.recipe.combine_weighting.value_or(CombineWeighting::kBefore) == *only) sweep.push_back(std::move(r));
+  }
+  return sweep;
+}
+
+std::string peer_of(const std::string& recipe) {
+  for (const PeerRecipe& p : kPeerRecipes)
+    if (recipe == p.name) return p.peer;
+  return "";
+}
+
 std::vector<int64_t> parse_layers(const std::string& text) {
   const auto number = [&](const std::string& part) -> int64_t {
     MOEFQ_CHECK(!part.empty() && part.size() <= 9 &&
@@ -786,7 +830,8 @@ CalibrationState run_calibration(const EvalOptions& options, EvalSetup* setup) {
   return state;
 }
 
-EvalResult run_eval(const EvalOptions& options) {
+namespace {
+EvalResult run_eval_once(const EvalOptions& options) {
   const auto t0 = Clock::now();
   Prepared p;
   prepare(options, true, p);
@@ -894,6 +939,7 @@ EvalResult run_eval(const EvalOptions& options) {
     const int64_t num_outliers = int64_t(std::count(outliers.begin(), outliers.end(), true));
 
     std::vector<EvalRow> rows(num_recipes);
+    bool zero_reference = false;  // the reference output compared against was all zero
     for (size_t k = 0; k < order.size(); ++k) {
       const size_t i = order[k];
       const RecipeStats& st = pass.steps[k];
@@ -928,6 +974,7 @@ EvalResult run_eval(const EvalOptions& options) {
       MetricSums all;
       for (const MetricSums& tk : st.tokens) all.merge(tk);
       row.metrics = finalize_metrics(all);
+      zero_reference = zero_reference || (all.count > 0 && all.ref2 == 0);
       const TokenShape shape = token_shape(st.tokens);
       row.rel_l2_token_p50 = shape.p50;
       row.rel_l2_token_p99 = shape.p99;
@@ -997,6 +1044,10 @@ EvalResult run_eval(const EvalOptions& options) {
             (calibrated ? "calibrate on more data, or on data more like the evaluation's" : "") +
             (calibrated && constant ? "; " : "") + (constant ? "raise the recipe's constant_amax" : ""));
     }
+    // All-zero weights or block scales make every recipe look perfect (rel_l2 0, cosine 1).
+    if (zero_reference)
+      result.warnings.push_back(L + ": the reference output is all zero (all-zero weights or block scales?), so every "
+                                    "recipe's error is 0 and says nothing about it; check the checkpoint");
     std::stable_sort(rows.begin(), rows.end(), [](const EvalRow& a, const EvalRow& b) {
       return less_rel_l2(a.metrics.rel_l2, b.metrics.rel_l2);
     });
@@ -1007,6 +1058,43 @@ EvalResult run_eval(const EvalOptions& options) {
   summarise(result);
   result.wall_seconds = seconds_since(t0);
   return result;
+}
+}  // namespace
+
+EvalResult run_eval(const EvalOptions& options) {
+  if (options.sweep != "peers" || options.combine_weighting || !options.recipes.empty()) return run_eval_once(options);
+  // The peers apply the router weight in different places (DeepEP at the receiver, the others in
+  // the expert), and one run evaluates one weighting: a run per weighting, the rows merged.
+  EvalResult merged;
+  for (const CombineWeighting w : {CombineWeighting::kBefore, CombineWeighting::kAfter}) {
+    EvalOptions o = options;
+    o.combine_weighting = w;
+    EvalResult r = run_eval_once(o);
+    if (w == CombineWeighting::kBefore) {
+      merged = std::move(r);
+      continue;
+    }
+    for (const EvalRow& row : r.rows)
+      if (row.recipe != "none") merged.rows.push_back(row);  // the baseline is the same in both
+    for (const std::string& n : r.setup.recipe_names)
+      if (n != "none") merged.setup.recipe_names.push_back(n);
+    merged.stage_times.insert(merged.stage_times.end(), r.stage_times.begin(), r.stage_times.end());
+    merged.warnings.insert(merged.warnings.end(), r.warnings.begin(), r.warnings.end());
+    merged.wall_seconds += r.wall_seconds;
+  }
+  merged.warnings.push_back(
+      "--sweep peers: the recipes with combine_weighting after (DeepEP's) ran in a second pass of each layer, "
+      "with unweighted combine rows; the header's weighting and calibration are the first pass's (before)");
+  const std::vector<int64_t>& layers = merged.setup.layers;
+  const auto layer_index = [&](int64_t l) { return std::find(layers.begin(), layers.end(), l) - layers.begin(); };
+  std::stable_sort(merged.rows.begin(), merged.rows.end(), [&](const EvalRow& a, const EvalRow& b) {
+    if (a.layer != b.layer) return layer_index(a.layer) < layer_index(b.layer);
+    return less_rel_l2(a.metrics.rel_l2, b.metrics.rel_l2);
+  });
+  merged.summary.clear();
+  merged.cheapest_within_budget.reset();
+  summarise(merged);
+  return merged;
 }
 
 }  // namespace moefq

@@ -36,7 +36,10 @@ std::vector<std::pair<std::string, std::string>> setup_fields(const EvalSetup& s
           {"tokens_per_rank", std::to_string(s.tokens)},
           {"calib_batches", std::to_string(s.calib_batches)},
           {"seed", std::to_string(s.seed)},
-          {"combine_weighting", combine_weighting_name(s.combine_weighting)}};
+          {"combine_weighting", combine_weighting_name(s.combine_weighting)},
+          // The combine rows (and their amax) change a little with the staging: a file of the other
+          // staging is used with a warning.
+          {"staging", staging_name(s.staging)}};
 }
 
 }  // namespace

@@ -111,6 +111,7 @@ class HostRunner final : public LayerRunner {
     EngineOptions eo;
     eo.fuse_shared = false;  // the model's shared expert runs on the unquantized x
     eo.combine_weighting = s_.combine_weighting;
+    eo.staging = s_.staging;
     eo.num_threads = s_.num_threads;
     fq_ = std::make_unique<FakeQuantMoe>(make_expert_backend(s_.backend_kind, cfg, R, T, std::move(w), eo), layer);
     const auto make_batch = [&](int64_t b) {

@@ -37,6 +37,7 @@ struct RunnerSetup {
   int num_threads = 0;
   std::string backend_kind;  // the host runner's expert back-end
   CombineWeighting combine_weighting = CombineWeighting::kBefore;  // the engine's (EngineOptions)
+  Staging staging = Staging::kE4m3;                                 // the engine's (EngineOptions)
   bool prefetch = false;     // the memory plan allows preparing the next layer meanwhile
   // calibrate() also fills LayerCalibration's histograms and logfmt10 cast groups (host runner only).
   bool calibration_stats = false;

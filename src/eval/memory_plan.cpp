@@ -108,6 +108,7 @@ MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
   shape.top_k = K;
   shape.hidden = H;
   shape.intermediate = I;
+  shape.staging = s.staging;  // bf16 staged regions are twice the e4m3 ones (less their scales)
   const double buffers = double(R) * double(BufferLayout(shape).total_bytes());
   const double acts = rows * double(H) * 2.0;
   // The batches' outputs, the shared expert's, the reference and one recipe's output.

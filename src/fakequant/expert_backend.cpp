@@ -49,6 +49,7 @@ class RoutedExpertsBackend final : public ExpertBackend {
         fused_(o.fuse_shared && cfg.num_shared > 0),
         threads_(resolve_threads(o.num_threads)),
         weighting_(o.combine_weighting),
+        staging_(o.staging),
         weights_(std::move(weights)) {
     const std::vector<LayerWeights>& w = weights_;  // the views below point into these
     cfg.validate();
@@ -80,15 +81,22 @@ class RoutedExpertsBackend final : public ExpertBackend {
     const int64_t Is = cfg_.intermediate * cfg_.num_shared, imax = std::max(cfg_.intermediate, Is);
     validate_batches(batches, R_, T_, E, K);
     const bool after = weighting_ == CombineWeighting::kAfter;  // then finalize weights the rows
-    // prepare: stage each rank's tokens to e4m3 with 1 x 128 scales
+    // prepare: stage each rank's tokens to e4m3 with 1 x 128 scales (staging none: the bf16 tokens
+    // as they are)
+    const bool scaled = staging_ == Staging::kE4m3;
+    const int64_t eb = scaled ? 1 : 2;  // bytes of a staged element
     std::vector<std::vector<uint8_t>> x8(static_cast<size_t>(R_));
     std::vector<std::vector<float>> xs(static_cast<size_t>(R_));
-    for (int64_t r = 0; r < R_; ++r) {
+    for (int64_t r = 0; r < R_ && scaled; ++r) {
       const RankBatch& b = batches[size_t(r)];
       x8[size_t(r)].resize(size_t(b.num_tokens * H));
       xs[size_t(r)].resize(size_t(b.num_tokens * hb));
       stage_e4m3_ref(b.x, x8[size_t(r)].data(), xs[size_t(r)].data(), b.num_tokens, H);
     }
+    const auto x_row = [&](int64_t r, int64_t t) -> const void* {
+      return scaled ? static_cast<const void*>(x8[size_t(r)].data() + t * H) : batches[size_t(r)].x + t * H;
+    };
+    const auto x_scale = [&](int64_t r, int64_t t) { return scaled ? xs[size_t(r)].data() + t * hb : nullptr; };
     // dispatch: the rows of each expert, in (rank, token, slot) order
     std::vector<std::vector<std::array<int64_t, 3>>> lists(static_cast<size_t>(E));
     for (int64_t r = 0; r < R_; ++r)
@@ -99,8 +107,10 @@ class RoutedExpertsBackend final : public ExpertBackend {
     size_t total = 0;
     for (const auto& l : lists) total += l.size();
     for (int64_t r = 0; fused_ && r < R_; ++r) total += size_t(batches[size_t(r)].num_tokens);
-    h8_.resize(total * size_t(imax));
-    hs_.resize(total * size_t(imax / kStageBlock));
+    h8_.resize(total * size_t(imax * eb));
+    hs_.resize(scaled ? total * size_t(imax / kStageBlock) : 0);
+    const auto h_row = [&](size_t row) { return h8_.data() + row * size_t(imax * eb); };
+    const auto h_scale = [&](size_t row) { return scaled ? hs_.data() + row * size_t(imax / kStageBlock) : nullptr; };
     std::vector<ExpertGroup> groups;
     size_t row = 0;
     auto out_row = [&](int64_t r, int64_t k, int64_t t) {
@@ -109,15 +119,14 @@ class RoutedExpertsBackend final : public ExpertBackend {
     for (int64_t e = 0; e < E; ++e)
       for (size_t i = 0; i < lists[size_t(e)].size(); ++i, ++row) {
         const auto [r, t, k] = lists[size_t(e)][i];
-        add_expert_row(groups, &experts_[size_t(e)], i == 0, x8[size_t(r)].data() + t * H, xs[size_t(r)].data() + t * hb,
-                       after ? 1.0f : batches[size_t(r)].topk_weights[t * K + k], h8_.data() + row * size_t(imax),
-                       hs_.data() + row * size_t(imax / kStageBlock), out_row(r, k, t));
+        add_expert_row(groups, &experts_[size_t(e)], staging_, i == 0, x_row(r, t), x_scale(r, t),
+                       after ? 1.0f : batches[size_t(r)].topk_weights[t * K + k], h_row(row), h_scale(row),
+                       out_row(r, k, t));
       }
     for (int64_t r = 0; fused_ && r < R_; ++r)
       for (int64_t t = 0; t < batches[size_t(r)].num_tokens; ++t, ++row)
-        add_expert_row(groups, &shared_[size_t(r)], t == 0, x8[size_t(r)].data() + t * H, xs[size_t(r)].data() + t * hb,
-                       1.0f, h8_.data() + row * size_t(imax), hs_.data() + row * size_t(imax / kStageBlock),
-                       out_row(r, K, t));
+        add_expert_row(groups, &shared_[size_t(r)], staging_, t == 0, x_row(r, t), x_scale(r, t), 1.0f, h_row(row),
+                       h_scale(row), out_row(r, K, t));
     run_expert_groups(groups, cfg_.swiglu_clamp, threads_);
     // finalize: active slots ascending (weighted here when after), fp32 from +0, the shared slot
     // last, one bf16 rounding
@@ -132,7 +141,7 @@ class RoutedExpertsBackend final : public ExpertBackend {
 
   void shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y) const override {
     MOEFQ_CHECK(!shared_.empty(), "shared_expert: the config has no shared expert");
-    run_expert_on_tokens(shared_[size_t(rank)], x, n, y, cfg_.swiglu_clamp, threads_);
+    run_expert_on_tokens(shared_[size_t(rank)], staging_, x, n, y, cfg_.swiglu_clamp, threads_);
   }
 
  private:
@@ -141,11 +150,12 @@ class RoutedExpertsBackend final : public ExpertBackend {
   bool fused_;
   int threads_;
   CombineWeighting weighting_;
+  Staging staging_;
   std::vector<LayerWeights> weights_;    // [R], what experts_ and shared_ read
   std::vector<PreparedExpert> experts_;  // [E], global ids
   std::vector<PreparedExpert> shared_;   // [R] or empty
   std::vector<std::vector<uint8_t>> rows_;
-  std::vector<uint8_t> h8_;
+  std::vector<uint8_t> h8_;  // the SwiGLU outputs: e4m3 codes, or bf16 (staging none)
   std::vector<float> hs_;
 };
 

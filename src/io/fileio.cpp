@@ -1,6 +1,7 @@
 #include "moefq/fileio.h"
 
 #include <fcntl.h>
+#include <linux/stat.h>
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
@@ -94,12 +95,21 @@ std::string named(std::string_view what, const std::string& path) {
   return std::string(what) + " " + path;
 }
 
+// What a failed write or sync means for the user: a full disk or a file size limit is named as such.
+std::string write_error_text(int err) {
+  if (err == ENOSPC || err == EDQUOT) return error_text(err) + " (the file system is full; nothing was written)";
+  if (err == EFBIG)
+    return error_text(err) + " (over the file size limit, such as `ulimit -f`, or the file system's; nothing was "
+           "written)";
+  return error_text(err);
+}
+
 void write_all(int fd, const void* data, size_t size, const std::string& what) {
   const auto* p = static_cast<const uint8_t*>(data);
   while (size > 0) {
     const ssize_t n = ::write(fd, p, size);
     if (n < 0 && errno == EINTR) continue;
-    MOEFQ_CHECK(n > 0, what, ": write failed: ", n < 0 ? error_text(errno) : "wrote nothing");
+    MOEFQ_CHECK(n > 0, what, ": write failed: ", n < 0 ? write_error_text(errno) : "wrote nothing");
     p += n;
     size -= static_cast<size_t>(n);
   }
@@ -121,6 +131,37 @@ std::string without_trailing_slashes(std::string p) {
 std::string parent_of(const std::string& path) {
   const fs::path parent = fs::path(path).parent_path();
   return parent.empty() ? std::string(".") : parent.string();
+}
+
+// The template of a temporary beside `path`: its name followed by `suffix` (".tmp.XXXXXX"), the
+// name cut short where needed so that the temporary's name fits the directory's limit (NAME_MAX):
+// any name legal for the target is legal for its temporary.
+std::string temp_template(const std::string& path, std::string_view suffix = ".tmp.XXXXXX") {
+  const std::string dir = parent_of(path);
+  long name_max = ::pathconf(dir.c_str(), _PC_NAME_MAX);
+  if (name_max <= 0) name_max = NAME_MAX;
+  std::string base = fs::path(path).filename().string();
+  const size_t keep = size_t(name_max) > suffix.size() ? size_t(name_max) - suffix.size() : 1;
+  if (base.size() > keep) base.resize(keep);
+  const std::string prefix = fs::path(path).has_parent_path() ? fs::path(path).parent_path().string() + "/" : "";
+  return prefix + base + std::string(suffix);
+}
+
+// Whether the entry at `path` (not followed) is the root of a mount: a mount point, or a file or
+// directory bind-mounted there. Such a target cannot be replaced by a rename (EBUSY).
+bool is_mount_root(const std::string& path) {
+  struct statx sx {};
+  if (::statx(AT_FDCWD, path.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, &sx) == 0 &&
+      (sx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT) != 0)
+    return (sx.stx_attributes & STATX_ATTR_MOUNT_ROOT) != 0;
+  // Kernels before 5.8: another file system than its directory's.
+  struct stat st {}, ps {};
+  return ::lstat(path.c_str(), &st) == 0 && ::stat(parent_of(path).c_str(), &ps) == 0 && st.st_dev != ps.st_dev;
+}
+
+void check_not_mount_root(const std::string& path, const std::string& w) {
+  MOEFQ_CHECK(!is_mount_root(path), w, ": is a mount point (something is mounted there), which cannot be "
+              "replaced; give another name");
 }
 
 // Creates a file (mode 0666, opened for writing) or a directory (mode 0777) named `tmpl` with its
@@ -255,6 +296,42 @@ std::string read_regular_file(const std::string& path, size_t max_bytes, std::st
   return text;
 }
 
+void check_json_text(std::string_view text, std::string_view what, int max_depth) {
+  // What a DOM (nlohmann::json) costs, roughly: every value 16 bytes in its parent's array (twice
+  // that while the array grows), a container's own allocation, an object member's map node and key.
+  constexpr uint64_t kValue = 32, kContainer = 64, kMember = 96;
+  int depth = 0;
+  uint64_t values = 1, containers = 0, members = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    switch (c) {
+      case '"': in_string = true; break;
+      case '[':
+      case '{':
+        MOEFQ_CHECK(++depth <= max_depth, what, ": nests deeper than ", max_depth, " levels (at byte ", i,
+                    "); this kind of file is far shallower");
+        ++containers;
+        break;
+      case ']':
+      case '}': --depth; break;
+      case ',': ++values; break;
+      case ':': ++members; break;
+      default: break;
+    }
+  }
+  const uint64_t need = values * kValue + containers * kContainer + members * kMember;
+  const uint64_t budget = std::max<uint64_t>(16 * uint64_t(text.size()), uint64_t{1} << 20);
+  MOEFQ_CHECK(need <= budget, what, ": ", values, " JSON values in ", format_bytes(text.size()),
+              " would take about ", format_bytes(need), " to read, more than 16 times the file's size; this "
+              "kind of file holds far fewer, larger values");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Outputs
 
@@ -268,6 +345,7 @@ void check_output_path(const std::string& path, std::string_view what, std::span
                 "points to, or another name)");
     MOEFQ_CHECK(!S_ISDIR(st.st_mode), w, ": is a directory; give a file name");
     MOEFQ_CHECK(S_ISREG(st.st_mode), w, ": is ", kind_of(st.st_mode), "; outputs are written to regular files only");
+    check_not_mount_root(path, w);
     for (const auto& [input_what, input_path] : inputs) {
       struct stat in {};
       MOEFQ_CHECK(input_path.empty() || ::stat(input_path.c_str(), &in) != 0 || in.st_dev != st.st_dev ||
@@ -283,12 +361,16 @@ void check_output_path(const std::string& path, std::string_view what, std::span
   struct stat ds {};
   if (::stat(dir.c_str(), &ds) != 0) MOEFQ_FAIL(ErrorKind::kBadInput, w, ": the directory ", dir, " does not exist");
   MOEFQ_CHECK(S_ISDIR(ds.st_mode), w, ": ", dir, " is not a directory");
-  probe_writable(path + ".tmp.XXXXXX", false, w, "the directory " + dir);
+  probe_writable(temp_template(path), false, w, "the directory " + dir);
 }
 
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
   // Same directory as the target, so the final rename stays within one file system.
-  std::string tmpl = path_ + ".tmp.XXXXXX";
+  MOEFQ_CHECK(!path_.empty(), "an output file has an empty path; give a file name");
+  MOEFQ_CHECK(path_.back() != '/', path_, ": ends with '/'; give a file name");
+  struct stat st {};
+  MOEFQ_CHECK(::stat(path_.c_str(), &st) != 0 || !S_ISDIR(st.st_mode), path_, ": is a directory; give a file name");
+  std::string tmpl = temp_template(path_);
   fd_ = create_unique(tmpl, false);
   MOEFQ_CHECK(fd_ >= 0, path_, ": cannot write: cannot create a temporary file in ", parent_of(path_), ": ",
               error_text(errno));
@@ -311,7 +393,13 @@ void AtomicFile::write(const void* data, size_t size) {
 }
 
 void AtomicFile::commit() {
-  MOEFQ_CHECK(::fsync(fd_) == 0, tmp_path_, ": fsync failed: ", error_text(errno));
+  finish();
+  publish();
+}
+
+void AtomicFile::finish() {
+  if (fd_ < 0) return;
+  MOEFQ_CHECK(::fsync(fd_) == 0, tmp_path_, ": fsync failed: ", write_error_text(errno));
   // The target was checked before the work began; something else may have been put there since.
   struct stat st {};
   if (::lstat(path_.c_str(), &st) == 0) {
@@ -322,7 +410,14 @@ void AtomicFile::commit() {
   }
   const int close_rc = ::close(fd_);
   fd_ = -1;
-  MOEFQ_CHECK(close_rc == 0, tmp_path_, ": close failed: ", error_text(errno));
+  MOEFQ_CHECK(close_rc == 0, tmp_path_, ": close failed: ", write_error_text(errno));
+}
+
+void AtomicFile::publish() {
+  MOEFQ_ASSERT(fd_ < 0 && !committed_, path_, ": publish() before finish() or twice");
+  struct stat st {};
+  MOEFQ_CHECK(::lstat(path_.c_str(), &st) != 0 || S_ISREG(st.st_mode), path_, ": is now ", kind_of(st.st_mode),
+              "; outputs never replace anything but a regular file (nothing was written)");
   MOEFQ_CHECK(::rename(tmp_path_.c_str(), path_.c_str()) == 0, path_, ": cannot rename ", tmp_path_,
               " into place: ", error_text(errno));
   committed_ = true;
@@ -353,6 +448,7 @@ void check_output_dir(const std::string& path_in, std::string_view what, std::sp
     struct stat cwd {};
     MOEFQ_CHECK(::stat(".", &cwd) != 0 || cwd.st_dev != st.st_dev || cwd.st_ino != st.st_ino, w,
                 ": is the working directory; give another directory (it is replaced as a whole)");
+    check_not_mount_root(path, w);
     const std::vector<std::string> foreign = foreign_entries(path, names);
     MOEFQ_CHECK(foreign.empty(), w, ": holds other entries (", join(foreign), foreign.size() >= 4 ? ", ..." : "",
                 "); the directory is replaced as a whole, so give a new or empty directory, or one that holds "
@@ -370,7 +466,7 @@ void check_output_dir(const std::string& path_in, std::string_view what, std::sp
                     "; the directory is replaced as a whole, so give another directory");
       }
     }
-    probe_writable(path + ".tmp.XXXXXX", true, w, parent_of(path));
+    probe_writable(temp_template(path), true, w, parent_of(path));
     return;
   }
   const int err = errno;
@@ -391,7 +487,7 @@ AtomicDirectory::AtomicDirectory(std::string path, std::span<const std::string_v
   std::error_code ec;
   if (!parent.empty()) fs::create_directories(parent, ec);
   MOEFQ_CHECK(!ec, path_, ": cannot create the directory ", parent.string(), ": ", ec.message());
-  std::string tmpl = path_ + ".tmp.XXXXXX";
+  std::string tmpl = temp_template(path_);
   MOEFQ_CHECK(create_unique(tmpl, true) >= 0, path_, ": cannot create a temporary directory in ",
               parent_of(path_), ": ", error_text(errno));
   tmp_path_ = tmpl;
@@ -473,7 +569,7 @@ void AtomicDirectory::commit() {
     // place. Between the two renames the target is absent (no files rather than mixed ones).
     for (int attempt = 0; attempt < 16 && !published; ++attempt) {
       check_replaceable();
-      std::string aside = path_ + ".old.XXXXXX";
+      std::string aside = temp_template(path_, ".old.XXXXXX");
       MOEFQ_CHECK(::mkdtemp(aside.data()) != nullptr, path_, ": cannot create a temporary directory: ",
                   error_text(errno));
       // rename(2) replaces the empty directory `aside`.
@@ -513,8 +609,58 @@ void AtomicDirectory::commit() {
 
 // ---------------------------------------------------------------------------------------------
 
+std::string filesystem_error_message(const std::filesystem::filesystem_error& e) {
+  std::string m = e.path1().empty() ? std::string("a path") : e.path1().string();
+  if (!e.path2().empty()) m += " (and " + e.path2().string() + ")";
+  return m + ": " + e.code().message();
+}
+
+std::string terminal_safe(std::string_view s, bool keep_newlines) {
+  std::string out;
+  out.reserve(s.size());
+  char buf[16];
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out += char(c);
+      ++i;
+      continue;
+    }
+    if (c < 0x80) {  // C0 controls and DEL
+      if (keep_newlines && (c == '\n' || c == '\t')) out += char(c);
+      else if (c == '\n') out += "\\n";
+      else if (c == '\t') out += "\\t";
+      else if (c == '\r') out += "\\r";
+      else {
+        std::snprintf(buf, sizeof buf, "\\x%02x", c);
+        out += buf;
+      }
+      ++i;
+      continue;
+    }
+    // A UTF-8 sequence: its length from the lead byte, then continuation bytes.
+    const size_t len = c >= 0xf0 && c < 0xf5 ? 4 : c >= 0xe0 ? 3 : c >= 0xc2 && c < 0xe0 ? 2 : 0;
+    bool valid = len > 0 && i + len <= s.size();
+    for (size_t k = 1; valid && k < len; ++k) valid = (static_cast<unsigned char>(s[i + k]) & 0xc0) == 0x80;
+    if (!valid) {
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+      ++i;
+      continue;
+    }
+    if (len == 2 && c == 0xc2 && static_cast<unsigned char>(s[i + 1]) < 0xa0) {  // C1 controls, U+0080-U+009F
+      std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned char>(s[i + 1]));
+      out += buf;
+    } else {
+      out.append(s.substr(i, len));
+    }
+    i += len;
+  }
+  return out;
+}
+
 void install_cleanup_signal_handlers() {
-  constexpr int kCleanup[] = {SIGINT, SIGTERM, SIGHUP};
+  constexpr int kCleanup[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGVTALRM, SIGPROF};
   for (int sig : kCleanup) {
     struct sigaction old {};
     if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) continue;
@@ -526,13 +672,16 @@ void install_cleanup_signal_handlers() {
   }
   // A handler that does nothing rather than SIG_IGN: an ignored signal stays ignored in the
   // programs `moefq launch` starts, a handled one is reset to its default by exec.
-  struct sigaction old {};
-  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
+  // SIGXFSZ likewise: over a file size limit (`ulimit -f`) a write then fails with EFBIG, which
+  // ends the command like a full disk (a message, nothing published, the temporaries removed).
+  for (int sig : {SIGPIPE, SIGXFSZ}) {
+    struct sigaction old {};
+    if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) continue;
     struct sigaction sa {};
     sa.sa_handler = ignore_signal;
     sa.sa_flags = SA_RESTART;
     sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGPIPE, &sa, nullptr);
+    ::sigaction(sig, &sa, nullptr);
   }
 }
 

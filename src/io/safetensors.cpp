@@ -5,6 +5,10 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <ostream>
+#include <set>
+#include <unordered_set>
 #include <limits>
 #include <tuple>
 #include <nlohmann/json.hpp>
@@ -92,41 +96,137 @@ uint64_t load_u64_le(const uint8_t* p) {
 // while parsing so a hostile header cannot build a deep tree.
 constexpr int kMaxJsonDepth = 8;
 
-Json parse_header_json(std::string_view text, const std::string& what) {
-  // nlohmann keeps the last of duplicate keys silently; track the keys of every open object.
-  std::vector<std::set<std::string>> open_objects;
-  auto callback = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    switch (event) {
-      case Json::parse_event_t::object_start:
-      case Json::parse_event_t::array_start:
-        MOEFQ_CHECK(depth < kMaxJsonDepth, what, ": header nests deeper than ", kMaxJsonDepth,
-                    " levels; a safetensors header is at most 3 deep");
-        if (event == Json::parse_event_t::object_start) open_objects.emplace_back();
-        break;
-      case Json::parse_event_t::object_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case Json::parse_event_t::key: {
-        const std::string& key = parsed.get_ref<const std::string&>();
-        MOEFQ_CHECK(!open_objects.empty() && open_objects.back().insert(key).second, what,
-                    ": header has the key ", quote(key), " twice in one object");
-        break;
-      }
-      default:
-        break;
+// Reads the header as a stream of SAX events and hands each member of the root object to
+// `on_member` as soon as it is complete: the parse is linear in the header's size (one hash
+// lookup per root key; a DOM parser with a duplicate-key callback rescanned the whole root object
+// after every entry, which made a header of many tensors quadratic), and only one entry's tree
+// exists at a time. Duplicate keys in any object and nesting deeper than kMaxJsonDepth are errors.
+class HeaderReader {
+ public:
+  using Member = std::function<void(const std::string& key, const Json& value)>;
+  HeaderReader(std::string what, Member on_member) : what_(std::move(what)), on_member_(std::move(on_member)) {}
+
+  void parse(std::string_view text) {
+    root_keys_.reserve(text.size() / 64);  // an entry takes 60 bytes or more
+    // sax_parse reports a syntax error through parse_error (which throws) or returns false.
+    const bool ok = Json::sax_parse(text.begin(), text.end(), this, nlohmann::detail::input_format_t::json,
+                                    /*strict=*/true, /*ignore_comments=*/false);
+    MOEFQ_CHECK(ok, what_, ": header is not valid JSON");
+    MOEFQ_CHECK(root_type_.empty(), what_, ": header is a JSON ", root_type_,
+                ", expected an object mapping tensor names to {dtype, shape, data_offsets}");
+  }
+
+  // ---- nlohmann's SAX interface.
+  bool null() { return value(Json(nullptr)); }
+  bool boolean(bool v) { return value(Json(v)); }
+  bool number_integer(Json::number_integer_t v) { return value(Json(v)); }
+  bool number_unsigned(Json::number_unsigned_t v) { return value(Json(v)); }
+  bool number_float(Json::number_float_t v, const std::string&) { return value(Json(v)); }
+  bool string(std::string& v) { return value(Json(std::move(v))); }
+  bool binary(Json::binary_t& v) { return value(Json::binary(std::move(v))); }
+  bool start_object(std::size_t) { return open(Json::object()); }
+  bool start_array(std::size_t) { return open(Json::array()); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+  bool key(std::string& k) {
+    if (depth_ == 1) {
+      MOEFQ_CHECK(root_keys_.insert(k).second, what_, ": header has the key ", quote(k), " twice in one object");
+      member_key_ = std::move(k);
+    } else {
+      MOEFQ_CHECK(nested_keys_.back().insert(k).second, what_, ": header has the key ", quote(k),
+                  " twice in one object");
+      key_ = std::move(k);
     }
     return true;
-  };
-  try {
-    return Json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true,
-                       /*ignore_comments=*/false);
-  } catch (const Json::exception& e) {
-    MOEFQ_FAIL(ErrorKind::kBadInput, what, ": header is not valid JSON: ", e.what());
   }
-}
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
+    MOEFQ_FAIL(ErrorKind::kBadInput, what_, ": header is not valid JSON: ", e.what());
+  }
+
+ private:
+  // A scalar: the root itself (not an object), a member of the root, or inside a member.
+  bool value(Json v) {
+    if (depth_ == 0) {
+      root_type_ = v.type_name();
+    } else if (depth_ == 1) {
+      on_member_(member_key_, v);
+    } else {
+      insert(std::move(v));
+    }
+    return true;
+  }
+  bool open(Json container) {
+    MOEFQ_CHECK(depth_ < kMaxJsonDepth, what_, ": header nests deeper than ", kMaxJsonDepth,
+                " levels; a safetensors header is at most 3 deep");
+    const bool object = container.is_object();
+    ++depth_;
+    if (depth_ == 1) {
+      if (!object) root_type_ = container.type_name();
+      MOEFQ_CHECK(object, what_, ": header is a JSON ", root_type_,
+                  ", expected an object mapping tensor names to {dtype, shape, data_offsets}");
+      return true;
+    }
+    if (depth_ == 2) {
+      member_ = std::move(container);
+      open_.assign(1, &member_);
+    } else {
+      open_.push_back(&insert(std::move(container)));
+    }
+    if (object) nested_keys_.emplace_back();
+    return true;
+  }
+  bool close() {
+    if (depth_ >= 2) {
+      if (open_.back()->is_object()) nested_keys_.pop_back();
+      open_.pop_back();
+      if (depth_ == 2) on_member_(member_key_, member_);
+    }
+    --depth_;
+    return true;
+  }
+  // Adds v to the innermost open container (an array, or an object under the last key) and
+  // returns where it went. The containers above it get nothing until it closes, so the pointers
+  // to them stay valid.
+  Json& insert(Json v) {
+    Json& top = *open_.back();
+    if (top.is_array()) {
+      top.push_back(std::move(v));
+      return top.back();
+    }
+    return top[key_] = std::move(v);
+  }
+
+  std::string what_;
+  Member on_member_;
+  int depth_ = 0;
+  std::string root_type_;                       // when the root is not an object
+  std::unordered_set<std::string> root_keys_;   // every key of the root object so far
+  std::string member_key_, key_;                // the root member being read; the last nested key
+  Json member_;                                 // its value, while it is a container
+  std::vector<Json*> open_;                     // the open containers inside it
+  std::vector<std::set<std::string>> nested_keys_;
+};
 
 // Reads a non-negative JSON integer that fits `limit`; `field` names it in messages.
-uint64_t get_unsigned(const Json& v, uint64_t limit, const std::string& where, const std::string& field) {
+// "FILE: tensor NAME" for messages, built only when one is made (a header may hold millions of entries).
+struct Where {
+  const std::string& what;
+  const std::string& name;
+};
+std::ostream& operator<<(std::ostream& os, const Where& w) { return os << w.what << ": tensor " << quote(w.name); }
+
+// A field's name for messages, with its index when it has one ("shape dimension 2").
+struct Field {
+  const char* name;
+  int64_t index = -1;
+};
+std::ostream& operator<<(std::ostream& os, const Field& f) {
+  os << f.name;
+  if (f.index >= 0) os << ' ' << std::to_string(f.index);
+  return os;
+}
+
+uint64_t get_unsigned(const Json& v, uint64_t limit, const Where& where, const Field& field) {
   if (v.is_number_unsigned()) {
     const uint64_t x = v.get<uint64_t>();
     MOEFQ_CHECK(x <= limit, where, ": ", field, " is ", x, ", larger than the maximum ", limit);
@@ -139,7 +239,7 @@ uint64_t get_unsigned(const Json& v, uint64_t limit, const std::string& where, c
              ", expected a non-negative integer");
 }
 
-const Json& require_field(const Json& entry, const char* field, const std::string& where) {
+const Json& require_field(const Json& entry, const char* field, const Where& where) {
   auto it = entry.find(field);
   MOEFQ_CHECK(it != entry.end(), where, ": missing \"", field, "\"");
   return *it;
@@ -147,7 +247,7 @@ const Json& require_field(const Json& entry, const char* field, const std::strin
 
 TensorInfo parse_tensor_entry(const std::string& name, const Json& entry, uint64_t data_size,
                               const std::string& what) {
-  const std::string where = what + ": tensor " + quote(name);
+  const Where where{what, name};
   MOEFQ_CHECK(entry.is_object(), where, ": entry is a JSON ", entry.type_name(),
               ", expected an object with \"dtype\", \"shape\" and \"data_offsets\"");
   TensorInfo info;
@@ -168,7 +268,7 @@ TensorInfo parse_tensor_entry(const std::string& name, const Json& entry, uint64
   info.shape.reserve(shape.size());
   for (size_t i = 0; i < shape.size(); ++i) {
     const uint64_t d = get_unsigned(shape[i], std::numeric_limits<int64_t>::max(), where,
-                                    "shape dimension " + std::to_string(i));
+                                    Field{"shape dimension", int64_t(i)});
     info.shape.push_back(static_cast<int64_t>(d));
   }
   const std::optional<uint64_t> num_bytes = checked_byte_count(info.shape, st_dtype_size(info.dtype));
@@ -181,8 +281,8 @@ TensorInfo parse_tensor_entry(const std::string& name, const Json& entry, uint64
                                  : std::string("a JSON ") + offsets.type_name(),
               ", expected [begin, end]");
   const uint64_t kAny = std::numeric_limits<uint64_t>::max();
-  info.begin = get_unsigned(offsets[0], kAny, where, "data_offsets begin");
-  info.end = get_unsigned(offsets[1], kAny, where, "data_offsets end");
+  info.begin = get_unsigned(offsets[0], kAny, where, Field{"data_offsets begin"});
+  info.end = get_unsigned(offsets[1], kAny, where, Field{"data_offsets end"});
   MOEFQ_CHECK(info.begin <= info.end, where, ": data_offsets [", info.begin, ", ", info.end,
               "] has begin > end");
   MOEFQ_CHECK(info.end <= data_size, where, ": data_offsets [", info.begin, ", ", info.end,
@@ -258,21 +358,16 @@ SafetensorsHeader parse_header(std::span<const uint8_t> head, uint64_t file_size
   MOEFQ_ASSERT(head.size() >= 8 + header_len, what, ": the header was not read whole");
 
   const std::string_view text(reinterpret_cast<const char*>(head.data()) + 8, header_len);
-  const Json root = parse_header_json(text, what);
-  MOEFQ_CHECK(root.is_object(), what, ": header is a JSON ", root.type_name(),
-              ", expected an object mapping tensor names to {dtype, shape, data_offsets}");
-
   SafetensorsHeader header;
   header.data_start = 8 + header_len;
   const uint64_t data_size = after_prefix - header_len;
-  header.tensors.reserve(root.size());
-  for (const auto& [key, value] : root.items()) {
-    if (key == "__metadata__") {
+  HeaderReader reader(what, [&](const std::string& key, const Json& value) {
+    if (key == "__metadata__")
       parse_metadata(value, header.metadata, what);
-    } else {
+    else
       header.tensors.push_back(parse_tensor_entry(key, value, data_size, what));
-    }
-  }
+  });
+  reader.parse(text);
   std::sort(header.tensors.begin(), header.tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
     return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
   });
@@ -361,6 +456,12 @@ void SafetensorsWriter::set_metadata(std::string key, std::string value) {
 }
 
 void SafetensorsWriter::write(const std::string& path) const {
+  AtomicFile out(path);
+  write_to(out);
+  out.publish();
+}
+
+void SafetensorsWriter::write_to(AtomicFile& out) const {
   Json header = Json::object();
   uint64_t offset = 0;
   for (const Pending& t : tensors_) {
@@ -372,16 +473,15 @@ void SafetensorsWriter::write(const std::string& path) const {
   std::string text = header.dump();
   // Readers may reinterpret the data in place; start it on an 8-byte boundary.
   text.append((8 - (8 + text.size()) % 8) % 8, ' ');
-  MOEFQ_CHECK(text.size() <= kMaxSafetensorsHeaderBytes, path, ": header of ", text.size(),
+  MOEFQ_CHECK(text.size() <= kMaxSafetensorsHeaderBytes, out.path(), ": header of ", text.size(),
               " bytes exceeds the ", kMaxSafetensorsHeaderBytes, "-byte limit readers accept");
 
-  AtomicFile out(path);
   uint8_t prefix[8];
   for (int i = 0; i < 8; ++i) prefix[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
   out.write(prefix, sizeof(prefix));
   out.write(text.data(), text.size());
   for (const Pending& t : tensors_) out.write(t.bytes.data(), t.bytes.size());
-  out.commit();
+  out.finish();
 }
 
 }  // namespace moefq

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <new>
 #include <nlohmann/json.hpp>
 
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
+#include "moefq/host_memory.h"
 
 namespace moefq {
 namespace {
@@ -165,11 +167,16 @@ void write_calibration_file(const std::string& path, const CalibrationFile& file
 CalibrationFile read_calibration_file(const std::string& path_arg, const std::string& where_arg) {
   const std::string& path = where_arg.empty() ? path_arg : where_arg;
   const std::string text = read_regular_file(path_arg, kMaxCalibrationFileBytes, path);
+  // A calibration file nests 4 deep (root, quantizers, an entry, rank_amax).
+  check_json_text(text, path, 16);
   json root;
   try {
     root = json::parse(text);
   } catch (const json::exception& e) {
     MOEFQ_FAIL(ErrorKind::kBadInput, path, ": not a valid calibration file (malformed JSON: ", e.what(), ")");
+  } catch (const std::bad_alloc&) {
+    MOEFQ_FAIL(ErrorKind::kBadInput, path, ": ran out of memory while reading this ", format_bytes(text.size()),
+               " calibration file");
   }
   MOEFQ_CHECK(root.is_object(), path, ": a calibration file is a JSON object with 'version' and 'quantizers'");
   MOEFQ_CHECK(root.contains("version") && root["version"].is_number_integer(), path, ": 'version' must be an integer");

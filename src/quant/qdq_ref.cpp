@@ -17,6 +17,13 @@ const char* format_name(Format f) {
     case Format::kFp8Block128: return "fp8_block128";
     case Format::kFp8Block128Ue8m0: return "fp8_block128_ue8m0";
     case Format::kLogfmt10: return "logfmt10";
+    case Format::kFp8Cast: return "fp8_cast";
+    case Format::kFp8CastNan: return "fp8_cast_nan";
+    case Format::kFp8Block128Ue8m0NoFloor: return "fp8_block128_ue8m0_nofloor";
+    case Format::kFp8Block128Mori: return "fp8_block128_mori";
+    case Format::kFp4Block128Mori: return "fp4_block128_mori";
+    case Format::kFp8Block128DeepGemm: return "fp8_block128_deepgemm";
+    case Format::kFp8Block128Vllm: return "fp8_block128_vllm";
   }
   return "?";
 }
@@ -41,6 +48,11 @@ int format_block_size(Format f) {
     case Format::kFp8Block128:
     case Format::kFp8Block128Ue8m0: return kFp8BlockSize;
     case Format::kLogfmt10: return kLogFmtBlock;
+    case Format::kFp8Block128Ue8m0NoFloor:
+    case Format::kFp8Block128Mori:
+    case Format::kFp4Block128Mori:
+    case Format::kFp8Block128DeepGemm:
+    case Format::kFp8Block128Vllm: return kPeerBlock;
     default: return 0;
   }
 }
@@ -56,13 +68,20 @@ double wire_bytes_per_row(std::optional<Format> f, int64_t cols) {
   if (!f) return 2.0 * double(cols);
   switch (*f) {
     case Format::kFp8:
-    case Format::kInt8: return double(cols);
+    case Format::kInt8:
+    case Format::kFp8Cast:
+    case Format::kFp8CastNan: return double(cols);
     case Format::kNvfp4: return nibbles + blocks(kNvfp4Block);
     case Format::kMxfp8: return double(cols) + blocks(kMxBlock);
     case Format::kMxfp4: return nibbles + blocks(kMxBlock);
     case Format::kFp8Block128: return double(cols) + 4.0 * blocks(kFp8BlockSize);
     case Format::kFp8Block128Ue8m0: return double(cols) + blocks(kFp8BlockSize);
     case Format::kLogfmt10: return double((cols * 10 + 7) / 8) + 4.0 * blocks(kLogFmtBlock);
+    case Format::kFp8Block128Ue8m0NoFloor: return double(cols) + blocks(kPeerBlock);
+    case Format::kFp8Block128Mori:
+    case Format::kFp8Block128DeepGemm:
+    case Format::kFp8Block128Vllm: return double(cols) + 4.0 * blocks(kPeerBlock);
+    case Format::kFp4Block128Mori: return nibbles + 4.0 * blocks(kPeerBlock);
   }
   MOEFQ_FAIL(ErrorKind::kInternal, "wire_bytes_per_row: unknown format");
 }
@@ -127,6 +146,16 @@ void logfmt_row(const T* x, T* y, int64_t cols) {
   }
 }
 
+// A peer rule (numerics.h): per block of kPeerBlock (per element for the unscaled casts).
+template <PeerRule R, typename T>
+void peer_impl(const T* x, T* y, int64_t rows, int64_t cols) {
+  constexpr bool kBlocked = R != PeerRule::kFp8Cast && R != PeerRule::kFp8CastNan;
+  for_each_block(
+      x, y, rows, cols, kBlocked ? kPeerBlock : 1,
+      [](const T* b, int64_t len) { return peer_params<R>(kBlocked ? block_amax(b, len) : 0.0f); },
+      [](float v, PeerParams p) { return peer_qdq<R>(v, p); });
+}
+
 template <typename T>
 void qdq_impl(Format f, const T* x, T* y, int64_t rows, int64_t cols, float amax) {
   MOEFQ_ASSERT(rows >= 0 && cols >= 0, "qdq_ref: negative shape");
@@ -175,6 +204,13 @@ void qdq_impl(Format f, const T* x, T* y, int64_t rows, int64_t cols, float amax
     case Format::kLogfmt10:
       for (int64_t r = 0; r < rows; ++r) logfmt_row(x + r * cols, y + r * cols, cols);
       return;
+    case Format::kFp8Cast: return peer_impl<PeerRule::kFp8Cast>(x, y, rows, cols);
+    case Format::kFp8CastNan: return peer_impl<PeerRule::kFp8CastNan>(x, y, rows, cols);
+    case Format::kFp8Block128Ue8m0NoFloor: return peer_impl<PeerRule::kUe8m0NoFloor>(x, y, rows, cols);
+    case Format::kFp8Block128Mori: return peer_impl<PeerRule::kMoriFp8Block>(x, y, rows, cols);
+    case Format::kFp4Block128Mori: return peer_impl<PeerRule::kMoriFp4Block>(x, y, rows, cols);
+    case Format::kFp8Block128DeepGemm: return peer_impl<PeerRule::kDeepGemmBlock>(x, y, rows, cols);
+    case Format::kFp8Block128Vllm: return peer_impl<PeerRule::kVllmBlock>(x, y, rows, cols);
   }
 }
 

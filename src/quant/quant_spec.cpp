@@ -49,6 +49,13 @@ std::string QuantSpec::describe() const {
     case Format::kFp8Block128: s += " (e4m3, block 128, fp32 scales)"; break;
     case Format::kFp8Block128Ue8m0: s += " (e4m3, block 128, ue8m0 scales)"; break;
     case Format::kLogfmt10: s += " (10-bit log, block 128, bf16 fallback)"; break;
+    case Format::kFp8Cast: s += " (e4m3, no scale, saturating)"; break;
+    case Format::kFp8CastNan: s += " (e4m3, no scale, NaN beyond 448)"; break;
+    case Format::kFp8Block128Ue8m0NoFloor: s += " (e4m3, block 128, ue8m0 scales, no amax floor)"; break;
+    case Format::kFp8Block128Mori: s += " (e4m3, block 128, fp32 scales only above 448)"; break;
+    case Format::kFp4Block128Mori: s += " (e2m1, block 128, fp32 scales)"; break;
+    case Format::kFp8Block128DeepGemm: s += " (e4m3, block 128, fp32 scales, x * (1 / sf))"; break;
+    case Format::kFp8Block128Vllm: s += " (e4m3, block 128, fp32 scales, x / sf)"; break;
   }
   if (format_has_global_amax(format)) {
     s += detail::concat(", amax ", amax_source_name(amax_source));

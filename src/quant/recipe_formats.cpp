@@ -49,6 +49,15 @@ const Row kRows[] = {
     {Bits::fp(4, 3), 128, {}, Format::kFp8Block128},
     {Bits::fp(4, 3), 128, Bits::fp(8, 0), Format::kFp8Block128Ue8m0},
     {Bits{Bits::Kind::kName, 0, 0, 0, "logfmt10"}, 0, {}, Format::kLogfmt10},
+    // The other peers' wire formats (docs/numerics.md), by name: moefq extensions of num_bits, each
+    // with the peer's own block and scale rule.
+    {Bits{Bits::Kind::kName, 0, 0, 0, "fp8_cast"}, 0, {}, Format::kFp8Cast},
+    {Bits{Bits::Kind::kName, 0, 0, 0, "fp8_cast_nan"}, 0, {}, Format::kFp8CastNan},
+    {Bits{Bits::Kind::kName, 0, 0, 0, "fp8_block128_ue8m0_nofloor"}, 0, {}, Format::kFp8Block128Ue8m0NoFloor},
+    {Bits{Bits::Kind::kName, 0, 0, 0, "fp8_block128_mori"}, 0, {}, Format::kFp8Block128Mori},
+    {Bits{Bits::Kind::kName, 0, 0, 0, "fp4_block128_mori"}, 0, {}, Format::kFp4Block128Mori},
+    {Bits{Bits::Kind::kName, 0, 0, 0, "fp8_block128_deepgemm"}, 0, {}, Format::kFp8Block128DeepGemm},
+    {Bits{Bits::Kind::kName, 0, 0, 0, "fp8_block128_vllm"}, 0, {}, Format::kFp8Block128Vllm},
 };
 
 std::string describe_row(const Row& r) {

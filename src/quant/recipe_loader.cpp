@@ -19,6 +19,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
@@ -122,12 +123,93 @@ class IgnoreEvents : public YAML::EventHandler {
   void OnMapEnd() override {}
 };
 
+// An upper estimate of the nesting of a YAML text, from the text alone: the chain of ever deeper
+// indentations, the indicators that open a level within one line ("- - x", "? k", ": v") and flow
+// brackets, outside quotes, comments and block scalars. yaml-cpp recurses once per level while it
+// parses, before the Converter's depth check sees the tree, so a deep document would overflow a
+// small stack first: this scan runs before it.
+int yaml_nesting_estimate(std::string_view text) {
+  constexpr size_t kNone = std::string_view::npos;
+  std::vector<size_t> indents;
+  int flow = 0, deepest = 0;
+  char quote = 0;
+  size_t block_scalar = kNone;  // the indentation of the line that opened a | or > block
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == kNone) end = text.size();
+    const std::string_view line = text.substr(pos, end - pos);
+    pos = end + 1;
+    size_t indent = 0;
+    while (indent < line.size() && line[indent] == ' ') ++indent;
+    std::string_view content = line.substr(indent);
+    while (!content.empty() && (content.back() == '\r' || content.back() == ' ' || content.back() == '\t'))
+      content.remove_suffix(1);
+    int depth = int(indents.size());
+    size_t i = 0;
+    if (quote == 0 && flow == 0) {
+      if (block_scalar != kNone) {
+        if (content.empty() || indent > block_scalar) continue;
+        block_scalar = kNone;
+      }
+      if (content.empty() || content[0] == '#') continue;
+      while (!indents.empty() && indents.back() >= indent) indents.pop_back();
+      indents.push_back(indent);
+      depth = int(indents.size());
+      while (i < content.size() && (content[i] == '-' || content[i] == '?' || content[i] == ':') &&
+             (i + 1 == content.size() || content[i + 1] == ' ')) {
+        ++depth;
+        i += 2;
+        while (i < content.size() && content[i] == ' ') ++i;
+      }
+    }
+    deepest = std::max(deepest, depth + flow);
+    size_t last = kNone;  // the last character outside quotes and comments
+    for (; i < content.size(); ++i) {
+      const char c = content[i];
+      if (quote == '\'') {
+        if (c == '\'') {
+          if (i + 1 < content.size() && content[i + 1] == '\'') ++i;
+          else quote = 0;
+        }
+        continue;
+      }
+      if (quote == '"') {
+        if (c == '\\') ++i;
+        else if (c == '"') quote = 0;
+        continue;
+      }
+      const char before = i == 0 ? ' ' : content[i - 1];
+      const bool token_start = before == ' ' || before == '\t' || before == '[' || before == '{' || before == ',' ||
+                               before == ':' || before == '-';
+      if (c == '#' && (before == ' ' || before == '\t')) break;
+      if ((c == '\'' || c == '"') && token_start) {
+        quote = c;
+        continue;
+      }
+      if (c == '[' || c == '{') deepest = std::max(deepest, depth + ++flow);
+      if ((c == ']' || c == '}') && flow > 0) --flow;
+      last = i;
+    }
+    // A literal or folded block scalar (| or >, with its indicators): its lines are text.
+    if (quote == 0 && flow == 0 && last != kNone) {
+      size_t k = last;
+      while (k > 0 && (std::isdigit(static_cast<unsigned char>(content[k])) || content[k] == '+' || content[k] == '-'))
+        --k;
+      if ((content[k] == '|' || content[k] == '>') && (k == 0 || content[k - 1] == ' ')) block_scalar = indent;
+    }
+  }
+  return deepest;
+}
+
 // One or two documents. The documents are counted first with an event parser that stops at
 // three: YAML::LoadAll never returns on some malformed input (a stray ',' reads as endless empty
 // documents), so it only runs once the count is known to be small.
 std::vector<YAML::Node> parse_documents(std::string_view text, const std::string& display) {
   if (text.size() > kMaxFileBytes)
     fail_plain(display + ": " + std::to_string(text.size()) + " bytes is too large for a recipe (limit 1 MiB)");
+  if (yaml_nesting_estimate(text) > kMaxNesting)
+    fail_plain(display + ": the document nests more than " + std::to_string(kMaxNesting) + " levels deep");
   std::vector<YAML::Node> docs;
   int num_docs = 0;
   try {
@@ -221,16 +303,26 @@ NodePtr without_key(const Node& map, std::string_view key) {
   return n;
 }
 
-// Sets key to value in a mapping: replaced in place when present (document order kept), else
-// appended, as a Python dict update does.
-void set_item(Node& map, MapItem item) {
-  for (MapItem& it : map.map)
-    if (it.key == item.key) {
-      it = std::move(item);
-      return;
-    }
-  map.map.push_back(std::move(item));
-}
+// Builds a mapping by setting keys: a key already there is replaced in place (document order
+// kept), a new one appended, as a Python dict update does. The keys are indexed, so that merging
+// mappings of many keys stays linear.
+class MapSetter {
+ public:
+  explicit MapSetter(Node& map) : map_(map) {
+    for (size_t i = 0; i < map_.map.size(); ++i) at_.emplace(map_.map[i].key, i);
+  }
+  void set(MapItem item) {
+    const auto [it, added] = at_.emplace(item.key, map_.map.size());
+    if (added)
+      map_.map.push_back(std::move(item));
+    else
+      map_.map[it->second] = std::move(item);
+  }
+
+ private:
+  Node& map_;
+  std::unordered_map<std::string, size_t> at_;
+};
 
 bool plain_unit_name(const std::string& name) {
   return !name.empty() && name[0] != '.' && std::all_of(name.begin(), name.end(), [](char c) {
@@ -343,6 +435,15 @@ class Resolver {
   }
 
   Document file(const fs::path& path, const std::string& display, const std::string& imported_by) {
+    // A file read again in one load (a diamond of imports: two units importing one numerics file)
+    // resolves to the same tree: it is parsed and resolved once. Its nodes keep the provenance of
+    // the first import (the importing chain shown in messages).
+    const std::string key = canonical_key(path);
+    if (const auto cached = cache_.find(key); cached != cache_.end()) {
+      Document d = cached->second;
+      d.name = path.stem().string();
+      return d;
+    }
     if (++files_loaded_ > kMaxFileLoads)
       fail_plain(display + ": the recipe reads more than " + std::to_string(kMaxFileLoads) +
                  " files through its imports; check them for repeated imports");
@@ -360,6 +461,7 @@ class Resolver {
     }
     chain_.pop_back();
     d.name = path.stem().string();
+    cache_.emplace(key, d);
     return d;
   }
 
@@ -414,7 +516,8 @@ class Resolver {
         } else if (content->is_map() || content->is_null()) {
           auto merged = std::make_shared<Node>(*without_key(*header, "imports"));
           merged->kind = Node::Kind::kMap;
-          for (const MapItem& it : content->map) set_item(*merged, it);
+          MapSetter setter(*merged);
+          for (const MapItem& it : content->map) setter.set(it);
           body = merged;
         } else {
           fail_at(*content, "the second YAML document must be a mapping or a list, got " + show(*content));
@@ -572,6 +675,7 @@ class Resolver {
     const Node* ref = n->find(kImportKey);
     auto out = std::make_shared<Node>(*n);
     out->map.clear();
+    MapSetter setter(*out);
     std::vector<NodePtr> unit_lists;
     if (ref) {
       std::vector<const Node*> refs;
@@ -585,7 +689,7 @@ class Resolver {
           if (!im.data->is_map())
             fail_at(*r, "$import " + in_quotes(r->scalar) + " here merges into a mapping, but it is " + show(*im.data) +
                             " (schema " + short_schema(im.schema) + "); import a list where a list is expected");
-          for (const MapItem& it : im.data->map) set_item(*out, it);
+          for (const MapItem& it : im.data->map) setter.set(it);
         } else if (at_root) {
           unit_lists.push_back(unit_entries(*r, ctx));
         } else {
@@ -608,7 +712,7 @@ class Resolver {
       if (it.key == kImportKey) continue;
       MapItem r = it;
       r.value = resolve(it.value, ctx, false);
-      set_item(*out, std::move(r));
+      setter.set(std::move(r));
     }
     if (!unit_lists.empty()) prepend_to_quant_cfg(*out, unit_lists, *ref);
     return out;
@@ -679,6 +783,7 @@ class Resolver {
   std::string explicit_root_;
   int& files_loaded_;
   std::vector<std::pair<std::string, std::string>> chain_;  // (canonical path, display) being resolved
+  std::map<std::string, Document> cache_;  // canonical path -> the file resolved, for files read again
 };
 
 }  // namespace

@@ -517,6 +517,8 @@ std::string eval_report_json(const EvalResult& r) {
                   {"version", s.version},
                   {"device", s.device},
                   {"generated", utc_now()},
+                  {"staging", staging_name(s.staging)},
+                  {"baseline", staging_baseline(s.staging)},
                   {"config", config},
                   {"calibration", calibration},
                   {"results", results},
@@ -564,6 +566,34 @@ std::string eval_report_csv(const EvalResult& r) {
   return out;
 }
 
+namespace {
+// The peers' recipes (moefq eval --sweep peers) grouped by system: each recipe's formats, mean and
+// worst rel_l2 over the layers and wire bytes per token; "" when the run has none.
+std::string peers_section(const EvalResult& r) {
+  std::vector<std::string> peers;
+  for (const RecipeSummary& x : r.summary) {
+    const std::string p = peer_of(x.recipe);
+    if (!p.empty() && std::find(peers.begin(), peers.end(), p) == peers.end()) peers.push_back(p);
+  }
+  if (peers.empty()) return "";
+  std::string h = "<h2>By peer</h2>\n<div class=\"scroll\"><table>\n<thead><tr><th>peer</th><th>recipe</th>"
+                  "<th>dispatch</th><th>combine</th><th>mean rel_l2</th><th>max rel_l2</th><th>B/token</th></tr>"
+                  "</thead>\n<tbody>\n";
+  for (const std::string& p : peers)
+    for (const RecipeSummary& x : r.summary) {
+      if (peer_of(x.recipe) != p) continue;
+      const auto row = std::find_if(r.rows.begin(), r.rows.end(), [&](const EvalRow& e) { return e.recipe == x.recipe; });
+      if (row == r.rows.end()) continue;
+      h += "<tr><td>" + esc(p) + "</td><td>" + esc(x.recipe) + "</td><td>" + cell(row->dispatch_format) + "</td><td>" +
+           cell(row->combine_format) + "</td><td class=\"n\">" + fmt(x.mean_rel_l2) + "</td><td class=\"n\">" +
+           fmt(x.max_rel_l2) + "</td><td class=\"n\">" + fmt(x.wire_bytes_per_token, "%.0f") + "</td></tr>\n";
+    }
+  return h + "</tbody>\n</table></div>\n<p class=\"note\">Each system's dispatch and combine as it computes them, "
+             "its router weight where it applies it (docs/numerics.md); B/token: dispatch + combine bytes per token on "
+             "the wire, bf16 where a side is not quantized.</p>\n";
+}
+}  // namespace
+
 std::string eval_report_html(const EvalResult& r) {
   const EvalSetup& s = r.setup;
   const bool several = s.layers.size() > 1;
@@ -589,6 +619,7 @@ std::string eval_report_html(const EvalResult& r) {
     meta("link", s.link.describe() + ", " + std::to_string(s.ranks) + " expert-parallel ranks x " +
                      std::to_string(s.tokens) + " tokens per batch");
   meta("router weight", std::string("applied ") + combine_weighting_name(s.combine_weighting) + " the combine");
+  meta("baseline", std::string("staging ") + staging_name(s.staging) + ": " + staging_baseline(s.staging));
   meta("device", s.device + " (back-end " + s.backend_kind + ")");
   meta("version", "moefq " + s.version);
   meta("generated", utc_now() + ", " + fmt(r.wall_seconds, "%.1f") + " s");
@@ -664,6 +695,7 @@ std::string eval_report_html(const EvalResult& r) {
     h += "</div>\n";
   }
 
+  h += peers_section(r);
   // Methods beyond max: each quantizer's amax per method and format, with its cost on the
   // calibration data.
   bool derived = false;

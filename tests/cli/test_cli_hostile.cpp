@@ -10,9 +10,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
+#include <functional>
+#include <limits>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -21,6 +25,7 @@
 #include "cli_test_util.h"
 #include "moefq_binary.h"
 #include "moefq/safetensors.h"
+#include "moefq/weights.h"
 #include "test_util.h"
 
 namespace moefq {
@@ -436,6 +441,262 @@ TEST_F(Hostile, BenchEngineCpuPlansItsMemory) {
                                      {"--tokens 1048576", "needs", "available", "memory plan"}, "ulimit -v 1048576;");
   EXPECT_EQ(r.err.find("ran out of memory"), std::string::npos) << describe(r);
   EXPECT_EQ(r.err.find("generating"), std::string::npos) << describe(r);
+}
+
+// 17. The outputs of one command are published together, after all were written: --report failing
+// (here over the file size limit, which also must not kill the run with SIGXFSZ) leaves --out as
+// it was. Under `ulimit -f` every command ends with exit 2 and a message, and no temporary.
+TEST_F(Hostile, OutputsArePublishedTogetherAndFileSizeLimitsAreFullDisks) {
+  // Many zero-size tensors: a small --out (a header), a large --report (a row per tensor).
+  SafetensorsWriter w;
+  for (int i = 0; i < 120; ++i) w.add("t" + std::to_string(i), StDtype::kBF16, {1, 0}, {});
+  w.write(path("zeros.safetensors").string());
+  std::ofstream(path("b.safetensors")) << "earlier";
+  const std::string qdq = "qdq --in zeros.safetensors --format fp8 --device cpu --out b.safetensors --report r.json";
+  RunResult r = expect_refused(qdq, {"r.json", "File too large", "nothing was written"}, "ulimit -f 16;");
+  EXPECT_EQ(read_text(path("b.safetensors")), "earlier") << describe(r);
+  // The report small enough: both are published.
+  r = moefq(qdq);
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_EQ(json::parse(read_text(path("r.json"))).at("results").size(), 120u);
+  EXPECT_NE(read_text(path("b.safetensors")), "earlier");
+  // The file size limit reached by each command's output (1 block of 512 bytes).
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"qdq --device cpu --sample-rows 64 --sample-cols 128 --out big.safetensors", "big.safetensors"},
+      {"eval " + kEval + " --out rep2", "rep2"},
+      {"calibrate " + kCalibrate + " --save cal2.json", "cal2.json"}};
+  for (const auto& [args, out] : cases) {
+    SCOPED_TRACE(args);
+    // The limit for moefq only: its messages go through a pipe to the log, which the limit
+    // would cut short.
+    r = run_in_work("((ulimit -f 1; timeout -s KILL 60 " + test::moefq_command(args) +
+                    " 2>&1; echo \"status $?\") | cat)");
+    EXPECT_NE(r.out.find("status 2\n"), std::string::npos) << describe(r);
+    EXPECT_NE(r.out.find("File too large"), std::string::npos) << describe(r);
+    EXPECT_FALSE(fs::exists(path(out))) << describe(r);
+    EXPECT_TRUE(leftovers().empty()) << leftovers().front();
+  }
+}
+
+// 18. Any name the file system allows works for an output (its temporary's name is cut short); a
+// name it does not allow, or a mount point, is refused before any work.
+TEST_F(Hostile, AnyLegalOutputNameWorksAndMountPointsAreRefused) {
+  for (const size_t len : {245u, 250u, 255u}) {
+    const std::string name(len, 'n');
+    RunResult r = moefq(kQdq + " --out " + name + " --report r" + name.substr(1));
+    ASSERT_EQ(r.status, 0) << len << "\n" << describe(r);
+    EXPECT_TRUE(fs::exists(path(name)));
+    EXPECT_TRUE(fs::exists(path("r" + name.substr(1))));
+    r = moefq("eval " + kEval + " --out d" + name.substr(1));
+    ASSERT_EQ(r.status, 0) << len << "\n" << describe(r);
+    EXPECT_TRUE(fs::exists(path("d" + name.substr(1)) / "report.json"));
+    r = moefq("eval " + kEval + " --out d" + name.substr(1));  // replacing it: the exchange's temporary
+    ASSERT_EQ(r.status, 0) << len << "\n" << describe(r);
+    r = moefq("eval " + kEval + " --out d" + name.substr(1), "MOEFQ_TEST_NO_RENAMEAT2=1");
+    ASSERT_EQ(r.status, 0) << len << "\n" << describe(r);
+    EXPECT_TRUE(leftovers().empty()) << leftovers().front();
+  }
+  RunResult r = expect_refused(kQdq + " --out " + std::string(256, 'n'), {"--out", "File name too long"});
+  EXPECT_EQ(r.err.find("[1/1]"), std::string::npos) << describe(r);
+  expect_refused("eval " + kEval + " --out " + std::string(256, 'd'), {"--out", "File name too long"});
+  // A regular file that is a mount point (a container's /etc/hosts, say), if this machine has one:
+  // refused up front, not after the work with "Device or resource busy".
+  std::ifstream mounts("/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(mounts, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, devno, root, point;
+    fields >> id >> parent >> devno >> root >> point;
+    if (!fs::is_regular_file(fs::symlink_status(point)) || ::access(fs::path(point).parent_path().c_str(), W_OK) != 0)
+      continue;
+    r = expect_refused(kQdq + " --out " + point, {"--out " + point, "mount point"});
+    EXPECT_EQ(r.err.find("[1/1]"), std::string::npos) << describe(r);
+    break;
+  }
+}
+
+// 19. A zero-size tensor costs nothing, whatever its other dimensions: every format copies it at
+// once (logfmt10 once looped over 2^40 rows), and a shape whose other dimensions overflow is fine.
+TEST_F(Hostile, ZeroSizeTensorsCostNothing) {
+  SafetensorsWriter w;
+  w.add("wide", StDtype::kBF16, {int64_t{1} << 40, 0}, {});
+  w.add("huge", StDtype::kBF16, {3, int64_t{1} << 62, 0}, {});
+  w.add("f", StDtype::kF32, {0, int64_t{1} << 62}, {});
+  w.write(path("z.safetensors").string());
+  for (const char* f : {"logfmt10", "fp8", "nvfp4", "mxfp4", "fp8_block128", "int8"}) {
+    SCOPED_TRACE(f);
+    const RunResult r = moefq(std::string("qdq --in z.safetensors --out zq.safetensors --device cpu --format ") + f);
+    ASSERT_EQ(r.status, 0) << describe(r);
+    const SafetensorsFile out = SafetensorsFile::open(path("zq.safetensors").string(), "zq");
+    ASSERT_NE(out.find("huge"), nullptr);
+    EXPECT_EQ(out.find("huge")->shape, (std::vector<int64_t>{3, int64_t{1} << 62, 0}));
+  }
+}
+
+// 20. NaN or inf in a checkpoint's block scales, weights or router: the error names the tensor and
+// its file, not the NaN it would become in a rank's calibration data.
+TEST_F(Hostile, NonFiniteCheckpointTensorsAreNamed) {
+  const MoeConfig cfg = test::small_config();
+  const auto write = [&](const std::string& dir, const std::function<void(LayerWeights&)>& spoil) {
+    fs::create_directories(path(dir));
+    std::ofstream(path(dir) / "config.json") << test::kSmallConfigJson;
+    LayerWeights lw = synthetic_weights(cfg, WeightFormat::kE4m3, 7, 0, cfg.num_experts);
+    spoil(lw);
+    test::FakeCheckpoint ckpt;
+    ckpt.add_layer(cfg, lw, 1);
+    ckpt.write(path(dir).string(), /*with_index=*/false);
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  write("nan_scale", [&](LayerWeights& lw) { lw.experts[3].down_scale[1] = nan; });
+  write("inf_scale", [&](LayerWeights& lw) { lw.shared[0].gate_up_scale[0] = -inf; });
+  write("nan_code", [&](LayerWeights& lw) { lw.experts[5].gate_up_e4m3[17] = 0x7f; });
+  write("inf_gate", [&](LayerWeights& lw) { lw.gate[2] = inf; });
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"nan_scale", "tensor model.layers.1.mlp.experts.3.down_proj.weight_scale_inv in nan_scale/model.safetensors"},
+      {"inf_scale", "model.layers.1.mlp.shared_experts.gate_proj.weight_scale_inv in inf_scale/model.safetensors"},
+      {"nan_code", "model.layers.1.mlp.experts.5.gate_proj.weight in nan_code/model.safetensors: element 17 is NaN"},
+      {"inf_gate", "model.layers.1.mlp.gate.weight in inf_gate/model.safetensors"}};
+  for (const auto& [dir, needle] : cases) {
+    const RunResult r = expect_refused("eval --checkpoint " + dir + " --layers 1 --device cpu --ranks 2 --tokens 16 "
+                                       "--calib-batches 1 --eval-batches 1 --recipe moe_combine_fp8",
+                                       {needle, "must be finite"});
+    EXPECT_EQ(r.err.find("calibration data"), std::string::npos) << describe(r);
+  }
+  // All-zero block scales are finite, but every recipe would look perfect: a warning, on stderr
+  // beside the table and in the report.
+  write("zero_scales", [](LayerWeights& lw) {
+    for (auto* experts : {&lw.experts, &lw.shared})
+      for (ExpertWeights& e : *experts) {
+        std::fill(e.gate_up_scale.begin(), e.gate_up_scale.end(), 0.0f);
+        std::fill(e.down_scale.begin(), e.down_scale.end(), 0.0f);
+      }
+  });
+  const RunResult r = moefq("eval --checkpoint zero_scales --layers 1 --device cpu --ranks 2 --tokens 16 "
+                            "--calib-batches 1 --eval-batches 1 --recipe moe_combine_fp8 --out zrep");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_NE(r.err.find("warning: layer 1: the reference output is all zero"), std::string::npos) << describe(r);
+  const json report = json::parse(read_text(path("zrep/report.json")));
+  ASSERT_EQ(report.at("warnings").size(), 1u) << report.at("warnings").dump();
+  EXPECT_NE(report.at("warnings")[0].get<std::string>().find("reference output is all zero"), std::string::npos);
+}
+
+// 21. Exit status 3 is for internal errors only, and a path the system refuses (a symbolic link
+// loop, a name too long) is bad input naming it, exit 2.
+TEST_F(Hostile, PathsTheSystemRefusesAreBadInput) {
+  // Outside the work directory, whose listing (before and after each run) would stumble on the loops.
+  const fs::path loops = path("..") / "loops";
+  fs::create_directories(loops / "ck");
+  fs::create_symlink("loop", loops / "loop");
+  fs::create_symlink("config.json", loops / "ck/config.json");
+  const std::string loop = (loops / "loop").string(), ck = (loops / "ck").string();
+  for (const std::string& dir : std::vector<std::string>{loop, ck, std::string(300, 'c'), loop + "/x"}) {
+    const RunResult r = expect_refused("eval --checkpoint " + dir + " --layers 1 --device cpu", {});
+    EXPECT_EQ(r.err.find("internal error"), std::string::npos) << describe(r);
+  }
+  for (const std::string& f : std::vector<std::string>{loop, std::string(300, 'c') + ".json"}) {
+    expect_refused("eval --config " + f + " --device cpu", {"--config"});
+    expect_refused(kQdq + " --out b.safetensors --in " + f, {"--in"});
+  }
+}
+
+// 22. Names from files are printed escaped: a tensor name with a newline or a terminal escape
+// cannot forge lines or drive the terminal, in progress lines, the table or messages.
+TEST_F(Hostile, NamesAreEscapedWhenPrinted) {
+  SafetensorsWriter w;
+  const std::vector<bf16> x = test::to_bf16(test::activations(2, 64, 3, /*specials=*/false));
+  w.add("evil\nrel_l2 0\x1b[2J\x1b]0;title\x07", StDtype::kBF16, {2, 64}, span_of(x));
+  w.write(path("evil.safetensors").string());
+  RunResult r = moefq("qdq --in evil.safetensors --out e.safetensors --format fp8 --device cpu");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  for (const std::string& s : {r.out, r.err}) {
+    EXPECT_EQ(s.find('\x1b'), std::string::npos) << describe(r);
+    EXPECT_EQ(s.find('\x07'), std::string::npos) << describe(r);
+  }
+  EXPECT_NE(r.out.find("evil\\nrel_l2 0\\x1b[2J"), std::string::npos) << describe(r);
+  EXPECT_NE(r.err.find("evil\\nrel_l2 0\\x1b[2J"), std::string::npos) << describe(r);
+  r = expect_refused("qdq --in evil.safetensors --out e2.safetensors --format fp8 --device cpu "
+                     "--tensor \"$(printf 'a\\033[31mb')\"",
+                     {"a\\x1b[31mb"});
+  EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << describe(r);
+  // A recipe named so: eval's progress lines and table.
+  fs::copy_file(fs::path(MOEFQ_RECIPE_DIR) / "configs/ptq/units/moe_combine_fp8.yaml", path("ev\x1b[31mil.yaml"));
+  r = moefq("eval " + kEvalBase + " --tokens 32 --recipe \"$(printf 'ev\\033[31mil.yaml')\"");
+  ASSERT_EQ(r.status, 0) << describe(r);
+  EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << describe(r);
+  EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << describe(r);
+  EXPECT_NE(r.out.find("ev\\x1b[31mil"), std::string::npos) << describe(r);
+}
+
+// 23. The terminating signals a user or a scheduler sends (SIGQUIT, SIGUSR1, SIGALRM...) remove the
+// temporaries too; the earlier output stays whole.
+TEST_F(Hostile, OtherTerminatingSignalsRemoveTemporaries) {
+  std::ofstream(path("b.safetensors")) << "earlier";
+  for (const int sig : {SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM}) {
+    SCOPED_TRACE("signal " + std::to_string(sig));
+    const auto before = listing();
+    const RunResult r = moefq(kQdq + " --out b.safetensors",
+                              "ulimit -c 0; MOEFQ_TEST_RAISE=atomic-file-write:" + std::to_string(sig));
+    EXPECT_EQ(r.status, 128 + sig) << describe(r);
+    EXPECT_EQ(listing(), before) << "a temporary was left";
+    EXPECT_EQ(read_text(path("b.safetensors")), "earlier");
+  }
+}
+
+// 24. A deeply nested recipe, calibration file or checkpoint index is refused before a parser
+// recurses into it, even under a small stack; the files a parser reads cannot take memory far
+// beyond their size.
+TEST_F(Hostile, DeepAndWideDocumentsAreRefusedBeforeParsing) {
+  std::string yaml = "quant_cfg:\n";
+  for (int i = 0; i < 1000; ++i) yaml += std::string(size_t(i + 1), ' ') + "k:\n";
+  std::ofstream(path("deep.yaml")) << yaml;
+  std::ofstream(path("flow.yaml")) << "quant_cfg: " << std::string(5000, '[') << std::string(5000, ']') << "\n";
+  std::ofstream(path("dash.yaml")) << "quant_cfg:\n" << [] {
+    std::string s;
+    for (int i = 0; i < 5000; ++i) s += "- ";
+    return s + "x\n";
+  }();
+  for (const char* f : {"deep.yaml", "flow.yaml", "dash.yaml"})
+    expect_refused("eval " + kEvalBase + " --tokens 32 --recipe " + f, {f, "nests more than"}, "ulimit -s 256;");
+  std::ofstream(path("cal.json")) << std::string(1 << 20, '[');
+  expect_refused("eval " + kEval + " --load-calibration cal.json", {"cal.json", "nests deeper"}, "ulimit -s 256;");
+  // Wide: a million empty objects, 3 bytes of text each, far more as a tree.
+  std::string wide = "{\"version\": 2, \"quantizers\": [{}";
+  for (int i = 1; i < 1'000'000; ++i) wide += ",{}";
+  wide += "]}";
+  std::ofstream(path("wide.json")) << wide;
+  expect_refused("eval " + kEval + " --load-calibration wide.json", {"wide.json", "JSON values"});
+  std::ofstream(path("deep_config.json")) << std::string(1 << 20, '{');
+  expect_refused("eval --config deep_config.json --device cpu", {"deep_config.json", "nests deeper"},
+                 "ulimit -s 256;");
+  test::write_checkpoint(path("ckpt"), {{1, 7}});
+  fs::remove(path("ckpt/model.safetensors"));
+  std::ofstream(path("ckpt/model.safetensors.index.json")) << std::string(1 << 20, '{');
+  expect_refused("eval --checkpoint ckpt --layers 1 --device cpu", {"model.safetensors.index.json", "nests deeper"},
+                 "ulimit -s 256;");
+}
+
+// 25. Recipe imports are linear in the size of what they import, and a file imported by several
+// units is read once per load: a numerics file of 100k keys imported through 8 units loads in a
+// moment (each import took seconds, and the loads added up).
+TEST_F(Hostile, LargeImportsLoadOnce) {
+  fs::create_directories(path("root/configs/numerics"));
+  fs::create_directories(path("root/configs/ptq/units"));
+  std::ofstream numerics(path("root/configs/numerics/big.yml"));
+  numerics << "# modelopt-schema: modelopt.torch.quantization.config.QuantizerAttributeConfig\n";
+  for (int i = 0; i < 100'000; ++i) numerics << "k" << i << ": 0\n";  // 0.9 MB, under the 1 MiB cap
+  numerics.close();
+  std::string recipe = "imports:\n";
+  for (int u = 0; u < 8; ++u) {
+    std::ofstream(path("root/configs/ptq/units/u" + std::to_string(u) + ".yml"))
+        << "# modelopt-schema: modelopt.torch.quantization.config.QuantizerCfgListConfig\n"
+        << "imports:\n  big: configs/numerics/big\n---\n- quantizer_name: '*combine_quantizer'\n  cfg:\n"
+        << "    $import: big\n";
+  }
+  recipe = "quant_cfg:\n";
+  for (int u = 0; u < 8; ++u) recipe += "  - $import: u" + std::to_string(u) + "\n";
+  std::ofstream(path("root/r.yml")) << recipe;
+  // A quadratic merge of these keys took seconds per import: the run's time limit would end it.
+  expect_refused("eval " + kEval + " --recipe-root root --recipe root/r.yml", {"k0"});
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <optional>
 
 #include <filesystem>
 
@@ -110,10 +111,14 @@ TEST(EvalCuda, EveryArchitectureOnTheDeviceEqualsTheHostPath) {
   }
 }
 
-TEST(EvalCuda, DeviceResidentAgainstTheCpuEngine) {
-  SKIP_WITHOUT_GPU();
-  const EvalResult dev = run_eval(small_run(EvalDevice::kCuda, "mega_moe"));
-  const EvalResult cpu = run_eval(small_run(EvalDevice::kCpu, "mega_moe"));
+// The device-resident run against the CPU engine's, with the preset's staging or the one given.
+void expect_close_to_the_cpu_engine(std::optional<Staging> staging) {
+  EvalOptions od = small_run(EvalDevice::kCuda, "mega_moe"), oc = small_run(EvalDevice::kCpu, "mega_moe");
+  od.staging = oc.staging = staging;
+  const EvalResult dev = run_eval(od);
+  const EvalResult cpu = run_eval(oc);
+  EXPECT_EQ(dev.setup.staging, staging.value_or(Staging::kE4m3));
+  EXPECT_EQ(cpu.setup.staging, dev.setup.staging);
   for (size_t l = 0; l < 2; ++l) {
     const LayerCalibration &a = dev.calibration.layers[l], &b = cpu.calibration.layers[l];
     // The dispatch amax is over the tokens: the same data, the same routing (which tokens are sent).
@@ -136,6 +141,18 @@ TEST(EvalCuda, DeviceResidentAgainstTheCpuEngine) {
     EXPECT_TRUE(close(a.metrics.rel_l2, b.metrics.rel_l2, 0.1)) << a.metrics.rel_l2 << " vs " << b.metrics.rel_l2;
     EXPECT_TRUE(close(a.rel_l2_token_p50, b.rel_l2_token_p50, 0.1));
   }
+}
+
+TEST(EvalCuda, DeviceResidentAgainstTheCpuEngine) {
+  SKIP_WITHOUT_GPU();
+  expect_close_to_the_cpu_engine(std::nullopt);  // tiny: e4m3 staging
+}
+
+// Staging none (bf16 activations, the preset's e4m3 weights used dequantized): the bf16 x e4m3
+// GEMMs on the device against the CPU engine.
+TEST(EvalCuda, StagingNoneDeviceResidentAgainstTheCpuEngine) {
+  SKIP_WITHOUT_GPU();
+  expect_close_to_the_cpu_engine(Staging::kNone);
 }
 
 // A checkpoint's layers, read on the host and copied through pinned staging buffers (the next one

@@ -4,7 +4,9 @@
 // outputs must equal the CPU engine byte for byte, sentinel-filled unused rows included.
 // Random suite: arbitrary e4m3 codes and scales, compared within stated tolerances.
 // Each suite runs both load paths: bulk tensor (TMA: b_all and a_rows given, as the engine
-// passes them) and the cp.async fallback (per-group weight pointers only).
+// passes them) and the cp.async fallback (per-group weight pointers only). The bf16-activation
+// kernels (staging none) run the exact suite too: A is then the bf16 of the e4m3 inputs' values
+// (no scales), h is bf16.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -37,6 +39,7 @@ struct Case {
   std::optional<float> clamp;
   int tile_rows = 0;
   bool bulk = true;  // pass b_all / b_scale_all / a_rows (the TMA path); false: the cp.async path
+  bool a_bf16 = false;  // staging none: bf16 A (the values of a8, unscaled) and bf16 h
   uint64_t seed = 1;
 };
 
@@ -46,6 +49,7 @@ struct Host {
   std::vector<ExpertWeights> experts;
   std::vector<uint8_t> a8;     // [rows, H] e4m3
   std::vector<float> a_scale;  // [rows, H / 128]
+  std::vector<bf16> a16;       // [rows, H]: a8's values (exact in bf16), the bf16-activation input
   std::vector<float> weight;   // [rows]
 };
 
@@ -76,6 +80,7 @@ Host make_host(const Case& c) {
   h.weight.resize(size_t(h.rows));
   for (auto& v : h.a8) v = c.exact ? e4m3_encode_sat_sw(float(uni(-2, 2))) : random_code(rng, 112.0f);
   for (auto& v : h.a_scale) v = c.exact ? pow2(uni(-3, 3)) : unif(1e-3f, 4e-3f);
+  for (uint8_t v : h.a8) h.a16.push_back({bf16_round_sw(e4m3_decode(v))});
   for (size_t r = 0; r < h.weight.size(); ++r) h.weight[r] = r % 5 == 0 ? 1.0f : unif(0.05f, 1.5f);
 
   for (int g = 0; g < G; ++g) {
@@ -120,6 +125,7 @@ struct Outputs {
   std::vector<uint8_t> h8;      // [rows, I]
   std::vector<float> h_scale;   // [rows, I / 128]
   std::vector<bf16> out;        // [rows, H]
+  std::vector<bf16> h16;        // [rows, I] (bf16 activations)
 };
 
 Outputs sentinel_outputs(const Case& c, int64_t rows) {
@@ -127,8 +133,10 @@ Outputs sentinel_outputs(const Case& c, int64_t rows) {
   o.h8.assign(size_t(rows * c.I), kSentinel);
   o.h_scale.resize(size_t(rows * c.I / 128));
   o.out.resize(size_t(rows * c.H));
+  o.h16.resize(size_t(rows * c.I));
   std::memset(o.h_scale.data(), kSentinel, o.h_scale.size() * 4);
   std::memset(o.out.data(), kSentinel, o.out.size() * 2);
+  std::memset(o.h16.data(), kSentinel, o.h16.size() * 2);
   return o;
 }
 
@@ -142,9 +150,13 @@ Outputs run_cpu(const Case& c, const Host& h) {
   for (size_t g = 0; g < h.counts.size(); ++g)
     for (int r = 0; r < h.counts[g]; ++r) {
       const int64_t row = h.offsets[g] + r;
-      add_expert_row(groups, &prep[g], r == 0, &h.a8[size_t(row * H)], &h.a_scale[size_t(row * H / 128)],
-                     h.weight[size_t(row)], &o.h8[size_t(row * I)], &o.h_scale[size_t(row * I / 128)],
-                     &o.out[size_t(row * H)]);
+      if (c.a_bf16)
+        add_expert_row(groups, &prep[g], Staging::kNone, r == 0, &h.a16[size_t(row * H)], nullptr,
+                       h.weight[size_t(row)], &o.h16[size_t(row * I)], nullptr, &o.out[size_t(row * H)]);
+      else
+        add_expert_row(groups, &prep[g], Staging::kE4m3, r == 0, &h.a8[size_t(row * H)],
+                       &h.a_scale[size_t(row * H / 128)], h.weight[size_t(row)], &o.h8[size_t(row * I)],
+                       &o.h_scale[size_t(row * I / 128)], &o.out[size_t(row * H)]);
     }
   run_expert_groups(groups, c.clamp, 4);
   return o;
@@ -153,6 +165,7 @@ Outputs run_cpu(const Case& c, const Host& h) {
 struct Device {
   DeviceBuffer<int32_t> counts, offsets;
   DeviceBuffer<uint8_t> a8;
+  DeviceBuffer<bf16> a16, h16;
   DeviceBuffer<float> a_scale, weight;
   // Every group's weights in one allocation per kind (group g's at + g * its size), as the
   // engine's expert sets hold them; the pointer arrays point into these.
@@ -172,6 +185,8 @@ void upload(const Case& c, const Host& h, Device& d) {
   d.counts = DeviceBuffer<int32_t>(h.counts);
   d.offsets = DeviceBuffer<int32_t>(h.offsets);
   d.a8 = DeviceBuffer<uint8_t>(h.a8);
+  d.a16 = DeviceBuffer<bf16>(h.a16);
+  d.h16 = DeviceBuffer<bf16>(size_t(h.rows * c.I));
   d.a_scale = DeviceBuffer<float>(h.a_scale);
   d.weight = DeviceBuffer<float>(h.weight);
   d.rows = h.rows;
@@ -220,6 +235,7 @@ void reset_outputs(Device& d) {
   MOEFQ_CUDA_CHECK(cudaMemset(d.h8.get(), kSentinel, d.h8.bytes()));
   MOEFQ_CUDA_CHECK(cudaMemset(d.h_scale.get(), kSentinel, d.h_scale.bytes()));
   MOEFQ_CUDA_CHECK(cudaMemset(d.out.get(), kSentinel, d.out.bytes()));
+  MOEFQ_CUDA_CHECK(cudaMemset(d.h16.get(), kSentinel, d.h16.bytes()));
 }
 
 // Gate/up GEMM with the SwiGLU epilogue, then the down GEMM on its h8 / h_scale.
@@ -253,6 +269,14 @@ void launch_both(const Case& c, const Host& h, Device& d, cudaStream_t s) {
   e.ldh = c.I;
   e.h_scale = d.h_scale.get();
   e.ldh_scale = c.I / 128;
+  if (c.a_bf16) {  // bf16 x in, bf16 h out: no scales
+    a.a_format = WeightFormat::kBf16;
+    a.a = reinterpret_cast<const uint8_t*>(d.a16.get());
+    a.a_scale = nullptr;
+    e.h8 = nullptr;
+    e.h_scale = nullptr;
+    e.h16 = d.h16.get();
+  }
   launch_gemm_swiglu(a, e, s);
   GroupedGemmArgs b = a;
   b.n = c.H;
@@ -261,6 +285,10 @@ void launch_both(const Case& c, const Host& h, Device& d, cudaStream_t s) {
   b.lda = c.I;
   b.a_scale = d.h_scale.get();
   b.lda_scale = c.I / 128;
+  if (c.a_bf16) {
+    b.a = reinterpret_cast<const uint8_t*>(d.h16.get());
+    b.a_scale = nullptr;
+  }
   b.b = d.dn_ptr.get();
   b.b_scale = d.dns_ptr.get();
   if (c.bulk) {
@@ -274,7 +302,7 @@ void launch_both(const Case& c, const Host& h, Device& d, cudaStream_t s) {
 
 Outputs download(Device& d) {
   MOEFQ_CUDA_CHECK(cudaDeviceSynchronize());
-  return {d.h8.download(), d.h_scale.download(), d.out.download()};
+  return {d.h8.download(), d.h_scale.download(), d.out.download(), d.h16.download()};
 }
 
 // Byte-for-byte comparison, reporting the mismatch count and the first mismatching element.
@@ -304,6 +332,7 @@ void expect_bit_exact(const Case& c) {
   expect_same("h8", want.h8, got.h8, c.I);
   expect_same("h_scale", want.h_scale, got.h_scale, c.I / 128);
   expect_same("out", want.out, got.out, c.H);
+  expect_same("h16", want.h16, got.h16, c.I);
 }
 
 const std::vector<int32_t> kEdgeCounts = {0, 1, 63, 64, 65, 300};
@@ -376,6 +405,35 @@ TEST(GroupedGemm, BitExactBf16Weights) {
     c.seed = 23 + tile;
     expect_bit_exact(c);
   }
+}
+
+// bf16 activations (staging none): bf16 x bf16 (TMA or cp.async weights) and bf16 x e4m3 (the
+// producer converts the weights, their block scales at the promotion), SwiGLU writing bf16 h.
+TEST(GroupedGemm, BitExactBf16Activations) {
+  SKIP_WITHOUT_GPU();
+  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kE4m3})
+  for (bool bulk : {true, false})
+  for (int tile : {64, 128})
+    for (bool clamp : {false, true}) {
+      SCOPED_TRACE(testing::Message() << weight_format_name(f) << " weights, " << (bulk ? "b_all, " : "pointers, ")
+                                      << "tile_rows " << tile << (clamp ? ", clamp 0.75" : ", no clamp"));
+      Case c;
+      c.counts = kEdgeCounts;
+      c.format = f;
+      c.a_bf16 = true;
+      c.bulk = bulk;
+      c.tile_rows = tile;
+      if (clamp) c.clamp = 0.75f;
+      c.seed = 41 + tile + clamp;
+      expect_bit_exact(c);
+    }
+  Case big;  // the automatic choice at a size that takes the 128-row kernel
+  big.counts = {2900, 2700};
+  big.H = 512;
+  big.I = 384;
+  big.a_bf16 = true;
+  big.format = WeightFormat::kBf16;
+  expect_bit_exact(big);
 }
 
 TEST(GroupedGemm, AllGroupsEmptyWritesNothing) {

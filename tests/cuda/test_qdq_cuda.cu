@@ -161,7 +161,9 @@ TEST(CudaQdq, WireFormatsOnSmallActivationsEqualReference) {
     std::vector<float> xf = test::activations(s.rows, s.cols, seed++, false);
     for (float& v : xf) v = std::ldexp(v, -8);
     const std::vector<bf16> xb = test::to_bf16(xf);
-    for (Format f : {Format::kFp8Block128, Format::kFp8Block128Ue8m0, Format::kLogfmt10}) {
+    for (Format f : {Format::kFp8Block128, Format::kFp8Block128Ue8m0, Format::kLogfmt10,
+                     Format::kFp8Block128Ue8m0NoFloor, Format::kFp8Block128Mori, Format::kFp4Block128Mori,
+                     Format::kFp8Block128DeepGemm, Format::kFp8Block128Vllm, Format::kFp8Cast}) {
       check_qdq(f, xb, s.rows, s.cols, 0.0f);
       check_qdq(f, xb, s.rows, s.cols, 0.0f, 3);
       check_qdq(f, xf, s.rows, s.cols, 0.0f);

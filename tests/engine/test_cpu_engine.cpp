@@ -193,9 +193,8 @@ TEST(CpuEngine, CombineEqualsResumOfBufferRows) {
 }
 
 // combine_weighting after, the slow way: rows of a `before` engine given weights 1.0 (the
-// unweighted rows), summed in double with each step rounded to float by hand: RN(w * x), then
-// RN(acc + p), two roundings and no fma (the product is exact in double; a sum rounded to double
-// first and then to float is still RN, as 53 >= 2 * 24 + 2), the shared row last and unweighted.
+// unweighted rows), each added as std::fma(x, w, acc) (one rounding, as DeepEP's low-latency
+// combine accumulates), the shared row last and unweighted.
 std::vector<bf16> weighted_combine_slow(const CpuEngine& unweighted, const std::vector<int32_t>& idx,
                                         const std::vector<float>& wt, int64_t n) {
   const int64_t R = unweighted.num_ranks(), K = unweighted.config().top_k, H = unweighted.config().hidden;
@@ -211,8 +210,7 @@ std::vector<bf16> weighted_combine_slow(const CpuEngine& unweighted, const std::
         float acc = 0.0f;
         for (int64_t k = 0; k < K; ++k) {
           if (idx[size_t((t0 + t) * K + k)] < 0) continue;
-          const float p = float(double(wt[size_t((t0 + t) * K + k)]) * double(to_f32(row(k, t)[h])));
-          acc = float(double(acc) + double(p));
+          acc = std::fma(to_f32(row(k, t)[h]), wt[size_t((t0 + t) * K + k)], acc);
         }
         if (fused) acc = float(double(acc) + double(to_f32(row(K, t)[h])));
         y[size_t((t0 + t) * H + h)].bits = bf16_round(acc);

@@ -548,6 +548,50 @@ TEST_F(EvalLib, WireFormatUnitsHaveRowsAndWireBytes) {
   }
 }
 
+// --sweep peers: every peer recipe once (none once), each row with its peer and wire bytes; DeepEP's
+// recipes run with combine_weighting after and give the rows of a run of them alone in that mode,
+// the others the rows of a run alone in before. The sweep and explicit recipes exclude each other.
+TEST_F(EvalLib, PeersSweepRunsEachPeerInItsWeighting) {
+  o_.layers = {0};
+  o_.sweep = "peers";
+  const EvalResult sweep = run_eval(o_);
+  const std::vector<NamedRecipe> all = peers_sweep();
+  ASSERT_EQ(sweep.rows.size(), all.size());
+  ASSERT_EQ(sweep.summary.size(), all.size());
+  for (const NamedRecipe& r : all)
+    EXPECT_EQ(std::count_if(sweep.rows.begin(), sweep.rows.end(), [&](const EvalRow& e) { return e.recipe == r.name; }), 1)
+        << r.name;
+  EXPECT_EQ(peer_of("deepep_ll_logfmt10"), "DeepEP");
+  EXPECT_EQ(peer_of("mori_fp4_blockwise"), "MoRI");
+  EXPECT_EQ(peer_of("both_fp8"), "");
+  for (const char* name : {"deepep_ll_logfmt10", "mori_fp8_blockwise", "sglang_deepgemm_fp8_combine"}) {
+    SCOPED_TRACE(name);
+    EvalOptions one = o_;
+    one.sweep.clear();
+    one.recipes = {std::string("configs/ptq/presets/peers/") + name};
+    const EvalResult alone = run_eval(one);
+    ASSERT_EQ(alone.rows.size(), 1u);
+    EXPECT_EQ(alone.setup.combine_weighting,
+              peer_of(name) == "DeepEP" ? CombineWeighting::kAfter : CombineWeighting::kBefore);
+    const auto in_sweep = std::find_if(sweep.rows.begin(), sweep.rows.end(), [&](const EvalRow& e) { return e.recipe == name; });
+    ASSERT_NE(in_sweep, sweep.rows.end());
+    EXPECT_EQ(alone.rows[0].metrics.rel_l2, in_sweep->metrics.rel_l2);
+    EXPECT_EQ(alone.rows[0].combine_wire_bytes_per_token, in_sweep->combine_wire_bytes_per_token);
+    EXPECT_GT(in_sweep->metrics.rel_l2, 0.0);
+  }
+  // With a weighting, only the peers meant for it.
+  EvalOptions after = o_;
+  after.combine_weighting = CombineWeighting::kAfter;
+  const EvalResult a = run_eval(after);
+  for (const EvalRow& row : a.rows) EXPECT_TRUE(row.recipe == "none" || peer_of(row.recipe) == "DeepEP") << row.recipe;
+  EvalOptions both = o_;
+  both.recipes = {"moe_combine_fp8"};
+  EXPECT_NE(error_of([&] { run_eval(both); }).find("--sweep peers and --recipe"), std::string::npos);
+  EvalOptions bad = o_;
+  bad.sweep = "friends";
+  EXPECT_NE(error_of([&] { run_eval(bad); }).find("unknown sweep"), std::string::npos);
+}
+
 // Calibration methods beyond max: one calibration pass per layer (its histograms hold every
 // dispatch element of the calibration batches), each recipe with a calibrated amax once per
 // method; the max rows are those of a plain run, bit for bit; mse leaves out block formats, said so.

@@ -770,9 +770,10 @@ HostCombineRows host_rows(const std::vector<bf16>& rows, int64_t K, int64_t T, i
 }
 
 // A product whose rounding decides the sum: w0 * x0 = -(1 + 2^-7 + 2^-20 + 2^-27) rounds to
-// -(1 + 2^-7 + 2^-20) in fp32, and w2 * x2 is its exact negation, so RN(w * x) then RN(acc + p)
-// gives +0; an fma of the second product would keep 2^-27. The inactive slot holds NaN (never read).
-TEST(CombineQdqRef, WeightedResumRoundsTheProductThenTheSum) {
+// -(1 + 2^-7 + 2^-20) in fp32 (the first fma adds it to +0), and w2 * x2 is its exact negation, so
+// the second fma, one rounding of acc + w2 * x2, keeps 2^-27; RN(w * x) then RN(acc + p) would give
+// +0. The inactive slot holds NaN (never read).
+TEST(CombineQdqRef, WeightedResumIsOneFmaPerRow) {
   const int64_t K = 3, T = 2, H = 32;
   const float x = 1.0f + std::ldexp(1.0f, -7), w = 1.0f + std::ldexp(1.0f, -20);
   std::vector<bf16> rows(size_t(K * T * H));
@@ -788,7 +789,7 @@ TEST(CombineQdqRef, WeightedResumRoundsTheProductThenTheSum) {
   HostCombineRows r = host_rows(rows, K, T, H, idx, weights);
   combine_qdq_ref(r, std::nullopt, 0.0f, y.data());
   for (int64_t h = 0; h < H; ++h) {
-    EXPECT_EQ(y[size_t(h)].bits, 0x0000) << "token 0 element " << h;                    // +0, not 2^-27
+    EXPECT_EQ(y[size_t(h)].bits, bf16_round(std::ldexp(1.0f, -27))) << "token 0 element " << h;  // 2^-27, not +0
     EXPECT_EQ(y[size_t(H + h)].bits, bf16_round(1.0f)) << "token 1 element " << h;       // 0.5 * x + 0.25 * 2
   }
   r.shared = shared.data();  // the shared row is added last, never weighted
@@ -843,7 +844,7 @@ TEST(CombineQdqRef, WeightedResumEqualsHandWrittenLoopForEveryFormat) {
         if (idx[size_t(t * K + k)] < 0) continue;
         qdq_ref(f, rows.data() + (k * T + t) * H, q.data(), 1, H, amax);
         for (int64_t h = 0; h < H; ++h)
-          acc[size_t(h)] = acc[size_t(h)] + float(double(weights[size_t(t * K + k)]) * double(to_f32(q[size_t(h)])));
+          acc[size_t(h)] = std::fma(to_f32(q[size_t(h)]), weights[size_t(t * K + k)], acc[size_t(h)]);
       }
       for (int64_t h = 0; h < H; ++h) want[size_t(t * H + h)].bits = bf16_round(acc[size_t(h)] + to_f32(shared[size_t(t * H + h)]));
     }

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -302,6 +303,74 @@ TEST_F(FileIo, PublishRefusesADirectoryThatGainedOtherFiles) {
   write("rep/mine.txt", "precious");
   EXPECT_TRUE(has(error_of([&] { d.commit(); }), "now holds other entries (mine.txt)"));
   EXPECT_EQ(read_text(root_ / "rep" / "mine.txt"), "precious");
+}
+
+// A mount point cannot be replaced by a rename: refused when the output is checked, by name.
+// Every mount point of this machine that is a directory (/proc, /dev, ...) or a file is tried.
+TEST_F(FileIo, OutputsRefuseMountPoints) {
+  std::ifstream mounts("/proc/self/mountinfo");
+  std::string line;
+  int tried = 0;
+  while (std::getline(mounts, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, devno, root, point;
+    fields >> id >> parent >> devno >> root >> point;
+    if (point == "/" || point.find('\\') != std::string::npos) continue;  // "/" is refused for itself
+    struct stat st {};
+    if (::lstat(point.c_str(), &st) != 0) continue;
+    std::string m;
+    if (S_ISDIR(st.st_mode))
+      m = error_of([&] { check_output_dir(point, "--out", kNames); });
+    else if (S_ISREG(st.st_mode))
+      m = error_of([&] { check_output_path(point, "--out"); });
+    else
+      continue;
+    EXPECT_TRUE(has(m, "--out " + point + ": is a mount point")) << m;
+    ++tried;
+  }
+  EXPECT_GT(tried, 0) << "no mount point to try (/proc is one on Linux)";
+}
+
+// Any name the file system allows works for an output: the temporary's name is cut short where
+// the target's name plus ".tmp.XXXXXX" would be too long. An empty path or a directory is refused
+// by AtomicFile itself (save_safetensors, calibration files), with nothing created.
+TEST_F(FileIo, AtomicFileTakesAnyLegalNameAndRefusesDirectories) {
+  const std::string longest(255, 'n');
+  check_output_path(p(longest), "--out");
+  write_file_atomic(p(longest), "x");
+  EXPECT_EQ(read_text(root_ / longest), "x");
+  write_file_atomic(p(longest), "y");  // replaced through a temporary of a shortened name
+  EXPECT_EQ(read_text(root_ / longest), "y");
+  EXPECT_TRUE(has(error_of([&] { check_output_path(p(longest + "n"), "--out"); }), "File name too long"));
+  fs::create_directory(root_ / "d");
+  EXPECT_TRUE(has(error_of([&] { write_file_atomic(p("d"), "x"); }), "is a directory"));
+  EXPECT_TRUE(has(error_of([&] { write_file_atomic(p("d") + "/", "x"); }), "ends with '/'"));
+  EXPECT_TRUE(has(error_of([&] { write_file_atomic("", "x"); }), "empty path"));
+  EXPECT_EQ(listing(root_), (std::vector<std::string>{"d", longest}));
+  EXPECT_TRUE(listing(root_ / "d").empty());
+}
+
+// Text printed to a terminal: controls escaped, UTF-8 kept, other bytes as \xNN.
+TEST(TerminalSafe, EscapesControlsAndBadBytes) {
+  EXPECT_EQ(terminal_safe("plain name.weight"), "plain name.weight");
+  EXPECT_EQ(terminal_safe("a\nb\tc\rd\x1b[31m\x07"), "a\\nb\\tc\\rd\\x1b[31m\\x07");
+  EXPECT_EQ(terminal_safe("line\n\ttab", true), "line\n\ttab");
+  EXPECT_EQ(terminal_safe("\xc3\xa9t\xc3\xa9 \xe2\x82\xac"), "\xc3\xa9t\xc3\xa9 \xe2\x82\xac");  // été €
+  EXPECT_EQ(terminal_safe("\xc2\x9b" "2J"), "\\u009b2J");  // the C1 control sequence introducer
+  EXPECT_EQ(terminal_safe("\xff\xc3"), "\\xff\\xc3");
+}
+
+// JSON text checked before a DOM parser builds it: depth, and a tree far larger than the text.
+TEST(JsonText, DepthAndTreeSizeAreBounded) {
+  check_json_text(R"({"version": 2, "quantizers": {"a": {"amax": 1.5, "rank_amax": [1, 2]}}})", "f.json", 16);
+  check_json_text(R"({"s": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[ \" {{{{{{{{{{{{{{{{{{{{{{"})", "f.json", 4);  // in strings
+  const std::string deep = error_of([] { check_json_text(std::string(17, '['), "f.json", 16); });
+  EXPECT_NE(deep.find("f.json: nests deeper than 16"), std::string::npos) << deep;
+  std::string wide = "[{}";
+  for (int i = 0; i < 1'000'000; ++i) wide += ",{}";
+  wide += "]";
+  const std::string m = error_of([&] { check_json_text(wide, "w.json", 16); });
+  EXPECT_NE(m.find("w.json: 1000001 JSON values"), std::string::npos) << m;
 }
 
 }  // namespace

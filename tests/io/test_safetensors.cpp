@@ -504,6 +504,30 @@ TEST(SafetensorsParse, RejectsDuplicateKeys) {
       "key \"dtype\" twice");
 }
 
+// A header of 1.5M tensors (about the most the 100 MB header limit holds) is read: the parse is
+// linear in the header (it was quadratic in the tensor count: hours for such a header), and a
+// duplicate name at the very end is still found.
+TEST(SafetensorsParse, HeaderOfManyTensorsIsReadInOnePass) {
+  constexpr size_t kTensors = 1'500'000;
+  std::string header = "{";
+  header.reserve(kTensors * 64);
+  for (size_t i = 0; i < kTensors; ++i) {
+    if (i) header += ',';
+    header += "\"t" + std::to_string(i) + "\":{\"dtype\":\"BF16\",\"shape\":[" + std::to_string(i % 7) +
+              ",0],\"data_offsets\":[0,0]}";
+  }
+  header += ",\"__metadata__\":{\"k\":\"v\"}}";
+  ASSERT_LE(header.size(), kMaxSafetensorsHeaderBytes);
+  const SafetensorsHeader h = parse_safetensors(st_file(header, 0), "many.safetensors");
+  ASSERT_EQ(h.tensors.size(), kTensors);
+  EXPECT_EQ(h.metadata.at("k"), "v");
+  EXPECT_EQ(h.tensors.front().name, "t0");  // sorted by (begin, end, name)
+  EXPECT_EQ(h.tensors.back().name, "t999999");
+  header.back() = ',';
+  header += "\"t1234567\":{\"dtype\":\"BF16\",\"shape\":[0],\"data_offsets\":[0,0]}}";
+  expect_rejected(st_file(header, 0), "key \"t1234567\" twice");
+}
+
 TEST(SafetensorsParse, RejectsBadMetadata) {
   expect_rejected(st_file("{\"__metadata__\": {\"k\": 1}}", 0),
                   "\"__metadata__\" value for key \"k\" is a JSON number");

@@ -608,7 +608,61 @@ inline void logfmt_row(const std::vector<float>& x, int64_t begin, int64_t cols,
 // ---------------------------------------------------------------------------------------------
 // Tensors: row-major [rows, cols], blocks along cols, a short final block uses what it has.
 
-enum class Fmt { kFp8, kNvfp4, kMxfp8, kMxfp4, kInt8, kFp8Block128, kFp8Block128Ue8m0, kLogfmt10 };
+enum class Fmt {
+  kFp8,
+  kNvfp4,
+  kMxfp8,
+  kMxfp4,
+  kInt8,
+  kFp8Block128,
+  kFp8Block128Ue8m0,
+  kLogfmt10,
+  // The other peers' rules (docs/numerics.md), each from its block's maximum: peer_elem.
+  kFp8Cast,
+  kFp8CastNan,
+  kFp8Block128Ue8m0NoFloor,
+  kFp8Block128Mori,
+  kFp4Block128Mori,
+  kFp8Block128DeepGemm,
+  kFp8Block128Vllm,
+};
+inline bool is_peer(Fmt f) { return f >= Fmt::kFp8Cast; }
+inline int64_t peer_block(Fmt f) { return f == Fmt::kFp8Cast || f == Fmt::kFp8CastNan ? 1 : 128; }
+
+// One element of a peer format from its block's maximum (NaN ignored, +-inf counts).
+inline float peer_elem(Fmt f, float x, float bmax) {
+  if (is_nan(x)) return quiet_nan();
+  const float inv448 = div_rn(1.0f, 448.0f);
+  switch (f) {
+    case Fmt::kFp8Cast: return e4m3_sat_value(x);
+    case Fmt::kFp8CastNan: return abs_f32(x) > 448.0f ? quiet_nan() : e4m3_sat_value(x);
+    case Fmt::kFp8Block128Ue8m0NoFloor: {
+      if (!is_finite(bmax)) return quiet_nan();
+      // The fork's fast_log2_ceil: the exact ceil(log2) of a normal product, -126 for a subnormal
+      // one, -127 for zero.
+      const float r = mul_rn(bmax, inv448);
+      const int e = r == 0.0f ? -127 : (r < 0x1p-126f ? -126 : ceil_log2(r));
+      return mx_qdq(x, e, false);
+    }
+    case Fmt::kFp8Block128Mori:
+      if (!(bmax > 448.0f)) return e4m3_sat_value(x);
+      return fp8_qdq(x, {div_rn(448.0f, bmax), mul_rn(bmax, inv448)});
+    case Fmt::kFp4Block128Mori: {
+      const float sc = bmax > 0.0f ? div_rn(6.0f, bmax) : 0.0f;
+      const float si = bmax > 0.0f ? div_rn(bmax, 6.0f) : 1.0f;
+      return with_sign(mul_rn(e2m1_sat_value(mul_rn(abs_f32(x), sc)), si), sign_bit(x));
+    }
+    case Fmt::kFp8Block128DeepGemm: {
+      const float sf = div_rn(bmax > 1e-4f ? bmax : 1e-4f, 448.0f);
+      return mul_rn(e4m3_sat_value(mul_rn(x, div_rn(1.0f, sf))), sf);
+    }
+    case Fmt::kFp8Block128Vllm: {
+      const float sf = div_rn(bmax > 1e-10f ? bmax : 1e-10f, 448.0f);
+      return mul_rn(e4m3_sat_value(div_rn(x, sf)), sf);
+    }
+    default: return quiet_nan();
+  }
+}
 
 inline float amax_of(const std::vector<float>& x) {
   float m = 0;
@@ -686,6 +740,16 @@ inline std::vector<float> qdq_values(Fmt f, const std::vector<float>& x, int64_t
     case Fmt::kLogfmt10:
       for (int64_t r = 0; r < rows; ++r) logfmt_row(x, r * cols, cols, y);
       return y;
+    default: {
+      const int64_t block = peer_block(f);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < cols; b += block) {
+          const int64_t begin = r * cols + b, end = r * cols + std::min(cols, b + block);
+          const float bmax = block_max(x, begin, end, false);
+          for (int64_t i = begin; i < end; ++i) y[size_t(i)] = peer_elem(f, x[size_t(i)], bmax);
+        }
+      return y;
+    }
   }
   return y;
 }

@@ -47,6 +47,13 @@ slow::Fmt to_slow(Format f) {
     case Format::kFp8Block128: return slow::Fmt::kFp8Block128;
     case Format::kFp8Block128Ue8m0: return slow::Fmt::kFp8Block128Ue8m0;
     case Format::kLogfmt10: return slow::Fmt::kLogfmt10;
+    case Format::kFp8Cast: return slow::Fmt::kFp8Cast;
+    case Format::kFp8CastNan: return slow::Fmt::kFp8CastNan;
+    case Format::kFp8Block128Ue8m0NoFloor: return slow::Fmt::kFp8Block128Ue8m0NoFloor;
+    case Format::kFp8Block128Mori: return slow::Fmt::kFp8Block128Mori;
+    case Format::kFp4Block128Mori: return slow::Fmt::kFp4Block128Mori;
+    case Format::kFp8Block128DeepGemm: return slow::Fmt::kFp8Block128DeepGemm;
+    case Format::kFp8Block128Vllm: return slow::Fmt::kFp8Block128Vllm;
   }
   return slow::Fmt::kFp8;
 }

@@ -75,6 +75,13 @@ TEST(RecipeUnits, EveryShippedUnitLoadsAndMapsToItsFormat) {
       {"moe_dispatch_fp8_block128_ue8m0", "*dispatch_quantizer", Format::kFp8Block128Ue8m0, 128},
       {"moe_combine_fp8_block128_ue8m0", "*combine_quantizer", Format::kFp8Block128Ue8m0, 128},
       {"moe_combine_logfmt10", "*combine_quantizer", Format::kLogfmt10, 0},
+      {"moe_combine_fp8_cast", "*combine_quantizer", Format::kFp8Cast, 0},
+      {"moe_combine_fp8_cast_nan", "*combine_quantizer", Format::kFp8CastNan, 0},
+      {"moe_combine_fp8_block128_ue8m0_nofloor", "*combine_quantizer", Format::kFp8Block128Ue8m0NoFloor, 0},
+      {"moe_combine_fp8_block128_mori", "*combine_quantizer", Format::kFp8Block128Mori, 0},
+      {"moe_combine_fp4_block128_mori", "*combine_quantizer", Format::kFp4Block128Mori, 0},
+      {"moe_dispatch_fp8_block128_deepgemm", "*dispatch_quantizer", Format::kFp8Block128DeepGemm, 0},
+      {"moe_dispatch_fp8_block128_vllm", "*dispatch_quantizer", Format::kFp8Block128Vllm, 0},
   };
   const std::vector<std::string> units = list_recipe_units();
   EXPECT_EQ(units.size(), std::size(cases));
@@ -518,6 +525,42 @@ TEST(RecipeCfg, Algorithms) {
   r.name = "handmade";
   r.algorithm = "smoothquant";
   EXPECT_HAS(error_of([&] { apply_recipe(r, four_layers()); }), "handmade: algorithm 'smoothquant'");
+}
+
+// The peer recipes (recipes/configs/ptq/presets/peers, docs/numerics.md): each loads by its path
+// under the shipped root, enables exactly the peer's quantizers with its formats and says where the
+// peer applies the router weight (DeepEP at the receiver: after; the others before).
+TEST(RecipeUnits, PeerRecipesLoadWithTheirWeighting) {
+  struct Case {
+    const char* name;
+    std::optional<Format> dispatch, combine;
+    CombineWeighting weighting;
+  };
+  const auto before = CombineWeighting::kBefore, after = CombineWeighting::kAfter;
+  const Case cases[] = {
+      {"deepep_ll_fp8", Format::kFp8Block128, std::nullopt, after},
+      {"deepep_ll_logfmt10", Format::kFp8Block128, Format::kLogfmt10, after},
+      {"deepep_ll_fp8_ue8m0", Format::kFp8Block128Ue8m0, std::nullopt, after},
+      {"sglang_deepgemm_fp8_combine", std::nullopt, Format::kFp8Block128Ue8m0NoFloor, before},
+      {"mori_fp8_direct", std::nullopt, Format::kFp8CastNan, before},
+      {"mori_fp8_direct_sat", std::nullopt, Format::kFp8Cast, before},
+      {"mori_fp8_blockwise", std::nullopt, Format::kFp8Block128Mori, before},
+      {"mori_fp4_blockwise", std::nullopt, Format::kFp4Block128Mori, before},
+      {"vllm_fp8_dispatch", Format::kFp8Block128Vllm, std::nullopt, before},
+      {"deepgemm_fp8_dispatch", Format::kFp8Block128DeepGemm, std::nullopt, before},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const Recipe r = load_recipe(std::string("configs/ptq/presets/peers/") + c.name);
+    EXPECT_EQ(r.combine_weighting, c.weighting);
+    EXPECT_EQ(r.algorithm, "max");
+    for (const auto& [name, qc] : apply_recipe(r, four_layers())) {
+      const bool dispatch = name.find("dispatch") != std::string::npos;
+      const std::optional<Format>& want = dispatch ? c.dispatch : c.combine;
+      EXPECT_EQ(qc.enable, want.has_value()) << name;
+      if (want && qc.enable) EXPECT_EQ(qc.spec.format, *want) << name;
+    }
+  }
 }
 
 // moefq's combine_weighting beside algorithm, in a preset and in a complete recipe's quantize.

@@ -397,6 +397,32 @@ TEST(ReportHtml, OutsideOutliersOnlyWhereTheLayerHasOutlierChannels) {
   EXPECT_NE(html.find("more than 6 times the median channel's, at most 1% of the channels"), std::string::npos);
 }
 
+// A run with peer recipes (moefq eval --sweep peers) gets a table grouped by peer: each peer's
+// recipes together, in the order of first appearance; a run without them has none.
+TEST(ReportHtml, PeerRecipesAreGroupedByPeer) {
+  EvalResult r = sample_result(1);
+  EXPECT_EQ(eval_report_html(r).find("<h2>By peer</h2>"), std::string::npos);
+  const char* names[] = {"mori_fp8_blockwise", "deepep_ll_logfmt10", "mori_fp4_blockwise"};
+  for (size_t i = 0; i < std::size(names); ++i) {
+    r.summary[i + 1].recipe = names[i];
+    for (EvalRow& row : r.rows)
+      if (row.recipe == r.setup.recipe_names[i + 1]) row.recipe = names[i];
+    r.setup.recipe_names[i + 1] = names[i];
+  }
+  const std::string html = eval_report_html(r);
+  const size_t at = html.find("<h2>By peer</h2>");
+  ASSERT_NE(at, std::string::npos);
+  const size_t mori1 = html.find("<tr><td>MoRI</td><td>mori_fp8_blockwise", at);
+  const size_t mori2 = html.find("<tr><td>MoRI</td><td>mori_fp4_blockwise", at);
+  const size_t deepep = html.find("<tr><td>DeepEP</td><td>deepep_ll_logfmt10", at);
+  ASSERT_NE(mori1, std::string::npos);
+  ASSERT_NE(mori2, std::string::npos);
+  ASSERT_NE(deepep, std::string::npos);
+  EXPECT_LT(mori1, mori2);
+  EXPECT_LT(mori2, deepep);  // MoRI's rows together, before DeepEP's (its first recipe comes first)
+  EXPECT_LT(deepep, html.find("<h2>Results</h2>"));
+}
+
 TEST(ReportJson, EveryFigureAndNonFiniteAsStrings) {
   EvalResult r = sample_result(1);
   r.rows[1].metrics.max_abs = NAN;

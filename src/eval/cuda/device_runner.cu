@@ -270,6 +270,7 @@ class DeviceRunner final : public LayerRunner {
     EngineOptions eo;
     eo.fuse_shared = false;  // the model's shared expert runs on the unquantized x
     eo.combine_weighting = s_.combine_weighting;
+    eo.staging = s_.staging;
     if (s_.checkpoint_dir.empty()) {
       const SyntheticLayer L = s_.synthetic_layer(layer);
       le->model = std::make_unique<DeviceSyntheticLayer>(L, c);

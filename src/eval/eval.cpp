@@ -634,7 +634,7 @@ std::optional<RunEstimate> estimate(const Prepared& p, bool calibrate, bool with
     std::vector<bf16> y(x.size());
     const PreparedExpert pe(probe.experts[0], c.hidden, c.intermediate);
     const auto t = Clock::now();
-    run_expert_on_tokens(pe, x.data(), n, y.data(), c.swiglu_clamp, num_threads);
+    run_expert_on_tokens(pe, r.staging, x.data(), n, y.data(), c.swiglu_clamp, num_threads);
     gflops = 6.0 * double(c.hidden) * double(c.intermediate) * double(n) / std::max(seconds_since(t), 1e-6) / 1e9;
   }
   e.layers = int64_t(p.setup.layers.size());

@@ -1,5 +1,6 @@
-// The evaluation pipeline behind `moefq eval` and `moefq calibrate`: for each MoE layer, max
-// calibration once (the amax does not depend on the recipe, since calibration applies no QDQ),
+// The evaluation pipeline behind `moefq eval` and `moefq calibrate`: for each MoE layer, one
+// calibration pass (max, and the methods beyond it from the same pass's histograms; the amax does
+// not depend on the recipe, since calibration applies no QDQ),
 // then every recipe on the same held-out batches against one shared unquantized reference, with
 // the error metrics of docs/numerics.md, the error's shape (per token, outside the outlier channels),
 // the clipped fractions and the wire bytes of each recipe. On the CPU it runs the CPU engine on
@@ -258,19 +259,19 @@ struct EvalResult {
 MemoryPlan plan_eval_memory(const EvalOptions& options);
 
 // A run's rough wall time on the CPU, told before any work: the weights made (the time of one
-// expert made here, times the experts; a layer in the weight cache is read at kDiskBytesPerSecond)
-// or read from a checkpoint (the same rate), and the engine's forwards (6 x H x I flops per routed
-// row and per token for the shared expert, at kCpuGflopsPerThread per thread: the CPU engine's
-// rate on a deepseek-v3 layer on the project's 2-core machine). Forwards per layer: the calibration
-// batches, and per evaluation batch the reference and one per distinct dispatch configuration.
-// QDQ and metrics are left out (they are small beside the GEMMs).
+// expert made here, times the experts over the threads; a layer in the weight cache is read at
+// kDiskBytesPerSecond) or read from a checkpoint (the same rate), and the engine's forwards (6 x H
+// x I flops per routed row and per token for the shared expert, at the rate of one expert of the
+// layer's shape run here on 64 tokens per thread). Forwards per layer: the calibration batches, and
+// per evaluation batch the reference and one per distinct dispatch configuration. QDQ and metrics
+// are left out (they are small beside the GEMMs). Both probes measure the machine as it is, load
+// included.
 struct RunEstimate {
   double weights_seconds = 0, forwards_seconds = 0;
   int64_t layers = 0, cached_layers = 0;
   double total() const { return weights_seconds + forwards_seconds; }
   std::string describe() const;  // "about 6 min (weights 3 min, of 2 layers none cached; forwards 3 min)"
 };
-inline constexpr double kCpuGflopsPerThread = 5.0;
 inline constexpr double kDiskBytesPerSecond = 1.0e9;
 // Runs estimated longer than this say so before they start (moefq eval and calibrate).
 inline constexpr double kLongRunSeconds = 60.0;

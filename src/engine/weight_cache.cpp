@@ -114,6 +114,17 @@ class Reader {
   bool ok_ = true;
 };
 
+// An expert's six vectors in file order, through a Reader (filling them) or a Writer.
+template <typename IO, typename Expert>
+void expert_vectors(IO& io, Expert& e) {
+  io.vec(e.gate_up_e4m3);
+  io.vec(e.down_e4m3);
+  io.vec(e.gate_up_scale);
+  io.vec(e.down_scale);
+  io.vec(e.gate_up_bf16);
+  io.vec(e.down_bf16);
+}
+
 bool off(const char* v) {
   if (!v) return false;
   const std::string s = v;
@@ -237,12 +248,7 @@ std::optional<LayerWeights> weight_cache_load(const WeightCacheSettings& s, cons
       uint8_t fmt = 0;
       r.payload(&fmt, 1);
       e.format = fmt ? WeightFormat::kBf16 : WeightFormat::kE4m3;
-      r.vec(e.gate_up_e4m3);
-      r.vec(e.down_e4m3);
-      r.vec(e.gate_up_scale);
-      r.vec(e.down_scale);
-      r.vec(e.gate_up_bf16);
-      r.vec(e.down_bf16);
+      expert_vectors(r, e);
       good = r.ok();
       (i < ne ? w.experts : w.shared).push_back(std::move(e));
     }
@@ -285,12 +291,7 @@ bool weight_cache_store(const WeightCacheSettings& s, const std::string& key, co
       wr.u64(uint64_t(e.intermediate));
       const uint8_t fmt = e.format == WeightFormat::kBf16 ? 1 : 0;
       wr.payload(&fmt, 1);
-      wr.vec(e.gate_up_e4m3);
-      wr.vec(e.down_e4m3);
-      wr.vec(e.gate_up_scale);
-      wr.vec(e.down_scale);
-      wr.vec(e.gate_up_bf16);
-      wr.vec(e.down_bf16);
+      expert_vectors(wr, e);
     }
   wr.vec(w.gate);
   wr.vec(w.gate_bias);

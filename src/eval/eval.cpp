@@ -1,9 +1,10 @@
 // The evaluation pipeline of `moefq eval` / `moefq calibrate` (include/moefq/eval.h): the options
 // resolved, the memory plan checked, then per layer: the runner loads it (and, where the plan
-// allows, prepares the next one meanwhile), max calibration once with both quantizers enabled
-// (no QDQ, so its amax holds for every recipe) unless a calibration file is given, the unquantized
-// reference once, and every recipe on the same held-out batches. The runner gives sums; the rows'
-// figures are finalised here, the same way for every device.
+// allows, prepares the next one meanwhile), one calibration pass with both quantizers enabled
+// (no QDQ, so its amax holds for every recipe; each method's amax is derived from it) unless a
+// calibration file is given, the unquantized reference once, and every recipe on the same held-out
+// batches. The runner gives sums; the rows' figures are finalised here, the same way for every
+// device.
 #include "moefq/eval.h"
 
 #include <algorithm>
@@ -619,8 +620,23 @@ std::optional<RunEstimate> estimate(const Prepared& p, bool calibrate, bool with
   if (p.device != EvalDevice::kCpu) return std::nullopt;
   const RunnerSetup& r = p.runner;
   const MoeConfig& c = r.config;
-  const double threads = double(resolve_threads(r.num_threads));
+  const int num_threads = resolve_threads(r.num_threads);
+  const double threads = double(num_threads);
   RunEstimate e;
+  // The GEMM rate here and now: one expert of the layer's shape on 64 tokens per thread (one
+  // group of rows per thread, as the engine runs them).
+  const SyntheticLayer probe_layer = r.synthetic_layer(p.setup.layers.front());
+  double gflops = 0;
+  {
+    const LayerWeights probe = synthetic_layer_weights(probe_layer, c, WeightFormat::kE4m3, 0, 1, 1);
+    const int64_t n = 64 * int64_t(num_threads);
+    const std::vector<bf16> x = synthetic_activations(probe_layer, 0, n, num_threads);
+    std::vector<bf16> y(x.size());
+    const PreparedExpert pe(probe.experts[0], c.hidden, c.intermediate);
+    const auto t = Clock::now();
+    run_expert_on_tokens(pe, r.staging, x.data(), n, y.data(), c.swiglu_clamp, num_threads);
+    gflops = 6.0 * double(c.hidden) * double(c.intermediate) * double(n) / std::max(seconds_since(t), 1e-6) / 1e9;
+  }
   e.layers = int64_t(p.setup.layers.size());
   const double expert_bytes = 3.0 * double(c.hidden) * double(c.intermediate);  // e4m3: a byte per weight
   const double layer_bytes =
@@ -629,7 +645,6 @@ std::optional<RunEstimate> estimate(const Prepared& p, bool calibrate, bool with
     e.weights_seconds = double(e.layers) * layer_bytes / kDiskBytesPerSecond;
   } else {
     // One expert made here, on one thread; the layer's experts spread over the threads.
-    const SyntheticLayer probe_layer = r.synthetic_layer(p.setup.layers.front());
     const auto t = Clock::now();
     (void)synthetic_layer_weights(probe_layer, c, WeightFormat::kE4m3, 0, 1, 1);
     const double per_expert = seconds_since(t);
@@ -664,7 +679,7 @@ std::optional<RunEstimate> estimate(const Prepared& p, bool calibrate, bool with
       double(calibrate ? r.calib_batches : 0) + (with_recipes ? double(r.eval_batches * (1 + dispatch_groups)) : 0.0);
   const double flops = double(r.batch_tokens()) * 6.0 * double(c.hidden) * double(c.intermediate) *
                        double(c.top_k + c.num_shared);
-  e.forwards_seconds = double(e.layers) * forwards * flops / (kCpuGflopsPerThread * 1e9 * threads);
+  e.forwards_seconds = double(e.layers) * forwards * flops / (gflops * 1e9);
   return e;
 }
 
@@ -830,6 +845,7 @@ EvalResult run_eval_once(const EvalOptions& options) {
   const bool loaded = !options.load_calibration.empty();
   if (loaded) {
     result.calibration = load_eval_calibration(options.load_calibration, s, &result.warnings);
+    if (result.calibration.algorithm != "max") result.setup.calibration = result.calibration.algorithm + " (loaded)";
   } else {
     result.calibration.source = calib_source(s);
   }
@@ -939,7 +955,9 @@ EvalResult run_eval_once(const EvalOptions& options) {
         }
         return total ? double(clip) / double(total) : 0.0;
       };
-      if (p.methods[i]) row.calibration = p.methods[i]->name();
+      // A loaded file's amax is of the method that made it.
+      if (p.methods[i])
+        row.calibration = loaded && result.calibration.algorithm != "max" ? result.setup.calibration : p.methods[i]->name();
       if (d.enable) {
         row.dispatch_format = format_name(d.spec.format);
         row.dispatch_amax = global_amax(d, step_damax[i].value_or(cal.dispatch_amax));

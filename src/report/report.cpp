@@ -193,6 +193,11 @@ std::string bar_chart(const std::string& title, const std::string& axis_label, c
   return s;
 }
 
+// An upper bound of a .lbl character's width (12 px sans-serif: about 6.7 px for lower case and
+// digits, "_" and "m" included), and the box a label's glyphs take around its baseline y (the
+// browser's bounding box of 12 px text: y - 12 to y + 3), one label every kLabelLine.
+constexpr double kLabelCharWidth = 7.2, kLabelAscent = 12, kLabelDescent = 3, kLabelLine = kLabelAscent + kLabelDescent;
+
 struct Series {
   std::string label, colour, dash;
   std::vector<double> values;  // one per layer
@@ -203,7 +208,11 @@ std::string line_chart(const std::string& title, const std::vector<int64_t>& lay
   std::vector<double> all;
   for (const Series& s : series) all.insert(all.end(), s.values.begin(), s.values.end());
   const LogAxis ax(all);
-  const double left = 70, right = 190, top = 34, width = 920, height = 380, bottom = height - 50;
+  // Tall enough for the legend: one line per series.
+  size_t longest = 0;
+  for (const Series& ser : series) longest = std::max(longest, ser.label.size());
+  const double left = 70, right = std::max(190.0, 56 + kLabelCharWidth * double(longest)), top = 34, width = 920;
+  const double height = std::max(380.0, top + 8 + 18 * double(series.size()) + 10), bottom = height - 50;
   const double plot_w = width - left - right, plot_h = bottom - top;
   const auto xpos = [&](size_t i) {
     return layers.size() == 1 ? left + plot_w / 2 : left + plot_w * double(i) / double(layers.size() - 1);
@@ -301,11 +310,6 @@ struct Point {
   double x, y;  // wire bytes per token, rel_l2
 };
 
-// An upper bound of a .lbl character's width (12 px sans-serif: about 6.7 px for lower case and
-// digits, "_" and "m" included), and the box a label's glyphs take around its baseline y (the
-// browser's bounding box of 12 px text: y - 12 to y + 3), one label every kLabelLine.
-constexpr double kLabelCharWidth = 7.2, kLabelAscent = 12, kLabelDescent = 3, kLabelLine = kLabelAscent + kLabelDescent;
-
 // The trade-off a user chooses on: rel_l2 (log10 y) against the wire bytes per token (linear x),
 // one labelled point per recipe; the budget as a dashed line when there is one.
 std::string tradeoff_chart(const std::string& title, const std::vector<Point>& points, std::optional<double> budget) {
@@ -351,8 +355,8 @@ std::string tradeoff_chart(const std::string& title, const std::vector<Point>& p
   }
   // Labels beside their points (right, or left where the right runs out of the chart), each as a
   // box of its estimated width (kLabelCharWidth per character) and kLabelLine high: the first
-  // baseline of cy + 4, cy + 4 + 15, cy + 4 - 15, cy + 4 + 30, ... whose box lies within the chart
-  // and overlaps no label placed before (after 60 tries the last is taken: placing always ends).
+  // baseline of cy + 4, cy + 4 + 15, cy + 4 - 15, cy + 4 + 30, ... (60 tries a side, the other side
+  // next) whose box lies between the title and the x axis and overlaps no label placed before.
   struct Box {
     double x0, x1, y0, y1;
   };
@@ -363,16 +367,30 @@ std::string tradeoff_chart(const std::string& title, const std::vector<Point>& p
     s += "<circle class=\"point\" cx=\"" + px(cx) + "\" cy=\"" + px(cy) + "\" r=\"5\" fill=\"" + p.colour +
          "\"><title>" + esc(p.label) + ": " + fmt(p.x, "%.0f") + " B/token, rel_l2 " + fmt(p.y) + "</title></circle>\n";
     const double w = kLabelCharWidth * double(p.label.size());
-    const bool right = cx + 8 + w <= width - 4;
-    const double x0 = right ? cx + 8 : cx - 8 - w, x1 = x0 + w;
-    double ly = cy + 4;
-    for (int k = 0; k < 60; ++k) {
-      ly = cy + 4 + kLabelLine * double((k + 1) / 2) * (k % 2 ? 1 : -1);
-      const double y0 = ly - kLabelAscent, y1 = ly + kLabelDescent;
-      const bool clear = y0 >= 0 && y1 <= height && std::none_of(placed.begin(), placed.end(), [&](const Box& b) {
-                           return x0 < b.x1 && b.x0 < x1 && y0 < b.y1 && b.y0 < y1;
-                         });
-      if (clear) break;
+    // The preferred side (right where it fits), then the other; the first clear slot wins, else
+    // the point's own line on the preferred side.
+    const bool fits_right = cx + 8 + w <= width - 4, fits_left = cx - 8 - w >= 0;
+    bool right = fits_right;
+    double ly = cy + 4, x0 = 0, x1 = 0;
+    bool found = false;
+    for (int side = 0; side < 2 && !found; ++side) {
+      right = side == 0 ? fits_right : !fits_right;
+      if (side == 1 && !(right ? fits_right : fits_left)) break;
+      x0 = right ? cx + 8 : cx - 8 - w;
+      x1 = x0 + w;
+      for (int k = 0; k < 60 && !found; ++k) {
+        ly = cy + 4 + kLabelLine * double((k + 1) / 2) * (k % 2 ? 1 : -1);
+        const double y0 = ly - kLabelAscent, y1 = ly + kLabelDescent;
+        found = y0 >= top - 8 && y1 <= bottom && std::none_of(placed.begin(), placed.end(), [&](const Box& b) {
+                  return x0 < b.x1 && b.x0 < x1 && y0 < b.y1 && b.y0 < y1;
+                });
+      }
+    }
+    if (!found) {
+      right = fits_right;
+      x0 = right ? cx + 8 : cx - 8 - w;
+      x1 = x0 + w;
+      ly = cy + 4;
     }
     placed.push_back({x0, x1, ly - kLabelAscent, ly + kLabelDescent});
     // A label moved off its point's line gets a thin leader to the point.

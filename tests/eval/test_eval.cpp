@@ -655,6 +655,45 @@ TEST_F(EvalLib, CalibrationMethodsFromOnePass) {
   EXPECT_THROW((void)run_eval(loaded), Error);
 }
 
+// moefq calibrate --calibration percentile: the file says so, holds the percentile's amax (no
+// per-rank maxima, which no longer bound it) and loads back; mse (format-dependent) is refused.
+TEST_F(EvalLib, CalibratePercentileFileRoundTrips) {
+  o_.layers = {0};
+  o_.tokens = 64;
+  EvalSetup setup;
+  const CalibrationState max = run_calibration(o_, &setup);
+  o_.calibration = {parse_calibration_method("percentile:99.9", "t")};
+  const CalibrationState p = run_calibration(o_, &setup);
+  EXPECT_EQ(p.algorithm, "percentile 99.9");
+  EXPECT_EQ(p.source.rfind("percentile 99.9 calibration on", 0), 0u) << p.source;
+  ASSERT_EQ(p.layers.size(), 1u);
+  EXPECT_LT(p.layers[0].dispatch_amax, max.layers[0].dispatch_amax);
+  EXPECT_EQ(p.layers[0].dispatch_amax,
+            derive_amax(*p.layers[0].dispatch_hist, o_.calibration[0], Format::kFp8, "t").amax);
+  const std::string file = (root_ / "p.json").string();
+  save_eval_calibration(file, p, setup);
+  const nlohmann::json j = nlohmann::json::parse(read_text_of(file));
+  EXPECT_EQ(j.at("algorithm"), "percentile 99.9");
+  EXPECT_FALSE(j.at("quantizers").at("layers.0.mlp.experts.dispatch_quantizer").contains("rank_amax"));
+  const CalibrationState back = load_eval_calibration(file, setup);
+  EXPECT_EQ(back.algorithm, "percentile 99.9");
+  EXPECT_EQ(back.layers[0].dispatch_amax, p.layers[0].dispatch_amax);
+  EXPECT_EQ(back.layers[0].combine_amax, p.layers[0].combine_amax);
+  // An eval on that file says whose amax its rows use.
+  EvalOptions e = o_;
+  e.calibration.clear();
+  e.load_calibration = file;
+  e.recipes = {"moe_dispatch_fp8"};
+  const EvalResult r = run_eval(e);
+  EXPECT_EQ(r.setup.calibration, "percentile 99.9 (loaded)");
+  ASSERT_EQ(r.rows.size(), 1u);
+  EXPECT_EQ(r.rows[0].calibration, "percentile 99.9 (loaded)");
+  EXPECT_EQ(*r.rows[0].dispatch_amax, p.layers[0].dispatch_amax);
+  o_.calibration = {parse_calibration_method("mse", "t")};
+  EXPECT_NE(error_of([&] { run_calibration(o_); }).find("the MSE-optimal amax depends on the recipe's format"),
+            std::string::npos);
+}
+
 // A recipe names its calibration as Model Optimizer does.
 TEST(RecipeCalibration, AlgorithmMethods) {
   const Recipe p = parse_recipe_text("$import: [moe_dispatch_fp8]\nalgorithm: {method: percentile, percentile: 99.9}\n", "t");

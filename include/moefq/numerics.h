@@ -705,13 +705,24 @@ enum class PeerRule : uint8_t {
   kMoriFp4Block,    // MoRI's FP4 blockwise combine: e2m1, an fp32 scale bmax / 6 per block
   kDeepGemmBlock,   // DeepGEMM's per_token_cast_to_fp8: sf = max(bmax, 1e-4) / 448, x * (1 / sf)
   kVllmBlock,       // vLLM's per-token-group FP8 quant: sf = max(bmax, 1e-10) / 448, x / sf
+  kFlashInferFp4,   // FlashInfer's Mega-MoE nvfp4 combine (16e2m1xbf16): e2m1 per 16, the bf16 bmax
 };
 struct PeerParams {
   float s;   // into the element format (a multiplier; kVllmBlock: the divisor sf)
   float si;  // back (the dequantization scale)
 };
-inline constexpr int kPeerBlock = 128;  // every blocked peer rule here: 128 channels
+inline constexpr int kPeerBlock = 128;  // the blocked peer rules' block, but for kFlashInferFp4
+inline constexpr int kFlashInferFp4Block = 16;
 inline constexpr float kVllmAmaxFloor = 1e-10f;
+inline constexpr float kInvE2m1Max = 1.0f / 6.0f;  // RN(1/6)
+inline constexpr float kFltMin = 1.17549435082228750797e-38f;  // 2^-126, the smallest normal
+
+// Channels per block of a peer rule; 0 for the unscaled casts (no block).
+constexpr int peer_block_size(PeerRule r) {
+  return r == PeerRule::kFp8Cast || r == PeerRule::kFp8CastNan ? 0
+         : r == PeerRule::kFlashInferFp4                       ? kFlashInferFp4Block
+                                                               : kPeerBlock;
+}
 
 // ceil(log2(r)) as the fork's fast_log2_ceil reads it from the bits: biased exponent - 127, plus 1
 // when the mantissa field is not zero. Exact for normal r; a subnormal r gives -126 (exponent field
@@ -741,6 +752,16 @@ MOEFQ_HD PeerParams peer_params(float bmax) {
     // gives s = 0, si = inf: every element NaN.
     if (!(bmax > 0.0f)) return {0.0f, 1.0f};
     return {div_rn(kE2m1Max, bmax), div_rn(bmax, kE2m1Max)};
+  } else if constexpr (R == PeerRule::kFlashInferFp4) {
+    // The wire carries the block's maximum as bf16 (a, exact for bf16 rows); d = a * RN(1/6) is the
+    // dequantization scale (si). Into e2m1: enc = rcp(d) (moefq: RN(1/d); the peer's rcp.approx.ftz
+    // reads a subnormal or zero d as 0 and gives inf, capped at FLT_MAX), times the peer's mask
+    // min(d * 1e30, 1), which makes a zero block's enc 0 and shrinks it for d < 1e-30. An infinite
+    // bmax gives enc = 0, d = inf: every element NaN.
+    const float d = mul_rn(bf16_to_f32(bf16_round(bmax)), kInvE2m1Max);
+    const float r = d < kFltMin ? kFltMax : div_rn(1.0f, d);
+    const float mask = mul_rn(d, 1e30f);
+    return {mul_rn(r, mask < 1.0f ? mask : 1.0f), d};
   } else if constexpr (R == PeerRule::kDeepGemmBlock) {
     const float sf = div_rn(bmax > kFp8BlockAmaxFloor ? bmax : kFp8BlockAmaxFloor, kE4m3Max);
     return {div_rn(1.0f, sf), sf};
@@ -758,7 +779,7 @@ MOEFQ_HD float peer_qdq(float x, PeerParams p) {
   if constexpr (R == PeerRule::kFp8CastNan) {
     if (abs_f32(x) > kE4m3Max) return canonical_nan_f32();  // inf too
   }
-  if constexpr (R == PeerRule::kMoriFp4Block) {
+  if constexpr (R == PeerRule::kMoriFp4Block || R == PeerRule::kFlashInferFp4) {
     // e2m1 of |x| * s, ties to the even code, saturating at 6; inf * 0 (an infinite block) is NaN.
     const float q = e2m1_round_sat(mul_rn(abs_f32(x), p.s));
     return copysign_f32(mul_rn(q, p.si), x);
@@ -1166,7 +1187,7 @@ MOEFQ_HD float peer_qdq_sum(float x, PeerParams p) {
     return mxfp8_qdq_sum(x, MxScale{p.s, p.si});
   } else if constexpr (R == PeerRule::kFp8CastNan) {
     return abs_mod(x) > kE4m3Max ? canonical_nan_f32() : fp8_qdq_sum(x, Fp8Params{p.s, p.si});
-  } else if constexpr (R == PeerRule::kMoriFp4Block || R == PeerRule::kVllmBlock) {
+  } else if constexpr (R == PeerRule::kMoriFp4Block || R == PeerRule::kFlashInferFp4 || R == PeerRule::kVllmBlock) {
     return peer_qdq<R>(x, p);
   } else {
     return fp8_qdq_sum(x, Fp8Params{p.s, p.si});

@@ -18,8 +18,8 @@ namespace moefq {
 // then the other peers' rules (numerics.h PeerRule): fp8_cast and fp8_cast_nan (MoRI's FP8 direct
 // cast, saturating or NaN beyond 448), fp8_block128_ue8m0_nofloor (the SGLang DeepGEMM fork's FP8
 // Mega-MoE combine), fp8_block128_mori and fp4_block128_mori (MoRI's blockwise combine options),
-// fp8_block128_deepgemm (DeepGEMM's per_token_cast_to_fp8) and fp8_block128_vllm (vLLM's
-// per-token-group FP8 quantization).
+// fp8_block128_deepgemm (DeepGEMM's per_token_cast_to_fp8), fp8_block128_vllm (vLLM's
+// per-token-group FP8 quantization) and fp4_block16_flashinfer (FlashInfer's Mega-MoE nvfp4 combine).
 enum class Format {
   kFp8,
   kNvfp4,
@@ -36,6 +36,7 @@ enum class Format {
   kFp4Block128Mori,
   kFp8Block128DeepGemm,
   kFp8Block128Vllm,
+  kFp4Block16FlashInfer,
 };
 inline constexpr Format kAllFormats[] = {Format::kFp8,
                                          Format::kNvfp4,
@@ -51,9 +52,10 @@ inline constexpr Format kAllFormats[] = {Format::kFp8,
                                          Format::kFp8Block128Mori,
                                          Format::kFp4Block128Mori,
                                          Format::kFp8Block128DeepGemm,
-                                         Format::kFp8Block128Vllm};
+                                         Format::kFp8Block128Vllm,
+                                         Format::kFp4Block16FlashInfer};
 
-// The numerics.h rule of a peer format (fp8_cast ... fp8_block128_vllm); nullopt for the others.
+// The numerics.h rule of a peer format (fp8_cast ... fp4_block16_flashinfer); nullopt for the others.
 constexpr std::optional<PeerRule> peer_rule(Format f) {
   switch (f) {
     case Format::kFp8Cast: return PeerRule::kFp8Cast;
@@ -63,15 +65,16 @@ constexpr std::optional<PeerRule> peer_rule(Format f) {
     case Format::kFp4Block128Mori: return PeerRule::kMoriFp4Block;
     case Format::kFp8Block128DeepGemm: return PeerRule::kDeepGemmBlock;
     case Format::kFp8Block128Vllm: return PeerRule::kVllmBlock;
+    case Format::kFp4Block16FlashInfer: return PeerRule::kFlashInferFp4;
     default: return std::nullopt;
   }
 }
 
 const char* format_name(Format f);
-// The name of each format ("fp8", ..., "logfmt10", "fp8_cast", ..., "fp8_block128_vllm") to it;
+// The name of each format ("fp8", ..., "logfmt10", "fp8_cast", ..., "fp4_block16_flashinfer") to it;
 // nullopt for anything else.
 std::optional<Format> parse_format(std::string_view name);
-// "fp8|nvfp4|...|fp8_block128_vllm", for messages.
+// "fp8|nvfp4|...|fp4_block16_flashinfer", for messages.
 std::string format_choices();
 // Elements per block along the last dimension; 0 for the per-tensor formats.
 int format_block_size(Format f);
@@ -94,7 +97,8 @@ bool format_has_global_amax(Format f);
 //   fp8_cast, fp8_cast_nan:     cols (no scale);
 //   fp8_block128_ue8m0_nofloor: cols + cols / 128;
 //   fp8_block128_mori, fp8_block128_deepgemm, fp8_block128_vllm: cols + 4 * cols / 128;
-//   fp4_block128_mori:          cols / 2 + 4 * cols / 128 (an fp32 scale per block of 128).
+//   fp4_block128_mori:          cols / 2 + 4 * cols / 128 (an fp32 scale per block of 128);
+//   fp4_block16_flashinfer:     cols / 2 + 2 * cols / 16  (a bf16 block maximum per block of 16).
 double wire_bytes_per_row(std::optional<Format> f, int64_t cols);
 
 enum class DType { kBF16, kF32 };

@@ -228,7 +228,7 @@ std::function<int()> add_eval_command(CLI::App& app) {
   sub->add_option("--sweep", o->eval.sweep,
                   "without --recipe, which recipes run: default (the 13 above) or peers (none + each expert-parallel "
                   "system's dispatch and combine as it computes them, with its router-weight placement: DeepEP, "
-                  "DeepGEMM and its SGLang fork, MoRI, vLLM; recipes/configs/ptq/presets/peers)");
+                  "DeepGEMM and its SGLang fork, MoRI, vLLM, FlashInfer; recipes/configs/ptq/presets/peers)");
   sub->add_option("--link", o->eval.link,
                   "turn the wire bytes into dispatch/combine transfer time per batch on this link: " + link_choices() +
                       " (bandwidths and latencies in docs/eval.md)");

@@ -360,6 +360,8 @@ void launch_combine_qdq(const CombineRows& rows, bool quantize, Format f, const 
     case Format::kFp4Block128Mori: return launch_rule<Rule<Format::kFp4Block128Mori>>(p, n, with_check, stream);
     case Format::kFp8Block128DeepGemm: return launch_rule<Rule<Format::kFp8Block128DeepGemm>>(p, n, with_check, stream);
     case Format::kFp8Block128Vllm: return launch_rule<Rule<Format::kFp8Block128Vllm>>(p, n, with_check, stream);
+    case Format::kFp4Block16FlashInfer:
+      return launch_rule<Rule<Format::kFp4Block16FlashInfer>>(p, n, with_check, stream);
   }
   MOEFQ_FAIL(ErrorKind::kInternal, kWho, ": unknown format");
 }

@@ -194,6 +194,8 @@ void launch_typed(Format f, const T* x, T* y, int64_t rows, int64_t cols, const 
     case Format::kFp4Block128Mori: return launch_format<T, Format::kFp4Block128Mori>(x, y, rows, cols, amax, stream);
     case Format::kFp8Block128DeepGemm: return launch_format<T, Format::kFp8Block128DeepGemm>(x, y, rows, cols, amax, stream);
     case Format::kFp8Block128Vllm: return launch_format<T, Format::kFp8Block128Vllm>(x, y, rows, cols, amax, stream);
+    case Format::kFp4Block16FlashInfer:
+      return launch_format<T, Format::kFp4Block16FlashInfer>(x, y, rows, cols, amax, stream);
   }
 }
 

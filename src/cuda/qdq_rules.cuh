@@ -368,14 +368,14 @@ struct Rule<Format::kFp8Block128Ue8m0> : Fp8BlockRule<true> {
   using Fp8BlockRule::Fp8BlockRule;
 };
 
-// The other peers' rules (numerics.h PeerRule): blocks of 128 (single elements for the unscaled
+// The other peers' rules (numerics.h PeerRule): blocks of 128 or 16 (single elements for the unscaled
 // casts), the block's parameters from its maximum, each element by peer_qdq. The combine's chunk
 // takes the sum-exact form of each element (peer_qdq_sum: no conversion instructions) and rounds
 // the 8 values to bf16, as the CPU quantizer stores them.
 template <PeerRule R>
 struct PeerFormatRule {
-  static constexpr bool kBlocked = R != PeerRule::kFp8Cast && R != PeerRule::kFp8CastNan;
-  static constexpr int kBlock = kBlocked ? kPeerBlock : 0;
+  static constexpr int kBlock = peer_block_size(R);
+  static constexpr bool kBlocked = kBlock > 0;
   using Shared = NoShared;
   __device__ PeerFormatRule(const float*, Shared&) {}
   __device__ float reduce(float m, float x) const { return max_ignore_nan(m, abs_f32(x)); }
@@ -418,6 +418,10 @@ struct Rule<Format::kFp8Block128DeepGemm> : PeerFormatRule<PeerRule::kDeepGemmBl
 };
 template <>
 struct Rule<Format::kFp8Block128Vllm> : PeerFormatRule<PeerRule::kVllmBlock> {
+  using PeerFormatRule::PeerFormatRule;
+};
+template <>
+struct Rule<Format::kFp4Block16FlashInfer> : PeerFormatRule<PeerRule::kFlashInferFp4> {
   using PeerFormatRule::PeerFormatRule;
 };
 

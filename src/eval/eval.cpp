@@ -743,6 +743,8 @@ constexpr PeerRecipe kPeerRecipes[] = {
     {"MoRI", "mori_fp8_blockwise"},
     {"MoRI", "mori_fp4_blockwise"},
     {"vLLM", "vllm_fp8_dispatch"},
+    {"FlashInfer", "flashinfer_mxfp8_combine"},
+    {"FlashInfer", "flashinfer_fp4_combine"},
 };
 }  // namespace
 

@@ -24,6 +24,7 @@ const char* format_name(Format f) {
     case Format::kFp4Block128Mori: return "fp4_block128_mori";
     case Format::kFp8Block128DeepGemm: return "fp8_block128_deepgemm";
     case Format::kFp8Block128Vllm: return "fp8_block128_vllm";
+    case Format::kFp4Block16FlashInfer: return "fp4_block16_flashinfer";
   }
   return "?";
 }
@@ -53,6 +54,7 @@ int format_block_size(Format f) {
     case Format::kFp4Block128Mori:
     case Format::kFp8Block128DeepGemm:
     case Format::kFp8Block128Vllm: return kPeerBlock;
+    case Format::kFp4Block16FlashInfer: return kFlashInferFp4Block;
     default: return 0;
   }
 }
@@ -82,6 +84,7 @@ double wire_bytes_per_row(std::optional<Format> f, int64_t cols) {
     case Format::kFp8Block128DeepGemm:
     case Format::kFp8Block128Vllm: return double(cols) + 4.0 * blocks(kPeerBlock);
     case Format::kFp4Block128Mori: return nibbles + 4.0 * blocks(kPeerBlock);
+    case Format::kFp4Block16FlashInfer: return nibbles + 2.0 * blocks(kFlashInferFp4Block);
   }
   MOEFQ_FAIL(ErrorKind::kInternal, "wire_bytes_per_row: unknown format");
 }
@@ -146,12 +149,12 @@ void logfmt_row(const T* x, T* y, int64_t cols) {
   }
 }
 
-// A peer rule (numerics.h): per block of kPeerBlock (per element for the unscaled casts).
+// A peer rule (numerics.h): per block of peer_block_size (per element for the unscaled casts).
 template <PeerRule R, typename T>
 void peer_impl(const T* x, T* y, int64_t rows, int64_t cols) {
-  constexpr bool kBlocked = R != PeerRule::kFp8Cast && R != PeerRule::kFp8CastNan;
+  constexpr bool kBlocked = peer_block_size(R) > 0;
   for_each_block(
-      x, y, rows, cols, kBlocked ? kPeerBlock : 1,
+      x, y, rows, cols, kBlocked ? peer_block_size(R) : 1,
       [](const T* b, int64_t len) { return peer_params<R>(kBlocked ? block_amax(b, len) : 0.0f); },
       [](float v, PeerParams p) { return peer_qdq<R>(v, p); });
 }
@@ -211,6 +214,7 @@ void qdq_impl(Format f, const T* x, T* y, int64_t rows, int64_t cols, float amax
     case Format::kFp4Block128Mori: return peer_impl<PeerRule::kMoriFp4Block>(x, y, rows, cols);
     case Format::kFp8Block128DeepGemm: return peer_impl<PeerRule::kDeepGemmBlock>(x, y, rows, cols);
     case Format::kFp8Block128Vllm: return peer_impl<PeerRule::kVllmBlock>(x, y, rows, cols);
+    case Format::kFp4Block16FlashInfer: return peer_impl<PeerRule::kFlashInferFp4>(x, y, rows, cols);
   }
 }
 

@@ -56,6 +56,7 @@ std::string QuantSpec::describe() const {
     case Format::kFp4Block128Mori: s += " (e2m1, block 128, fp32 scales)"; break;
     case Format::kFp8Block128DeepGemm: s += " (e4m3, block 128, fp32 scales, x * (1 / sf))"; break;
     case Format::kFp8Block128Vllm: s += " (e4m3, block 128, fp32 scales, x / sf)"; break;
+    case Format::kFp4Block16FlashInfer: s += " (e2m1, block 16, bf16 block maxima)"; break;
   }
   if (format_has_global_amax(format)) {
     s += detail::concat(", amax ", amax_source_name(amax_source));

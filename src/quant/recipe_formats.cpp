@@ -58,6 +58,7 @@ const Row kRows[] = {
     {Bits{Bits::Kind::kName, 0, 0, 0, "fp4_block128_mori"}, 0, {}, Format::kFp4Block128Mori},
     {Bits{Bits::Kind::kName, 0, 0, 0, "fp8_block128_deepgemm"}, 0, {}, Format::kFp8Block128DeepGemm},
     {Bits{Bits::Kind::kName, 0, 0, 0, "fp8_block128_vllm"}, 0, {}, Format::kFp8Block128Vllm},
+    {Bits{Bits::Kind::kName, 0, 0, 0, "fp4_block16_flashinfer"}, 0, {}, Format::kFp4Block16FlashInfer},
 };
 
 std::string describe_row(const Row& r) {

@@ -894,13 +894,15 @@ TEST(CombineCuda, WeightedCheckPassesAndCatchesTheOtherMode) {
 // The peers' rules (numerics.h PeerRule) where they branch, per block of 128 side by side in one
 // warp: maxima below 1e-4 (the SGLang fork keeps them, DeepGEMM's floor does not) and down to bf16
 // subnormals, around 448 (MoRI scales only above it; the NaN cast turns the excess into NaN), far
-// above, zero blocks, and blocks holding NaN or inf. Byte for byte against the CPU quantizer.
+// above, zero blocks, and blocks holding NaN or inf; around FlashInfer's mask (d = bmax / 6 near
+// 1e-30). Byte for byte against the CPU quantizer.
 TEST(CombineCuda, PeerFormatsEqualCpuAtTheirEdges) {
   SKIP_WITHOUT_GPU();
   const Shape s{24, 8, 1024, true, 21};
   HostRows h = make_rows(s, 177, false);
   std::mt19937_64 rng(178);
-  const float peaks[] = {0.0f, 1e-38f, 3e-5f, 9.9e-5f, 1e-4f, 0.5f, 447.0f, 448.0f, 450.0f, 464.0f, 1e4f, 3e38f};
+  const float peaks[] = {0.0f,   1e-38f, 5e-31f, 6e-30f, 7e-30f, 3e-5f, 9.9e-5f, 1e-4f,
+                         0.5f,   447.0f, 448.0f, 450.0f, 464.0f, 1e4f,  3e38f};
   for (int64_t t = 0; t < s.num_tokens; ++t)
     for (int64_t k = 0; k <= s.K; ++k) {
       if (k < s.K && !h.active(t, k)) continue;

@@ -2,6 +2,7 @@
 // the kernels use against the software ones on every binary32 input.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -163,7 +164,8 @@ TEST(CudaQdq, WireFormatsOnSmallActivationsEqualReference) {
     const std::vector<bf16> xb = test::to_bf16(xf);
     for (Format f : {Format::kFp8Block128, Format::kFp8Block128Ue8m0, Format::kLogfmt10,
                      Format::kFp8Block128Ue8m0NoFloor, Format::kFp8Block128Mori, Format::kFp4Block128Mori,
-                     Format::kFp8Block128DeepGemm, Format::kFp8Block128Vllm, Format::kFp8Cast}) {
+                     Format::kFp8Block128DeepGemm, Format::kFp8Block128Vllm, Format::kFp8Cast,
+                     Format::kFp4Block16FlashInfer}) {
       check_qdq(f, xb, s.rows, s.cols, 0.0f);
       check_qdq(f, xb, s.rows, s.cols, 0.0f, 3);
       check_qdq(f, xf, s.rows, s.cols, 0.0f);
@@ -299,6 +301,47 @@ TEST(CudaQdq, Nvfp4ApproximateDivisionDiffersOnlyOnBoundaries) {
     EXPECT_EQ(not_one_step, 0) << c.name;
     EXPECT_LT(fraction, c.name[0] == 'r' ? 1e-3 : 0.5) << c.name;
   }
+}
+
+}  // namespace
+}  // namespace moefq
+
+namespace moefq {
+namespace {
+
+__global__ void rcp_approx_ftz_kernel(const float* d, float* r, int n) {
+  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r[i]) : "f"(d[i]));
+}
+
+// fp4_block16_flashinfer takes RN(1 / d) where FlashInfer's Mega-MoE takes rcp.approx.ftz.f32(d)
+// (docs/numerics.md): on every scale d = bf16 maximum * RN(1/6) of a normal bf16 maximum, the
+// hardware reciprocal is within one ulp of RN(1 / d); how many differ is printed for the docs, and
+// whether rcp(448) is RN(1/448) (FlashInferMxfp8ScaleIsMxfp8s in test_qdq_peers says why).
+TEST(CudaQdq, FlashInferReciprocalWithinOneUlp) {
+  SKIP_WITHOUT_GPU();
+  std::vector<float> d;
+  for (uint32_t b = 0x0080; b < 0x7F80; ++b) {
+    const float v = mul_rn(bf16_to_f32(uint16_t(b)), kInvE2m1Max);
+    if (v >= kFltMin) d.push_back(v);
+  }
+  d.push_back(448.0f);  // TensorRT-LLM's mxfp8 scale multiplies by rcp.approx.ftz(448)
+  const int n = int(d.size());
+  DeviceBuffer<float> dd(d);
+  DeviceBuffer<float> dr(d.size());
+  rcp_approx_ftz_kernel<<<(n + 255) / 256, 256>>>(dd.get(), dr.get(), n);
+  MOEFQ_CUDA_CHECK(cudaGetLastError());
+  const std::vector<float> r = dr.download();
+  int differ = 0;
+  for (int i = 0; i < n; ++i) {
+    const float exact = div_rn(1.0f, d[size_t(i)]);
+    const int64_t ulps = int64_t(f32_bits(r[size_t(i)])) - int64_t(f32_bits(exact));
+    ASSERT_LE(ulps < 0 ? -ulps : ulps, 1) << "d " << d[size_t(i)];
+    differ += ulps != 0;
+  }
+  std::printf("rcp.approx.ftz.f32 differs from RN(1/d) on %d of %d FlashInfer fp4 scales and 448; "
+              "rcp(448) %s RN(1/448)\n",
+              differ, n, f32_bits(r.back()) == f32_bits(div_rn(1.0f, 448.0f)) ? "equals" : "differs from");
 }
 
 }  // namespace

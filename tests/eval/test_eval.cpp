@@ -563,6 +563,7 @@ TEST_F(EvalLib, PeersSweepRunsEachPeerInItsWeighting) {
         << r.name;
   EXPECT_EQ(peer_of("deepep_ll_logfmt10"), "DeepEP");
   EXPECT_EQ(peer_of("mori_fp4_blockwise"), "MoRI");
+  EXPECT_EQ(peer_of("flashinfer_fp4_combine"), "FlashInfer");
   EXPECT_EQ(peer_of("both_fp8"), "");
   for (const char* name : {"deepep_ll_logfmt10", "mori_fp8_blockwise", "sglang_deepgemm_fp8_combine"}) {
     SCOPED_TRACE(name);

@@ -625,9 +625,12 @@ enum class Fmt {
   kFp4Block128Mori,
   kFp8Block128DeepGemm,
   kFp8Block128Vllm,
+  kFp4Block16FlashInfer,
 };
 inline bool is_peer(Fmt f) { return f >= Fmt::kFp8Cast; }
-inline int64_t peer_block(Fmt f) { return f == Fmt::kFp8Cast || f == Fmt::kFp8CastNan ? 1 : 128; }
+inline int64_t peer_block(Fmt f) {
+  return f == Fmt::kFp8Cast || f == Fmt::kFp8CastNan ? 1 : (f == Fmt::kFp4Block16FlashInfer ? 16 : 128);
+}
 
 // One element of a peer format from its block's maximum (NaN ignored, +-inf counts).
 inline float peer_elem(Fmt f, float x, float bmax) {
@@ -659,6 +662,16 @@ inline float peer_elem(Fmt f, float x, float bmax) {
     case Fmt::kFp8Block128Vllm: {
       const float sf = div_rn(bmax > 1e-10f ? bmax : 1e-10f, 448.0f);
       return mul_rn(e4m3_sat_value(div_rn(x, sf)), sf);
+    }
+    case Fmt::kFp4Block16FlashInfer: {
+      // The block maximum as bf16 (a), d = a * RN(1/6); into e2m1 by enc = RN(1/d) (1/0 and 1/
+      // subnormal d read as FLT_MAX, the flush of rcp.approx.ftz) times min(d * 1e30, 1).
+      const float a = bf16_value(bf16_round(bmax));
+      const float d = mul_rn(a, div_rn(1.0f, 6.0f));
+      const float rcp = d < 0x1p-126f ? kFltMax : div_rn(1.0f, d);
+      const float m = mul_rn(d, 1e30f);
+      const float enc = mul_rn(rcp, m < 1.0f ? m : 1.0f);
+      return with_sign(mul_rn(e2m1_sat_value(mul_rn(abs_f32(x), enc)), d), sign_bit(x));
     }
     default: return quiet_nan();
   }

@@ -54,6 +54,7 @@ slow::Fmt to_slow(Format f) {
     case Format::kFp4Block128Mori: return slow::Fmt::kFp4Block128Mori;
     case Format::kFp8Block128DeepGemm: return slow::Fmt::kFp8Block128DeepGemm;
     case Format::kFp8Block128Vllm: return slow::Fmt::kFp8Block128Vllm;
+    case Format::kFp4Block16FlashInfer: return slow::Fmt::kFp4Block16FlashInfer;
   }
   return slow::Fmt::kFp8;
 }

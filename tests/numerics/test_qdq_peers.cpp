@@ -1,6 +1,6 @@
 // The other peers' wire formats (numerics.h PeerRule, docs/numerics.md): fp8_cast, fp8_cast_nan,
-// fp8_block128_ue8m0_nofloor, fp8_block128_mori, fp4_block128_mori, fp8_block128_deepgemm and
-// fp8_block128_vllm, against a scalar reference written here on slow_ref.h's integer arithmetic
+// fp8_block128_ue8m0_nofloor, fp8_block128_mori, fp4_block128_mori, fp8_block128_deepgemm,
+// fp8_block128_vllm and fp4_block16_flashinfer, against a scalar reference written here on slow_ref.h's integer arithmetic
 // (it shares nothing with numerics.h), on every bf16 pattern, on rows whose block maxima sweep the
 // range, on fp32 data, and on the edges each peer's rule decides: maxima below 1e-4 and above 448,
 // zero blocks, NaN, +-inf and subnormals.
@@ -23,7 +23,7 @@ namespace s = slow;
 
 constexpr Format kPeerFormats[] = {Format::kFp8Cast,         Format::kFp8CastNan,          Format::kFp8Block128Ue8m0NoFloor,
                                    Format::kFp8Block128Mori, Format::kFp4Block128Mori,    Format::kFp8Block128DeepGemm,
-                                   Format::kFp8Block128Vllm};
+                                   Format::kFp8Block128Vllm, Format::kFp4Block16FlashInfer};
 
 // The reference: slow_ref.h's qdq_values (peer_elem per element from the block's maximum).
 s::Fmt to_slow(Format f) {
@@ -35,6 +35,7 @@ s::Fmt to_slow(Format f) {
     case Format::kFp4Block128Mori: return s::Fmt::kFp4Block128Mori;
     case Format::kFp8Block128DeepGemm: return s::Fmt::kFp8Block128DeepGemm;
     case Format::kFp8Block128Vllm: return s::Fmt::kFp8Block128Vllm;
+    case Format::kFp4Block16FlashInfer: return s::Fmt::kFp4Block16FlashInfer;
     default: ADD_FAILURE() << "not a peer format"; return s::Fmt::kFp8;
   }
 }
@@ -237,6 +238,7 @@ TEST(PeerFormats, SumExactFormsEqualTheRules) {
   EXPECT_EQ(sum_form_mismatch<PeerRule::kMoriFp4Block>(), "");
   EXPECT_EQ(sum_form_mismatch<PeerRule::kDeepGemmBlock>(), "");
   EXPECT_EQ(sum_form_mismatch<PeerRule::kVllmBlock>(), "");
+  EXPECT_EQ(sum_form_mismatch<PeerRule::kFlashInferFp4>(), "");
 }
 
 TEST(PeerFormats, NamesBlocksAndWireBytes) {
@@ -255,6 +257,37 @@ TEST(PeerFormats, NamesBlocksAndWireBytes) {
   EXPECT_EQ(wire_bytes_per_row(Format::kFp4Block128Mori, kH), 3584.0 + 224.0);
   EXPECT_EQ(wire_bytes_per_row(Format::kFp8Block128DeepGemm, kH), 7168.0 + 224.0);
   EXPECT_EQ(wire_bytes_per_row(Format::kFp8Block128Vllm, 129), 129.0 + 8.0);
+  EXPECT_EQ(format_block_size(Format::kFp4Block16FlashInfer), 16);
+  EXPECT_EQ(wire_bytes_per_row(Format::kFp4Block16FlashInfer, kH), 3584.0 + 896.0);  // a bf16 per 16
+  EXPECT_EQ(wire_bytes_per_row(Format::kFp4Block16FlashInfer, 129), 65.0 + 18.0);
+}
+
+// FlashInfer's Mega-MoE nvfp4 combine (16e2m1xbf16): e2m1 per 16 with d = bf16(bmax) * RN(1/6) and
+// enc = RN(1/d) times min(d * 1e30, 1): the block maximum comes back exactly for these maxima, ties
+// go to the even code, zero blocks stay zero, inf makes the block NaN, and blocks below 6e-30 are
+// shrunk by the mask (the peer's arithmetic, reproduced).
+TEST(PeerFormats, FlashInferFp4) {
+  const Format f = Format::kFp4Block16FlashInfer;
+  EXPECT_EQ(qdq1(f, {6.0f, 2.5f, 0.2f}, 0), 6.0f);  // d = RN(6 * RN(1/6)) = 1
+  EXPECT_EQ(qdq1(f, {6.0f, 2.5f, 0.2f}, 1), 2.0f);
+  EXPECT_EQ(qdq1(f, {6.0f, 2.5f, 0.2f}, 2), 0.0f);
+  EXPECT_EQ(qdq1(f, {1.0f, -0.3f}, 0), 1.0f);  // enc = RN(1 / RN(1/6)) = 6
+  EXPECT_EQ(qdq1(f, {1.0f, -0.3f}, 1), -s::mul_rn(2.0f, s::div_rn(1.0f, 6.0f)));  // -1.8 -> -2
+  EXPECT_EQ(qdq1(f, {0.0f, -0.0f}, 1), 0.0f);
+  EXPECT_TRUE(std::isnan(qdq1(f, {INFINITY, 1.0f}, 1)));
+  EXPECT_TRUE(std::isnan(qdq1(f, {std::nanf(""), 1.0f}, 0)));
+  EXPECT_EQ(qdq1(f, {std::nanf(""), 1.0f}, 1), 1.0f);  // NaN is left out of the maximum
+  // Blocks of 16: the second block keeps its own scale.
+  std::vector<float> two(32, 1e-3f);
+  two[0] = 100.0f;
+  std::vector<float> y(32);
+  qdq_ref(f, two.data(), y.data(), 1, 32, 0.0f);
+  EXPECT_EQ(y[1], 0.0f);
+  EXPECT_NEAR(y[16], 1e-3f, 1e-3f / 8);
+  // Below d = 1e-30 the mask shrinks enc: a block of maximum 6e-31 comes back well below it.
+  const float tiny = qdq1(f, {6e-31f, 3e-31f}, 0);
+  EXPECT_GT(tiny, 0.0f);
+  EXPECT_LT(tiny, 6e-31f / 4);
 }
 
 // combine_weighting after adds each row as one fma (numerics.h weighted_add).
@@ -263,6 +296,43 @@ TEST(PeerFormats, WeightedAddIsOneFma) {
   const float acc = -s::mul_rn(x, w);  // -(1 + 2^-7 + 2^-20), the product rounded
   EXPECT_EQ(weighted_add(acc, x, w), std::ldexp(1.0f, -27));
   EXPECT_EQ(weighted_add(acc, x, w), s::fma_rn(x, w, acc));
+}
+
+}  // namespace
+}  // namespace moefq
+
+namespace moefq {
+namespace {
+
+// FlashInfer's Mega-MoE mxfp8 scale (docs/numerics.md): r = bmax * RN(1/448), converted to ue8m0
+// rounding toward +inf (the exponent field, plus one when the mantissa is not zero). Emulated here
+// with slow_ref.h's exact multiply: on every positive finite bf16 maximum whose scale is normal
+// (bmax >= 448 x 2^-126), its exponent is mxfp8's, so the peer's mxfp8 combine is moefq's mxfp8 on
+// bf16 rows. The same holds with the reciprocal one ulp below RN(1/448); one ulp above, it differs
+// exactly on the maxima 1.75 x 2^k (bmax / 448 a power of two), which matters for TensorRT-LLM's
+// rcp.approx(448) only if that is not RN(1/448).
+TEST(PeerFormats, FlashInferMxfp8ScaleIsMxfp8s) {
+  const float rn = s::div_rn(1.0f, 448.0f);
+  ASSERT_EQ(s::f32_to_bits(rn), 0x3B124925u);
+  const float recips[] = {rn, std::nextafter(rn, 0.0f), std::nextafter(rn, 1.0f)};
+  const float smallest = s::mul_rn(448.0f, std::ldexp(1.0f, -126));
+  int checked = 0;
+  for (uint32_t b = 1; b < 0x7F80u; ++b) {
+    const float bmax = s::bf16_value(uint16_t(b));
+    if (bmax < smallest) continue;
+    const bool pow2_ratio = (b & 0x7Fu) == 0x60u;  // bmax = 1.75 x 2^k
+    for (const float r : recips) {
+      const uint32_t u = s::f32_to_bits(s::mul_rn(bmax, r));
+      const int e = int(u >> 23) - 127 + ((u & 0x7FFFFFu) != 0 ? 1 : 0);  // ue8m0, toward +inf
+      const int want = mx_block_exponent(bmax, kE4m3Max) + (r > rn && pow2_ratio ? 1 : 0);
+      ASSERT_EQ(e, want) << "bmax bits " << b << ", rcp bits " << s::f32_to_bits(r);
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 30000);
+  // bmax = 1.75 x 2^k gives bmax / 448 = 2^(k - 8) exactly; the product with RN(1/448) is 2^(k - 8)
+  // (1 + 3 x 2^-26), which still rounds to that power of two.
+  EXPECT_EQ(s::mul_rn(448.0f, rn), 1.0f);
 }
 
 }  // namespace

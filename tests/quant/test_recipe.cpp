@@ -82,6 +82,7 @@ TEST(RecipeUnits, EveryShippedUnitLoadsAndMapsToItsFormat) {
       {"moe_combine_fp4_block128_mori", "*combine_quantizer", Format::kFp4Block128Mori, 0},
       {"moe_dispatch_fp8_block128_deepgemm", "*dispatch_quantizer", Format::kFp8Block128DeepGemm, 0},
       {"moe_dispatch_fp8_block128_vllm", "*dispatch_quantizer", Format::kFp8Block128Vllm, 0},
+      {"moe_combine_fp4_block16_flashinfer", "*combine_quantizer", Format::kFp4Block16FlashInfer, 0},
   };
   const std::vector<std::string> units = list_recipe_units();
   EXPECT_EQ(units.size(), std::size(cases));
@@ -548,6 +549,8 @@ TEST(RecipeUnits, PeerRecipesLoadWithTheirWeighting) {
       {"mori_fp4_blockwise", std::nullopt, Format::kFp4Block128Mori, before},
       {"vllm_fp8_dispatch", Format::kFp8Block128Vllm, std::nullopt, before},
       {"deepgemm_fp8_dispatch", Format::kFp8Block128DeepGemm, std::nullopt, before},
+      {"flashinfer_mxfp8_combine", std::nullopt, Format::kMxfp8, before},
+      {"flashinfer_fp4_combine", std::nullopt, Format::kFp4Block16FlashInfer, before},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

@@ -127,7 +127,12 @@ def test_wire_bytes_match_moefq_eval():
     assert rep["results"]
     for row in rep["results"]:
         assert mc.wire_bytes_per_row(row["dispatch_format"], H) == row["dispatch_wire_bytes_per_token"]
-        assert mc.wire_bytes_per_row(row["combine_format"], H) == row["combine_wire_bytes_per_token"]
+        if row["combine_format"] == "logfmt10":
+            # eval counts the groups it could cast (the others go as bf16); compare gives the nominal size,
+            # the least logfmt10 can send, and says so in docs/compare.md.
+            assert mc.wire_bytes_per_row("logfmt10", H) <= row["combine_wire_bytes_per_token"] <= 2 * H
+        else:
+            assert mc.wire_bytes_per_row(row["combine_format"], H) == row["combine_wire_bytes_per_token"]
     assert mc.wire_bytes_per_row(None, 7168) == 2 * 7168
     assert mc.wire_bytes_per_row("nvfp4", 7168) == 7168 / 2 + 7168 / 16
     with pytest.raises(ValueError):

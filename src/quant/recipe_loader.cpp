@@ -340,6 +340,11 @@ std::string strip_yaml_suffix(std::string name) {
 
 bool has_yaml_suffix(const std::string& p) { return strip_yaml_suffix(p) != p; }
 
+// How many unit names a "no such unit" message lists: every shipped unit (the peers' formats made
+// them 21), so that a mistyped name's neighbours are there to see; a recipe root with many more
+// units gets the first ones and a count.
+constexpr size_t kUnitsNamed = 40;
+
 std::string join_few(const std::vector<std::string>& names, size_t few) {
   std::string s;
   for (size_t i = 0; i < names.size() && i < few; ++i) s += (i ? ", " : "") + names[i];
@@ -610,7 +615,7 @@ class Resolver {
       fail_at(site, "unknown unit " + in_quotes(name) + " (not declared under imports:" +
                         (declared.empty() ? std::string(" (none are)") : " (declared: " + declared + ")") +
                         "; looked for " + name + ".yaml in " + looked +
-                        "; units: " + join_few({units.begin(), units.end()}, 12) + ")");
+                        "; units: " + join_few({units.begin(), units.end()}, kUnitsNamed) + ")");
     }
     Document d = import_file(*found, site, ctx);
     const Node& r = *d.root;
@@ -824,7 +829,7 @@ Document Loader::load(const std::string& path_or_name) {
   }
   if (!found)
     fail_plain(in_quotes(path_or_name) + " is neither a recipe file, nor a path under a recipe root, nor a unit "
-                                      "(units: " + join_few(unit_names(), 12) + ")");
+                                      "(units: " + join_few(unit_names(), kUnitsNamed) + ")");
   return res.file(*found, found->string(), "");
 }
 

@@ -12,6 +12,15 @@ import json as _json
 import operator as _operator
 import os as _os
 
+import importlib.util as _importlib_util
+
+# torch, where it is installed, is loaded before the extension: a torch build that brings its own C++
+# runtime must be the first to resolve the runtime's shared symbols in the process, or importing torch
+# after moefq fails (seen as "free(): invalid pointer" with torch 2.11). Every test imports torch first;
+# this makes `import moefq; import torch` (python -m moefq.compare, moefq.bench_hf) load in that order too.
+if _importlib_util.find_spec("torch") is not None:
+    import torch as _torch  # noqa: F401
+
 from . import _moefq as _C
 from . import _tensors as _t
 

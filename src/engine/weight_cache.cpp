@@ -13,7 +13,6 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
-#include <sstream>
 #include <vector>
 
 #include "moefq/errors.h"
@@ -195,16 +194,20 @@ std::string weight_cache_key(const SyntheticLayer& l, const MoeConfig& c, Weight
   add_vec(l.outlier_channels);
   add_vec(l.sink_channels);
   add_vec(l.super_experts);
-  std::ostringstream k;
-  k.precision(9);
-  k << "moefq " << MOEFQ_VERSION << " generator " << kSyntheticGeneratorVersion << "; model " << c.name << " ("
-    << c.model_type << ") H " << c.hidden << " I " << c.intermediate << " E " << c.num_experts << " K " << c.top_k
-    << " S " << c.num_shared << " groups " << c.n_group << "/" << c.topk_group << " scaling " << c.routed_scaling
-    << " scoring " << int(c.scoring) << " norm " << c.norm_topk_prob << " noaux " << c.noaux_tc << " clamp "
-    << (c.swiglu_clamp ? std::to_string(*c.swiglu_clamp) : "none") << "; synthetic " << synthetic_kind_name(l.kind)
-    << " seed " << l.seed << " params " << hex64(p.h) << "; format " << weight_format_name(format) << "; experts "
-    << first_expert << "+" << num_local;
-  return k.str();
+  // Built without iostreams: in a process that also holds another C++ runtime (torch's), an
+  // ostream's number formatting can resolve to that runtime's and crash (docs/python.md).
+  const auto g9 = [](double v) {
+    char buf[40];
+    const int n = std::snprintf(buf, sizeof buf, "%.9g", v);
+    return std::string(buf, size_t(n > 0 ? n : 0));
+  };
+  return detail::concat("moefq ", MOEFQ_VERSION, " generator ", kSyntheticGeneratorVersion, "; model ", c.name, " (",
+                        c.model_type, ") H ", c.hidden, " I ", c.intermediate, " E ", c.num_experts, " K ", c.top_k,
+                        " S ", c.num_shared, " groups ", c.n_group, "/", c.topk_group, " scaling ",
+                        g9(c.routed_scaling), " scoring ", int(c.scoring), " norm ", c.norm_topk_prob, " noaux ",
+                        c.noaux_tc, " clamp ", c.swiglu_clamp ? g9(*c.swiglu_clamp) : std::string("none"),
+                        "; synthetic ", synthetic_kind_name(l.kind), " seed ", l.seed, " params ", hex64(p.h),
+                        "; format ", weight_format_name(format), "; experts ", first_expert, "+", num_local);
 }
 
 std::string weight_cache_path(const WeightCacheSettings& s, const std::string& key) {

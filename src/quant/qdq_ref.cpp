@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "moefq/errors.h"
+#include "moefq/wire_bytes.h"
 
 namespace moefq {
 
@@ -121,32 +122,60 @@ float block_amax(const T* b, int64_t len) {
   return bmax;
 }
 
+// The blocks of one logfmt10 cast group [g0, g1) of a row of bf16-rounded values, and whether the
+// group is cast (every block can be). The one cast decision of qdq_ref and logfmt10_cast_groups.
+bool logfmt_group(const float* v, int64_t g0, int64_t g1, LogFmtBlock* blocks) {
+  bool cast = true;
+  for (int64_t b0 = g0, i = 0; b0 < g1; b0 += kLogFmtBlock, ++i) {
+    float amax = 0.0f, amin = f32_from_bits(0x7F800000u);
+    for (int64_t c = b0; c < std::min(g1, b0 + kLogFmtBlock); ++c) {
+      const float a = abs_f32(v[c]);
+      if (is_nan(a)) continue;
+      amax = a > amax ? a : amax;
+      amin = a < amin ? a : amin;
+    }
+    blocks[i] = logfmt_block(amax, amin);
+    cast = cast && blocks[i].ok;
+  }
+  return cast;
+}
+
+// One row's values as bf16 (what logfmt10 reads), in a thread's scratch.
+template <typename T>
+const float* logfmt_values(const T* x, int64_t cols) {
+  thread_local std::vector<float> v;
+  v.resize(size_t(cols));
+  for (int64_t c = 0; c < cols; ++c) v[size_t(c)] = bf16_to_f32(bf16_round(to_f32(x[c])));
+  return v.data();
+}
+
 // logfmt10 of one row (numerics.h): the values as bf16, blocks of 128, each cast group cast only
 // when all its blocks can be; other groups keep the bf16 values.
 template <typename T>
 void logfmt_row(const T* x, T* y, int64_t cols) {
-  thread_local std::vector<float> v;
-  v.resize(size_t(cols));
-  for (int64_t c = 0; c < cols; ++c) v[size_t(c)] = bf16_to_f32(bf16_round(to_f32(x[c])));
+  const float* v = logfmt_values(x, cols);
   const int64_t group = int64_t(logfmt_group_blocks(cols)) * kLogFmtBlock;
   for (int64_t g0 = 0; g0 < cols; g0 += group) {
     const int64_t g1 = std::min(cols, g0 + group);
     LogFmtBlock blocks[8];
-    bool cast = true;
-    for (int64_t b0 = g0, i = 0; b0 < g1; b0 += kLogFmtBlock, ++i) {
-      float amax = 0.0f, amin = f32_from_bits(0x7F800000u);
-      for (int64_t c = b0; c < std::min(g1, b0 + kLogFmtBlock); ++c) {
-        const float a = abs_f32(v[size_t(c)]);
-        if (is_nan(a)) continue;
-        amax = a > amax ? a : amax;
-        amin = a < amin ? a : amin;
-      }
-      blocks[i] = logfmt_block(amax, amin);
-      cast = cast && blocks[i].ok;
-    }
+    const bool cast = logfmt_group(v, g0, g1, blocks);
     for (int64_t c = g0; c < g1; ++c)
-      store_out(&y[c], cast ? logfmt_qdq(v[size_t(c)], blocks[(c - g0) / kLogFmtBlock]) : v[size_t(c)]);
+      store_out(&y[c], cast ? logfmt_qdq(v[c], blocks[(c - g0) / kLogFmtBlock]) : v[c]);
   }
+}
+
+template <typename T>
+CastGroups logfmt_cast_groups(const T* x, int64_t rows, int64_t cols) {
+  CastGroups g;
+  const int64_t group = int64_t(logfmt_group_blocks(cols)) * kLogFmtBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* v = logfmt_values(x + r * cols, cols);
+    for (int64_t g0 = 0; g0 < cols; g0 += group, ++g.total) {
+      LogFmtBlock blocks[8];
+      g.cast += logfmt_group(v, g0, std::min(cols, g0 + group), blocks) ? 1u : 0u;
+    }
+  }
+  return g;
 }
 
 // A peer rule (numerics.h): per block of peer_block_size (per element for the unscaled casts).
@@ -252,5 +281,8 @@ void stage_e4m3_ref(const bf16* x, uint8_t* x8, float* scales, int64_t rows, int
 void stage_e4m3_ref(const float* x, uint8_t* x8, float* scales, int64_t rows, int64_t cols) {
   stage_impl(x, x8, scales, rows, cols);
 }
+
+CastGroups logfmt10_cast_groups(const bf16* x, int64_t rows, int64_t cols) { return logfmt_cast_groups(x, rows, cols); }
+CastGroups logfmt10_cast_groups(const float* x, int64_t rows, int64_t cols) { return logfmt_cast_groups(x, rows, cols); }
 
 }  // namespace moefq

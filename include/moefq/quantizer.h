@@ -2,12 +2,14 @@
 // and the calibration file that stores calibrated amax values between runs.
 // Invariants: a stored amax is finite and >= 0; no QDQ is applied while disabled or calibrating;
 // a failed call (bad data, a bad file) leaves the quantizer's state as it was. collect and
-// collect_max may run concurrently on one quantizer (their fold is locked); the rest is not
-// thread-safe.
+// collect_max may run concurrently on one quantizer (their fold is locked); the calls that change
+// the calibration state (start, finish, abort, reset, set_amax, set_enabled) wait for the collects
+// in flight and hold them off while they run. Reading the state (amax(), qdq) is not locked.
 #pragma once
 
 #include <cstdint>
 #include <mutex>
+#include <shared_mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -25,7 +27,7 @@ class Quantizer {
   const std::string& name() const { return name_; }
   const QuantSpec& spec() const { return spec_; }
   bool enabled() const { return enabled_; }
-  void set_enabled(bool enabled) { enabled_ = enabled; }
+  void set_enabled(bool enabled);
 
   // Whether QDQ needs a calibrated amax: a format with a global amax (fp8, nvfp4, int8) whose
   // amax source is `calibrated`. Constant, dynamic and block-local (mx) quantizers do not.
@@ -41,6 +43,7 @@ class Quantizer {
   bool calibrating() const { return calibrating_; }
   // Folds max |x| over n elements into the collected max. NaN or +-inf is an error naming the
   // quantizer and the element index (the collected state is then unchanged). n == 0 sees nothing.
+  // Outside a calibration it is an error (bad input) naming the quantizer.
   // Several threads may collect into one quantizer at once: each computes its max on its own and
   // folds it in under a lock.
   void collect(const bf16* x, int64_t n);   // x: [n] bf16
@@ -51,7 +54,7 @@ class Quantizer {
   // Whether any element was collected since start_calibration (zeros count).
   bool seen_data() const { return seen_; }
   // The max collected so far (0 when nothing was seen); what reduce_calibration_max combines.
-  float collected_max() const { return collected_max_; }
+  float collected_max() const;
   // Ends calibration. A quantizer that needs calibration and is enabled must have seen data
   // (else an error naming it, and it stays calibrating); it stores the collected max as its amax.
   // Other quantizers just leave calibration.
@@ -95,14 +98,18 @@ class Quantizer {
   std::optional<float> calibrated_amax_;
   // The stored amax when calibration started, which abort_calibration restores.
   std::optional<float> amax_before_calibration_;
-  // Serialises the fold of collect and collect_max. A copy of the quantizer gets a mutex of its own.
-  struct FoldMutex {
-    std::mutex m;
-    FoldMutex() = default;
-    FoldMutex(const FoldMutex&) {}
-    FoldMutex& operator=(const FoldMutex&) { return *this; }
+  // fold: serialises the fold of collect and collect_max. state: held shared by each collect
+  // (its scan and fold) and exclusively by the calls that change the calibration state, so that a
+  // finish on one thread stores a max including every collect that started before it. A copy of
+  // the quantizer gets mutexes of its own.
+  struct Mutexes {
+    std::mutex fold;
+    std::shared_mutex state;
+    Mutexes() = default;
+    Mutexes(const Mutexes&) {}
+    Mutexes& operator=(const Mutexes&) { return *this; }
   };
-  FoldMutex fold_;
+  mutable Mutexes mu_;
 
   friend void reduce_calibration_max(std::span<Quantizer* const> replicas);
 };

@@ -3,8 +3,6 @@
 // as DLPack capsules; a CUDA tensor is copied to the host on the caller's stream first
 // (calibration is an eager step, never part of a captured graph).
 
-#include <mutex>
-#include <shared_mutex>
 #include <vector>
 
 #include "bindings.h"
@@ -42,36 +40,17 @@ QuantSpec make_spec(const std::string& format, int block_size, const std::string
   return s;
 }
 
-// Quantizers from several threads: collect runs with the GIL released, and several threads may
-// collect into one quantizer at once (the C++ quantizer folds under its own lock). The calls that
-// change a quantizer's state (start, finish, abort, reset, the amax, the switch) hold this lock
-// exclusively and collects hold it shared, so a finish on one thread waits for the collects in
-// flight on others and never sees half of one. One lock for all quantizers: state changes are rare
-// and short. It is taken with the GIL released (a holder may be waiting for the GIL).
-std::shared_mutex g_quantizer_state;
-
-std::unique_lock<std::shared_mutex> exclusive_state() {
-  pb::gil_scoped_release release;
-  return std::unique_lock<std::shared_mutex>(g_quantizer_state);
-}
-
-// Calls outside a calibration are the caller's mistake (bad input), not a broken invariant.
-void expect_calibrating(const Quantizer& q, const char* call) {
-  MOEFQ_CHECK(q.calibrating(), q.name(), ": ", call,
-              " called outside calibration; call start_calibration() first (or use `with q.calibrate():`)");
-}
-
 // Folds a tensor into the quantizer's calibration: in place on the CPU, through a host copy of a
 // CUDA tensor (ordered on the caller's stream).
 void collect(Quantizer& q, const pb::capsule& xc, uintptr_t stream) {
-  expect_calibrating(q, "collect");
+  // Several threads may collect into one quantizer; a state change on another thread waits for
+  // the collect (the quantizer's own locks, moefq/quantizer.h).
+  MOEFQ_CHECK(q.calibrating(), q.name(), ": collect called outside calibration; call start_calibration() first");
   Tensor x(xc, q.name() + ": collect: x");
   x.expect_elem({Elem::kBF16, Elem::kF32}, "bfloat16 or float32 (or uint16 holding bf16 bits)");
   require_cuda_build(x);
   const bool bf = x.elem() == Elem::kBF16;
   pb::gil_scoped_release release;
-  const std::shared_lock<std::shared_mutex> held(g_quantizer_state);
-  expect_calibrating(q, "collect");  // a finish on another thread may have come first
   if (!x.cuda()) {
     if (bf)
       q.collect(x.ptr<bf16>(), x.numel());
@@ -124,57 +103,22 @@ void init_quantizer(pybind11::module_& m) {
       .def_property_readonly("name", &Quantizer::name)
       .def_property_readonly("spec", &Quantizer::spec)
       .def_property("enabled", &Quantizer::enabled,
-                    [](Quantizer& q, bool on) {
-                      const auto held = exclusive_state();
-                      q.set_enabled(on);
-                    })
+                    py::cpp_function(&Quantizer::set_enabled, py::call_guard<py::gil_scoped_release>()))
       .def_property_readonly("needs_calibration", &Quantizer::needs_calibration)
       .def_property_readonly("calibrating", &Quantizer::calibrating)
       .def_property_readonly("seen_data", &Quantizer::seen_data)
       .def_property_readonly("collected_max",
-                             [](const Quantizer& q) {
-                               const auto held = exclusive_state();
-                               return q.collected_max();
-                             })
+                             py::cpp_function(&Quantizer::collected_max, py::call_guard<py::gil_scoped_release>()))
       .def_property_readonly("amax", &Quantizer::amax)
-      .def(
-          "set_amax",
-          [](Quantizer& q, float amax) {
-            const auto held = exclusive_state();
-            q.set_amax(amax);
-          },
-          py::arg("amax"))
-      .def("start_calibration",
-           [](Quantizer& q) {
-             const auto held = exclusive_state();
-             q.start_calibration();
-           })
+      // The state changes may wait for collects running without the GIL: release it meanwhile.
+      .def("set_amax", &Quantizer::set_amax, py::arg("amax"), py::call_guard<py::gil_scoped_release>())
+      .def("start_calibration", &Quantizer::start_calibration, py::call_guard<py::gil_scoped_release>())
       .def("collect", &collect, py::arg("x"), py::arg("stream"))
-      .def(
-          "collect_max",
-          [](Quantizer& q, float partial_max) {
-            const auto held = exclusive_state();
-            expect_calibrating(q, "collect_max");
-            q.collect_max(partial_max);
-          },
-          py::arg("partial_max"))
-      .def("finish_calibration",
-           [](Quantizer& q) {
-             const auto held = exclusive_state();
-             expect_calibrating(q, "finish_calibration");
-             q.finish_calibration();
-           })
-      .def(
-          "abort_calibration",
-          [](Quantizer& q) {
-            const auto held = exclusive_state();
-            q.abort_calibration();
-          },
-          "Leaves a calibration without finishing it: the amax as before start_calibration, not calibrating.")
-      .def("reset", [](Quantizer& q) {
-        const auto held = exclusive_state();
-        q.reset();
-      });
+      .def("collect_max", &Quantizer::collect_max, py::arg("partial_max"), py::call_guard<py::gil_scoped_release>())
+      .def("finish_calibration", &Quantizer::finish_calibration, py::call_guard<py::gil_scoped_release>())
+      .def("abort_calibration", &Quantizer::abort_calibration, py::call_guard<py::gil_scoped_release>(),
+           "Leaves a calibration without finishing it: the amax as before start_calibration, not calibrating.")
+      .def("reset", &Quantizer::reset, py::call_guard<py::gil_scoped_release>());
 
   py::class_<QuantizerConfig>(m, "QuantizerConfig", "One quantizer's configuration after a recipe.")
       .def_readonly("enable", &QuantizerConfig::enable)
@@ -224,9 +168,7 @@ void init_quantizer(pybind11::module_& m) {
   m.def(
       "load_calibration",
       [](const std::string& path, const std::vector<Quantizer*>& qs) {
-        const std::vector<Quantizer*> ps = as_pointers(qs, "load_calibration");
-        const auto held = exclusive_state();
-        load_calibration(path, ps);
+        load_calibration(path, as_pointers(qs, "load_calibration"));
       },
       py::arg("path"), py::arg("quantizers"));
 }

@@ -20,7 +20,18 @@ bool Quantizer::needs_calibration() const {
 // ---------------------------------------------------------------------------------------------
 // Calibration
 
+void Quantizer::set_enabled(bool enabled) {
+  const std::unique_lock<std::shared_mutex> state(mu_.state);
+  enabled_ = enabled;
+}
+
+float Quantizer::collected_max() const {
+  const std::unique_lock<std::shared_mutex> state(mu_.state);
+  return collected_max_;
+}
+
 void Quantizer::start_calibration() {
+  const std::unique_lock<std::shared_mutex> state(mu_.state);
   calibrating_ = true;
   collected_max_ = 0.0f;
   seen_ = false;
@@ -28,6 +39,7 @@ void Quantizer::start_calibration() {
 }
 
 void Quantizer::abort_calibration() noexcept {
+  const std::unique_lock<std::shared_mutex> state(mu_.state);
   if (!calibrating_) return;
   calibrating_ = false;
   collected_max_ = 0.0f;
@@ -37,7 +49,8 @@ void Quantizer::abort_calibration() noexcept {
 
 template <typename T>
 void Quantizer::collect_impl(const T* x, int64_t n) {
-  MOEFQ_ASSERT(calibrating_, name_, ": collect called outside calibration");
+  const std::shared_lock<std::shared_mutex> state(mu_.state);
+  MOEFQ_CHECK(calibrating_, name_, ": collect called outside calibration; call start_calibration() first");
   MOEFQ_ASSERT(n >= 0 && (n == 0 || x != nullptr), name_, ": collect with n = ", n);
   // The partial max outside the lock: concurrent collects only serialise their fold.
   float m = 0.0f;
@@ -48,7 +61,7 @@ void Quantizer::collect_impl(const T* x, int64_t n) {
     m = max_ignore_nan(m, abs_f32(v));
   }
   if (n == 0) return;
-  const std::lock_guard<std::mutex> lock(fold_.m);
+  const std::lock_guard<std::mutex> lock(mu_.fold);
   collected_max_ = max_ignore_nan(collected_max_, m);
   seen_ = true;
 }
@@ -57,18 +70,20 @@ void Quantizer::collect(const bf16* x, int64_t n) { collect_impl(x, n); }
 void Quantizer::collect(const float* x, int64_t n) { collect_impl(x, n); }
 
 void Quantizer::collect_max(float partial_max) {
-  MOEFQ_ASSERT(calibrating_, name_, ": collect_max called outside calibration");
+  const std::shared_lock<std::shared_mutex> state(mu_.state);
+  MOEFQ_CHECK(calibrating_, name_, ": collect_max called outside calibration; call start_calibration() first");
   MOEFQ_CHECK(is_finite(partial_max), name_, ": calibration data contains NaN/inf (partial max ",
               partial_max, ")");
   MOEFQ_CHECK(!(partial_max < 0.0f), name_, ": a partial max |x| cannot be negative, got ",
               partial_max);
-  const std::lock_guard<std::mutex> lock(fold_.m);
+  const std::lock_guard<std::mutex> lock(mu_.fold);
   collected_max_ = max_ignore_nan(collected_max_, abs_f32(partial_max));  // -0 counts as +0
   seen_ = true;
 }
 
 void Quantizer::finish_calibration() {
-  MOEFQ_ASSERT(calibrating_, name_, ": finish_calibration called outside calibration");
+  const std::unique_lock<std::shared_mutex> state(mu_.state);
+  MOEFQ_CHECK(calibrating_, name_, ": finish_calibration called outside calibration; call start_calibration() first");
   if (needs_calibration() && enabled_) {
     MOEFQ_CHECK(seen_, "no calibration data reached ", name_,
                 " (on any rank); check that the calibration batches route tokens through it");
@@ -78,6 +93,7 @@ void Quantizer::finish_calibration() {
 }
 
 void Quantizer::reset() {
+  const std::unique_lock<std::shared_mutex> state(mu_.state);
   calibrating_ = false;
   collected_max_ = 0.0f;
   seen_ = false;
@@ -120,6 +136,7 @@ void Quantizer::set_amax(float amax) {
               spec_.describe());
   MOEFQ_CHECK(is_finite(amax) && !(amax < 0.0f), name_,
               ": amax must be a finite number >= 0, got ", amax);
+  const std::unique_lock<std::shared_mutex> state(mu_.state);
   calibrated_amax_ = abs_f32(amax);  // -0 is stored as +0
 }
 

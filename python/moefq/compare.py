@@ -903,12 +903,12 @@ def check_out_dir(out):
 
 
 def check_output_file(path, flag):
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise CompareError(f"{flag} {path}: is a directory")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise CompareError(f"{flag} {path}: its directory does not exist or cannot be written")
+    """The check every moefq command makes of an output file before any work (a directory, a special
+    file, a mount point, a name too long, a folder that cannot take a temporary), as CompareError."""
+    try:
+        _C().check_output_path(os.fspath(path), flag)
+    except ValueError as e:
+        raise CompareError(str(e)) from None
 
 
 def write_reports(report, out):

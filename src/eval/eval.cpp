@@ -626,9 +626,11 @@ std::optional<RunEstimate> estimate(const Prepared& p, bool calibrate, bool with
   // The GEMM rate here and now: one expert of the layer's shape on 64 tokens per thread (one
   // group of rows per thread, as the engine runs them).
   const SyntheticLayer probe_layer = r.synthetic_layer(p.setup.layers.front());
-  double gflops = 0;
+  double gflops = 0, per_expert = 0;  // per_expert: making one expert's weights on one thread
   {
+    const auto made = Clock::now();
     const LayerWeights probe = synthetic_layer_weights(probe_layer, c, WeightFormat::kE4m3, 0, 1, 1);
+    per_expert = seconds_since(made);
     const int64_t n = 64 * int64_t(num_threads);
     const std::vector<bf16> x = synthetic_activations(probe_layer, 0, n, num_threads);
     std::vector<bf16> y(x.size());
@@ -644,10 +646,7 @@ std::optional<RunEstimate> estimate(const Prepared& p, bool calibrate, bool with
   if (!r.checkpoint_dir.empty()) {
     e.weights_seconds = double(e.layers) * layer_bytes / kDiskBytesPerSecond;
   } else {
-    // One expert made here, on one thread; the layer's experts spread over the threads.
-    const auto t = Clock::now();
-    (void)synthetic_layer_weights(probe_layer, c, WeightFormat::kE4m3, 0, 1, 1);
-    const double per_expert = seconds_since(t);
+    // The probe's expert, made on one thread; the layer's experts spread over the threads.
     const double experts = double(c.num_experts) + (c.num_shared > 0 ? double(r.ranks * c.num_shared) : 0.0);
     const WeightCacheSettings cache = WeightCacheSettings::from_env();
     const int64_t el = c.num_experts / r.ranks;

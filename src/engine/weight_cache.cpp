@@ -5,17 +5,16 @@
 //   (a 64-bit multiplicative hash of the payload).
 #include "moefq/weight_cache.h"
 
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <random>
 #include <vector>
 
 #include "moefq/errors.h"
+#include "moefq/fileio.h"
 
 namespace moefq {
 namespace {
@@ -53,10 +52,12 @@ std::string hex64(uint64_t v) {
   return buf;
 }
 
+// Writes through an AtomicFile (fileio.h: a temporary the signal handlers remove, renamed into
+// place when complete); a failed write throws.
 class Writer {
  public:
-  explicit Writer(std::FILE* f) : f_(f) {}
-  void raw(const void* p, size_t n) { ok_ = ok_ && (n == 0 || std::fwrite(p, 1, n, f_) == n); }
+  explicit Writer(AtomicFile& f) : f_(f) {}
+  void raw(const void* p, size_t n) { f_.write(p, n); }
   void payload(const void* p, size_t n) {
     raw(p, n);
     hash_.add(p, n);
@@ -67,12 +68,10 @@ class Writer {
     u64(v.size());
     payload(v.data(), v.size() * sizeof(T));
   }
-  bool ok() const { return ok_; }
   Hash hash_;
 
  private:
-  std::FILE* f_;
-  bool ok_ = true;
+  AtomicFile& f_;
 };
 
 class Reader {
@@ -275,39 +274,35 @@ bool weight_cache_store(const WeightCacheSettings& s, const std::string& key, co
   fs::create_directories(s.dir, ec);
   if (!fs::is_directory(s.dir, ec)) return false;
   make_room(s, bytes);
-  const std::string path = weight_cache_path(s, key);
-  std::random_device rd;
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rd());
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) return false;
-  Writer wr(f);
-  wr.raw(kMagic, 8);
-  const uint64_t klen = key.size();
-  wr.raw(&klen, 8);
-  wr.raw(key.data(), key.size());
-  wr.u64(uint64_t(w.first_expert));
-  wr.u64(w.experts.size());
-  wr.u64(w.shared.size());
-  for (const auto* list : {&w.experts, &w.shared})
-    for (const ExpertWeights& e : *list) {
-      wr.u64(uint64_t(e.hidden));
-      wr.u64(uint64_t(e.intermediate));
-      const uint8_t fmt = e.format == WeightFormat::kBf16 ? 1 : 0;
-      wr.payload(&fmt, 1);
-      expert_vectors(wr, e);
-    }
-  wr.vec(w.gate);
-  wr.vec(w.gate_bias);
-  const Hash h = wr.hash_;
-  wr.raw(&h.bytes, 8);
-  wr.raw(&h.h, 8);
-  const bool ok = wr.ok() && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
-  const bool closed = std::fclose(f) == 0;
-  if (!ok || !closed || (fs::rename(tmp, path, ec), ec)) {
-    fs::remove(tmp, ec);
+  // A cache that cannot be written (a full disk, a read-only folder) is no error: the run goes on.
+  try {
+    AtomicFile f(weight_cache_path(s, key));
+    Writer wr(f);
+    wr.raw(kMagic, 8);
+    const uint64_t klen = key.size();
+    wr.raw(&klen, 8);
+    wr.raw(key.data(), key.size());
+    wr.u64(uint64_t(w.first_expert));
+    wr.u64(w.experts.size());
+    wr.u64(w.shared.size());
+    for (const auto* list : {&w.experts, &w.shared})
+      for (const ExpertWeights& e : *list) {
+        wr.u64(uint64_t(e.hidden));
+        wr.u64(uint64_t(e.intermediate));
+        const uint8_t fmt = e.format == WeightFormat::kBf16 ? 1 : 0;
+        wr.payload(&fmt, 1);
+        expert_vectors(wr, e);
+      }
+    wr.vec(w.gate);
+    wr.vec(w.gate_bias);
+    const Hash h = wr.hash_;
+    wr.raw(&h.bytes, 8);
+    wr.raw(&h.h, 8);
+    f.commit();
+    return true;
+  } catch (const std::exception&) {
     return false;
   }
-  return true;
 }
 
 LayerWeights cached_synthetic_layer_weights(const SyntheticLayer& layer, const MoeConfig& cfg, WeightFormat format,

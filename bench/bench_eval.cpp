@@ -35,7 +35,6 @@ int run_bench_eval(const EvalBenchOptions& o) {
 #endif
   if (cli::use_cuda(o.device)) {
 #ifdef MOEFQ_HAS_CUDA
-    cuda::register_cuda_backends();
     e.device = EvalDevice::kCuda;
     e.device_name = cuda::device_description();
 #endif

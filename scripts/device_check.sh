@@ -7,8 +7,9 @@
 # Usage: scripts/device_check.sh [quick|gpu|full|bench|eval] [benchmark ...]
 #   quick: build + GPU tests; gpu: + benchmarks; full: + CPU tests, sanitizers and benchmarks;
 #   bench: build + benchmarks; eval: build + GPU tests + the main job's timings (one deepseek-v3
-#   layer, 20 layers through bench eval) and the device-resident reports against the host
-#   pipeline's. MOEFQ_SASS=1 also saves the SASS of the GEMM and combine kernels;
+#   layer, 20 layers through bench eval) and two fixed-seed reports (saved under the logs, and
+#   with MOEFQ_EVAL_BASELINE=DIR compared with DIR/<name>/report.json of an earlier build: the
+#   JSON byte-identical). MOEFQ_SASS=1 also saves the SASS of the GEMM and combine kernels;
 #   MOEFQ_NCU=1 adds ncu counters of the combine kernels inside the layer benchmark and alone;
 #   MOEFQ_NCU_CUBLAS=1 times cuBLASLt's GEMMs of `bench gemm` under ncu at the locked base clock
 #   (real operands, then constant ones: the same work, so a difference outside ncu is the clock);
@@ -113,14 +114,16 @@ if [ "$mode" = eval ]; then
     --json "$LOG/bench_eval.json" > "$LOG/bench_eval.txt" 2> "$LOG/bench_eval.err"
   echo "rc=$?"; cat "$LOG/bench_eval.txt"
   cp "$LOG/bench_eval.json" "$OUT/" 2>/dev/null
-  step "device-resident reports against the host pipeline (same data, same engine)"
+  step "fixed-seed reports (against \$MOEFQ_EVAL_BASELINE when given: an earlier build's)"
   for run in "tiny:" "ds:--preset deepseek-v3 --ranks 8 --tokens 64 --calib-batches 1 --eval-batches 1 --layers 0,3"; do
     name=${run%%:*}; args=${run#*:}
-    for p in device host; do
-      timeout 200 build-dev/moefq eval $args --device cuda --pipeline $p --out "$LOG/cmp_${name}_$p" > "$LOG/cmp_${name}_$p.txt" 2>&1
-      echo "$name $p rc=$? $(grep -E '^rows:' "$LOG/cmp_${name}_$p.txt" | grep -oE '[0-9.]+ s$')"
-    done
-    python3 scripts/compare_reports.py "$LOG/cmp_${name}_device/report.json" "$LOG/cmp_${name}_host/report.json" | tail -n 25
+    timeout 200 build-dev/moefq eval $args --device cuda --out "$LOG/reports/$name" > "$LOG/report_$name.txt" 2>&1
+    echo "$name rc=$? $(grep -E '^rows:' "$LOG/report_$name.txt" | grep -oE '[0-9.]+ s$')"
+    base="${MOEFQ_EVAL_BASELINE:-}/$name/report.json"
+    if [ -n "${MOEFQ_EVAL_BASELINE:-}" ] && [ -f "$base" ]; then
+      # Every row's figures bit for bit (--tol 0); the run's own timings are not rows.
+      python3 scripts/compare_reports.py "$LOG/reports/$name/report.json" "$base" --tol 0 | tail -n 25
+    fi
   done
 fi
 

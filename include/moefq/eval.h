@@ -67,13 +67,10 @@ struct EvalOptions {
   int64_t tokens = 256;  // tokens per rank per batch
   int calib_batches = 2, eval_batches = 2;
   uint64_t seed = 1;  // synthetic weights and activations
-  // Where the layer runs: the CPU engine on host tensors, or everything on the current GPU
-  // (needs a build with CUDA and register_cuda_backends()).
+  // Where the layer runs, one runner per device: the CPU engine on host tensors, or everything on
+  // the current GPU (needs a build with CUDA and register_cuda_layer_runner()).
   EvalDevice device = EvalDevice::kCpu;
-  // The CPU path's expert back-end ("mega_moe", or "mega_moe_cuda": the CUDA engine behind the
-  // host-tensor interface, kept to compare the device-resident path with); how the device is
-  // described in the reports.
-  std::string backend_kind = "mega_moe";
+  // How the device is described in the reports.
   std::string device_name = "cpu";
   int num_threads = 0;            // CPU threads (0: all)
   std::string load_calibration;   // eval: reuse this calibration file instead of calibrating

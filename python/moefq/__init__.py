@@ -483,7 +483,7 @@ def eval(**options):
     DIR/report.json. Keywords (the CLI's options; None: left out): preset, config, checkpoint,
     layers ("3-10", an integer or a list of integers), activations, synthetic, recipes (a file or
     unit name, or a list of them), recipe_root (where their imports are looked for first), ranks,
-    tokens, calib_batches, eval_batches, seed, device ("auto", "cpu", "cuda"), pipeline, threads,
+    tokens, calib_batches, eval_batches, seed, device ("auto", "cpu", "cuda"), threads,
     combine_weighting, staging ("e4m3" or "none"; default: as the model is served), load_calibration,
     max_rel_l2, calibration ("max", "percentile:99.99", "mse" or a comma-separated list of them), link
     ("nvlink4", "ib400", ...) or link_gbps; out (also write report.json/.csv/.html there);

@@ -59,7 +59,7 @@ T integer_option(const pb::handle& value, const std::string& key) {
 // "ranks=3 must divide ..." where the flag is followed by its value).
 constexpr const char* kKeywords[] = {"preset", "config", "checkpoint", "layers", "activations", "synthetic",
                                      "recipes", "ranks", "tokens", "calib_batches", "eval_batches", "seed",
-                                     "device", "pipeline", "threads", "combine_weighting", "staging", "load_calibration",
+                                     "device", "threads", "combine_weighting", "staging", "load_calibration",
                                      "max_rel_l2", "recipe_root", "calibration", "link", "link_gbps"};
 
 std::string flag_of(const std::string& keyword) {
@@ -118,10 +118,15 @@ void check_signals() {
 
 EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
   EvalOptions o;
-  std::string device = "auto", pipeline = "device";
+  std::string device = "auto";
   std::shared_ptr<pb::function> progress;
   for (const auto& [key, value] : kw) {
     const std::string k = pb::str(key);
+    // Removed (one runner per device), with any value: an old script is told, not ignored.
+    if (k == "pipeline")
+      MOEFQ_FAIL(ErrorKind::kBadInput, "pipeline=", std::string(pb::str(value)), ": the option was removed; the "
+                 "device runner gives the same bits the host pipeline gave (device='cuda' runs it, device='cpu' the "
+                 "CPU engine): drop pipeline=");
     if (value.is_none()) continue;
     if (k == "preset") {
       o.preset = option<std::string>(value, k, "a string");
@@ -156,8 +161,6 @@ EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
       o.seed = uint64_t(seed);
     } else if (k == "device") {
       device = option<std::string>(value, k, "a string");
-    } else if (k == "pipeline") {
-      pipeline = option<std::string>(value, k, "a string");
     } else if (k == "threads") {
       o.num_threads = integer_option<int>(value, k);
     } else if (k == "combine_weighting") {
@@ -197,16 +200,11 @@ EvalOptions make_options(const pb::kwargs& kw, bool with_recipes) {
               built_with_cuda() ? "" : " (this moefq was built without CUDA)");
   if (device != "cpu" && gpu) {
 #ifdef MOEFQ_HAS_CUDA
-    cuda::register_cuda_backends();
     register_cuda_layer_runner();
-    MOEFQ_CHECK(pipeline == "device" || pipeline == "host", "pipeline: unknown pipeline '", pipeline,
-                "' (expected device or host)");
-    o.device = pipeline == "device" ? EvalDevice::kCuda : EvalDevice::kCpu;
-    o.backend_kind = "mega_moe_cuda";
-    o.device_name = cuda::device_description() + (pipeline == "host" ? " (host pipeline)" : "");
+    o.device = EvalDevice::kCuda;
+    o.device_name = cuda::device_description();
 #endif
   } else {
-    MOEFQ_CHECK(pipeline == "device", "pipeline ", pipeline, " needs a GPU (device cuda)");
     const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
     const unsigned n = o.num_threads > 0 ? unsigned(o.num_threads) : hw;
     o.device_name = "cpu (" + std::to_string(n) + (n == 1 ? " thread)" : " threads)");

@@ -1,5 +1,5 @@
-// MoeLayer: one fake-quantized MoE layer (FakeQuantMoe on the CPU engine, or CudaFakeQuantMoe on the
-// CUDA engine) with the weights `moefq eval` uses for the same model, layer and seed, R simulated
+// MoeLayer: one fake-quantized MoE layer (FakeQuantMoe, on the CPU engine or the CUDA engine) with
+// the weights `moefq eval` uses for the same model, layer and seed, R simulated
 // expert-parallel ranks and the shared expert unfused (the model adds it to the routed output,
 // computed on the unquantized x, in fp32 with one bf16 rounding, as the eval does). The caller's
 // tokens [N, H] are cut into R consecutive parts, one per rank.
@@ -17,15 +17,13 @@
 #include "moefq/calibration_file.h"
 #include "moefq/checkpoint.h"
 #include "moefq/errors.h"
-#include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
 #include "moefq/router.h"
 #ifdef MOEFQ_HAS_CUDA
 #include "cuda/cuda_check.h"
 #include "cuda/device_buffer.h"
+#include "cuda/host_api.h"
 #include "cuda/router_kernels.cuh"
-#include "eval/cuda/eval_kernels.cuh"
-#include "fakequant/cuda/cuda_fake_quant.cuh"
 #endif
 
 namespace moefq::py {
@@ -144,15 +142,14 @@ class MoeLayer {
     eo.staging = s.staging;
     staging_ = s.staging;
     if (!cuda_) {
-      host_ = std::make_unique<FakeQuantMoe>(make_expert_backend("mega_moe", cfg_, ranks_, max_tokens_, std::move(w), eo),
-                                             o.layer);
+      fq_ = FakeQuantMoe::make(LayerDevice::kCpu, cfg_, ranks_, max_tokens_, std::move(w), eo, o.layer);
       return;
     }
 #ifdef MOEFQ_HAS_CUDA
     MOEFQ_CHECK(cuda::device_count() > 0, "MoeLayer: device 'cuda' but no GPU is visible");
     MOEFQ_CUDA_CHECK(cudaGetDevice(&device_id_));
-    device_ = std::make_unique<cuda::CudaFakeQuantMoe>(
-        std::make_unique<cuda::CudaEngine>(cfg_, ranks_, max_tokens_, w, eo), o.layer);
+    cuda::register_cuda_backends();
+    fq_ = FakeQuantMoe::make(LayerDevice::kCuda, cfg_, ranks_, max_tokens_, std::move(w), eo, o.layer);
     d_gate_ = cuda::DeviceBuffer<float>(gate_);
     MOEFQ_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
     if (!bias_.empty()) d_bias_ = cuda::DeviceBuffer<float>(bias_);
@@ -191,35 +188,30 @@ class MoeLayer {
   }
   void configure(const std::map<std::string, QuantizerConfig>& configs) {
     const auto held = lock();
-    if (cuda_) return device_q().configure(configs);
-    host_->configure(configs);
+    fq_->configure(configs);
   }
   void start_calibration() {
     const auto held = lock();
-    if (cuda_) return device_q().start_calibration();
-    host_->start_calibration();
+    fq_->start_calibration();
   }
   void finish_calibration() {
     const auto held = lock();
-    if (cuda_) return device_q().finish_calibration();
-    host_->finish_calibration();
+    fq_->finish_calibration();
   }
   void abort_calibration() {
     const auto held = lock();
-    if (cuda_) return device_q().abort_calibration();
-    host_->abort_calibration();
+    fq_->abort_calibration();
   }
   std::vector<float> rank_amax(int which) const {
     MOEFQ_CHECK(which == 0 || which == 1, "MoeLayer.rank_amax: which must be 0 (dispatch) or 1 (combine), got ", which);
     const auto held = lock();
-    return cuda_ ? device_q().rank_amax(which) : host_->rank_amax(which);
+    return fq_->rank_amax(which);
   }
   void set_calibrated_amax(float dispatch_amax, float combine_amax) {
     check_amax(dispatch_amax, "set_calibrated_amax");
     check_amax(combine_amax, "set_calibrated_amax");
     const auto held = lock();
-    if (cuda_) return device_q().set_calibrated_amax(dispatch_amax, combine_amax);
-    host_->set_calibrated_amax(dispatch_amax, combine_amax);
+    fq_->set_calibrated_amax(dispatch_amax, combine_amax);
   }
   void save(const std::string& path) const {
     const auto held = lock();
@@ -227,13 +219,12 @@ class MoeLayer {
   }
   void load(const std::string& path) {
     const auto held = lock();
-    if (cuda_) return device_q().load_calibration_file(path);
-    host_->load_calibration_file(path);
+    fq_->load_calibration_file(path);
   }
   bool layout_checked(int64_t rank) const {
     MOEFQ_CHECK(rank >= 0 && rank < ranks_, "layout_checked: rank ", rank, " is not in [0, ", ranks_, ")");
     const auto held = lock();
-    return cuda_ ? device_q().layout_checked(rank) : host_->layout_checked(rank);
+    return fq_->layout_checked(rank);
   }
 
   // y = the layer's output for x routed by (topk_idx, topk_weights). shared_scratch: [N, H] bf16 on
@@ -266,16 +257,9 @@ class MoeLayer {
       const std::vector<float> weights(w.ptr<float>(), w.ptr<float>() + w.numel());
       std::vector<RankBatch> batches = split(x, ids.data(), weights.data(), y, n);
       const std::lock_guard<std::mutex> held(mu_);  // one call at a time on the layer's workspace
-      host_->forward(batches);
-      if (add_shared) {
-        std::vector<bf16> s;
-        for (int64_t r = 0; r < ranks_; ++r) {
-          const RankBatch& b = batches[size_t(r)];
-          s.resize(size_t(b.num_tokens * H));
-          host_->backend().shared_expert(r, b.x, b.num_tokens, s.data());
-          for (size_t i = 0; i < s.size(); ++i) b.y[i].bits = bf16_round(add_rn(to_f32(b.y[i]), to_f32(s[i])));
-        }
-      }
+      if (!add_shared) return fq_->forward(batches);
+      std::vector<bf16> s(size_t(n * H));  // the shared expert's output, rank r's tokens where x has them
+      fq_->forward_with_shared(batches, shared_outputs(batches, x, s.data()));
       return;
     }
 #ifdef MOEFQ_HAS_CUDA
@@ -294,16 +278,10 @@ class MoeLayer {
     MOEFQ_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
     const bool eager = capturing == cudaStreamCaptureStatusNone;
     if (eager && last_stream_.has_value() && *last_stream_ != s) MOEFQ_CUDA_CHECK(cudaStreamWaitEvent(s, done_, 0));
-    device_q().forward(batches, s);
-    if (add_shared) {
-      bf16* sh = scratch->ptr<bf16>();
-      for (int64_t r = 0; r < ranks_; ++r) {
-        const RankBatch& b = batches[size_t(r)];
-        bf16* sr = sh + (b.x - x.ptr<bf16>());
-        device_q().engine().shared_expert(r, b.x, b.num_tokens, sr, s);
-      }
-      cuda::launch_assemble_output(y.ptr<bf16>(), sh, y.ptr<bf16>(), n, H, s);
-    }
+    if (add_shared)
+      fq_->forward_with_shared(batches, shared_outputs(batches, x, scratch->ptr<bf16>()), s);
+    else
+      fq_->forward(batches, s);
     if (eager) {
       MOEFQ_CUDA_CHECK(cudaEventRecord(done_, s));
       last_stream_ = s;
@@ -363,14 +341,14 @@ class MoeLayer {
       pb::gil_scoped_release release;
       const std::lock_guard<std::mutex> held(mu_);
       DeviceGuard device(device_id_);
-      device_q().synchronize(as_stream(stream));
+      fq_->synchronize(as_stream(stream));
     }
 #endif
     (void)stream;
   }
 
  private:
-  const MoeQuantizers& quantizers() const { return cuda_ ? device_q().quantizers() : host_->quantizers(); }
+  const MoeQuantizers& quantizers() const { return fq_->quantizers(); }
   // The layer's lock, taken with the GIL released: a thread that holds it may be waiting for the
   // GIL, so no thread may wait for it while holding the GIL. The caller holds the GIL again on return.
   std::unique_lock<std::mutex> lock() const {
@@ -399,15 +377,17 @@ class MoeLayer {
     }
     return b;
   }
+  // Rank r's part of the shared expert's output: where its tokens are in x, in sh ([N, H] bf16).
+  std::vector<bf16*> shared_outputs(const std::vector<RankBatch>& batches, const Tensor& x, bf16* sh) const {
+    std::vector<bf16*> out;
+    for (const RankBatch& b : batches) out.push_back(sh + (b.x - x.ptr<bf16>()));
+    return out;
+  }
 #ifdef MOEFQ_HAS_CUDA
-  cuda::CudaFakeQuantMoe& device_q() const { return *device_; }
-  std::unique_ptr<cuda::CudaFakeQuantMoe> device_;
   cuda::DeviceBuffer<float> d_gate_, d_bias_;
   // The end of the last eager forward's work and its stream (under mu_).
   cudaEvent_t done_ = nullptr;
   std::optional<cudaStream_t> last_stream_;
-#else
-  FakeQuantMoe& device_q() const { throw std::logic_error("no CUDA"); }
 #endif
   bool cuda_ = false;
   int device_id_ = 0;
@@ -418,7 +398,7 @@ class MoeLayer {
   MoeConfig cfg_;
   std::string source_;
   std::vector<float> gate_, bias_;
-  std::unique_ptr<FakeQuantMoe> host_;
+  std::unique_ptr<FakeQuantMoe> fq_;  // on the CPU or the layer's GPU
   // Serializes the calls that use or change the engine's workspace and the quantizers: a layer
   // owns one workspace, so concurrent forwards would mix their tokens.
   mutable std::mutex mu_;

@@ -131,6 +131,13 @@ def test_layer_errors(tmp_path):
         moefq.eval(recipe="x")
     with pytest.raises(ValueError, match="device: unknown device 'gpu'"):
         moefq.eval(device="gpu")
+    # pipeline= was removed (one runner per device): any value is refused with the reason.
+    for value in ("host", "device", None):
+        with pytest.raises(ValueError, match=f"pipeline={value}: the option was removed; the device runner gives "
+                                             "the same bits"):
+            moefq.eval(preset="tiny", device="cpu", pipeline=value)
+        with pytest.raises(ValueError, match="the option was removed"):
+            moefq.calibrate("unused.json", preset="tiny", device="cpu", pipeline=value)
 
 
 def test_eval_checks_its_outputs_before_any_work(tmp_path):

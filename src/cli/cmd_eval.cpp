@@ -30,7 +30,7 @@ namespace fs = std::filesystem;
 
 struct EvalCliOptions {
   EvalOptions eval;
-  std::string layers, device = "auto", out, save, synthetic = "model", pipeline = "device", combine_weighting;
+  std::string layers, device = "auto", out, save, synthetic = "model", pipeline, combine_weighting;
   std::string staging, calibration;
   int64_t seed = 1;  // parsed signed so that a negative seed is an error, not a wrapped value
   double max_rel_l2 = 0;
@@ -75,13 +75,15 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
                   "the activations into the expert GEMMs, i.e. the baseline: e4m3 (1x128 scales, the FP8 Mega-MoE "
                   "engine) or none (bf16, as a bf16 model is served); default: as the model is served (e4m3 for "
                   "e4m3 checkpoints and DeepSeek-V3/V4, Kimi; none for bf16 checkpoints, Qwen3, Mixtral, OLMoE, GLM)");
-  sub->add_option("--pipeline", o.pipeline,
-                  "with a GPU: device (default: the layer stays on the GPU) or host (the CUDA engine behind host "
-                  "tensors, the earlier path, kept to compare with)");
+  // Removed (one runner per device): kept hidden so that an old script gets resolve()'s message.
+  sub->add_option("--pipeline", o.pipeline)->group("");
 }
 
 // Resolves --device, --layers and the preset flag into the library options.
 void resolve(EvalCliOptions& o, const CLI::App* sub) {
+  MOEFQ_CHECK(sub->get_option("--pipeline")->count() == 0, "--pipeline ", o.pipeline, ": the option was removed; "
+              "the device runner gives the same bits the host pipeline gave (--device cuda runs it, --device cpu "
+              "runs the CPU engine): drop --pipeline");
   o.eval.preset_given = sub->get_option("--preset")->count() > 0;
   o.eval.seed = uint64_t(o.seed);
   const auto kind = parse_synthetic_kind(o.synthetic);
@@ -103,17 +105,11 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
   const bool cuda = use_cuda(o.device);
   if (cuda) {
 #ifdef MOEFQ_HAS_CUDA
-    cuda::register_cuda_backends();
-    MOEFQ_CHECK(o.pipeline == "device" || o.pipeline == "host", "--pipeline: unknown pipeline '", o.pipeline,
-                "' (expected device or host)");
-    o.eval.device = o.pipeline == "device" ? EvalDevice::kCuda : EvalDevice::kCpu;
-    o.eval.backend_kind = "mega_moe_cuda";
-    o.eval.device_name = cuda::device_description() + (o.pipeline == "host" ? " (host pipeline)" : "");
+    o.eval.device = EvalDevice::kCuda;
+    o.eval.device_name = cuda::device_description();
 #endif
   } else {
-    MOEFQ_CHECK(o.pipeline == "device", "--pipeline ", o.pipeline, " needs a GPU (--device cuda)");
     o.eval.device = EvalDevice::kCpu;
-    o.eval.backend_kind = "mega_moe";
     o.eval.device_name = cpu_device_name(o.eval.num_threads);
   }
   o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", terminal_safe(line).c_str()); };

@@ -20,7 +20,6 @@
 #include "eval/layer_runner.h"
 #include "moefq/checkpoint.h"
 #include "moefq/errors.h"
-#include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
 #include "moefq/fileio.h"
 #include "moefq/quantizer.h"
@@ -218,22 +217,15 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   s.calib_batches = o.calib_batches;
   s.eval_batches = with_recipes ? o.eval_batches : 0;  // calibration needs only the first batches
   s.seed = o.seed;
-  s.backend_kind = o.device == EvalDevice::kCuda ? "mega_moe_cuda (device-resident)" : o.backend_kind;
+  // The engine each runner holds (the reports name it): the CPU engine, or the CUDA engine
+  // device-resident.
+  s.backend_kind = o.device == EvalDevice::kCuda ? "mega_moe_cuda (device-resident)" : "mega_moe";
   s.device = o.device_name;
   s.version = MOEFQ_VERSION;
   s.max_rel_l2 = o.max_rel_l2;
   p.device = o.device;
   p.progress = o.progress;
   p.progress_every_seconds = o.progress_every_seconds;
-  if (o.device == EvalDevice::kCpu) {
-    const auto kinds = expert_backend_kinds();
-    if (std::find(kinds.begin(), kinds.end(), o.backend_kind) == kinds.end()) {
-      std::string names;
-      for (const auto& k : kinds) names += (names.empty() ? "" : ", ") + k;
-      MOEFQ_FAIL(ErrorKind::kBadInput, "--device: the expert back-end '", o.backend_kind,
-                 "' is not available in this build (registered: ", names, ")");
-    }
-  }
 
   // Layers.
   s.layers = o.layers;
@@ -268,7 +260,6 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   p.runner.seed = s.seed;
   p.runner.synthetic = o.synthetic;
   p.runner.num_threads = o.num_threads;
-  p.runner.backend_kind = o.backend_kind;
 
   // Activations: one [tokens, H] tensor per layer ("layers.{i}"), else "hidden_states".
   if (!o.activations_path.empty()) {

@@ -1,6 +1,6 @@
-// One layer's evaluation on one device, behind the pipeline of src/eval/eval.cpp: the host runner
-// (the CPU engine or any host-tensor expert back-end; host_runner.cpp) and the device-resident
-// CUDA runner (eval/cuda/device_runner.cu). A runner holds one layer at a time: its weights, the
+// One layer's evaluation on one device, behind the pipeline of src/eval/eval.cpp: one runner per
+// device, the CPU runner (the CPU engine on host tensors; cpu_runner.cpp) and the device-resident
+// CUDA runner (eval/cuda/device_runner.cu). Both drive the one layer facade, FakeQuantMoe. A runner holds one layer at a time: its weights, the
 // activations of every batch (calibration batches first, then the held-out evaluation batches,
 // each ranks x tokens rows, rank-major), their routing, the fake-quantized layer with the shared
 // expert unfused (the model adds the shared expert, computed on the unquantized x, to the routed
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "moefq/eval.h"
+#include "moefq/fake_quant_moe.h"
 #include "moefq/metrics.h"
 #include "moefq/moe_quantizers.h"
 #include "moefq/safetensors.h"
@@ -35,11 +36,10 @@ struct RunnerSetup {
   const SafetensorsFile* acts = nullptr;       // null: synthetic activations
   std::map<int64_t, std::string> act_tensor;   // layer -> tensor name in acts
   int num_threads = 0;
-  std::string backend_kind;  // the host runner's expert back-end
   CombineWeighting combine_weighting = CombineWeighting::kBefore;  // the engine's (EngineOptions)
   Staging staging = Staging::kE4m3;                                 // the engine's (EngineOptions)
   bool prefetch = false;     // the memory plan allows preparing the next layer meanwhile
-  // calibrate() also fills LayerCalibration's histograms and logfmt10 cast groups (host runner only).
+  // calibrate() also fills LayerCalibration's histograms and logfmt10 cast groups (CPU runner only).
   bool calibration_stats = false;
 
   int64_t batch_tokens() const { return ranks * tokens; }
@@ -129,10 +129,9 @@ bool memory_fits(const MemoryPlan& plan);
 void require_memory_fits(const MemoryPlan& plan, const std::string& what, const std::string& advice);
 
 // The calibration sequence every runner shares: start, one forward per calibration batch, finish,
-// then the reduced amax and each rank's own from the fake-quantized layer (FakeQuantMoe or
-// CudaFakeQuantMoe).
-template <typename Layer, typename Forward>
-LayerCalibration calibrate_with(Layer& fq, int num_batches, Forward&& forward) {
+// then the reduced amax and each rank's own from the fake-quantized layer.
+template <typename Forward>
+LayerCalibration calibrate_with(FakeQuantMoe& fq, int num_batches, Forward&& forward) {
   fq.start_calibration();
   for (int b = 0; b < num_batches; ++b) forward(b);
   fq.finish_calibration();
@@ -144,7 +143,7 @@ LayerCalibration calibrate_with(Layer& fq, int num_batches, Forward&& forward) {
   return c;
 }
 
-// Creates the runner for a device; the CUDA one is registered by cuda::register_cuda_backends().
+// Creates the runner for a device; the CUDA one is registered by register_cuda_layer_runner().
 using LayerRunnerFactory = std::function<std::unique_ptr<LayerRunner>(const RunnerSetup&)>;
 void register_layer_runner(EvalDevice device, LayerRunnerFactory factory);
 std::unique_ptr<LayerRunner> make_layer_runner(EvalDevice device, const RunnerSetup& setup);
@@ -153,8 +152,8 @@ std::unique_ptr<LayerRunner> make_layer_runner(EvalDevice device, const RunnerSe
 // src/eval/cuda/device_runner.cu). Idempotent.
 void register_cuda_layer_runner();
 
-// The host runner (the CPU engine, or setup.backend_kind's host-tensor back-end).
-std::unique_ptr<LayerRunner> make_host_runner(const RunnerSetup& setup);
+// The CPU runner (the CPU engine).
+std::unique_ptr<LayerRunner> make_cpu_runner(const RunnerSetup& setup);
 
 // Rows [first, first + n) of the layer's activations: synthetic (the layer model) or from the
 // activations file (F32 rounded to bf16, as the layer's input is bf16). [n, H] bf16.

@@ -98,6 +98,14 @@ class FakeQuantOps {
   virtual std::optional<LayoutMismatch> read_check(int64_t r) = 0;
   // Synchronises; real ranks raise a barrier timeout.
   virtual void synchronize() = 0;
+
+  // Beside the driver, for the layer facade (moefq/fake_quant_moe.h): the stream the calls that
+  // follow enqueue on (a cudaStream_t; host loops ignore it), the model's shared expert on local
+  // rank r's tokens, and the model's output out = bf16(routed + shared) (one rounding; shared null:
+  // a copy of routed).
+  virtual void set_stream(void* /*stream*/) {}
+  virtual void shared_expert(int64_t r, const bf16* x, int64_t n, bf16* y) = 0;
+  virtual void add_shared(const bf16* routed, const bf16* shared, bf16* out, int64_t n) = 0;
 };
 
 class FakeQuantDriver {

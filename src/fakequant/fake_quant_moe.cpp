@@ -1,8 +1,11 @@
-// FakeQuantMoe: the shared fake-quantization driver over host-loop primitives on an expert
-// back-end's host tensors.
+// FakeQuantMoe: the layer facade over the shared fake-quantization driver, and the CPU's
+// primitives (host loops on an expert back-end's host tensors). The CUDA primitives are in
+// fakequant/cuda, registered as make()'s factory for LayerDevice::kCuda.
 #include "moefq/fake_quant_moe.h"
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 
 #include "engine/expert_cpu.h"
 #include "fakequant/fake_quant_driver.h"
@@ -153,6 +156,16 @@ class CpuFakeQuantOps final : public FakeQuantOps {
   std::optional<LayoutMismatch> read_check(int64_t r) override { return std::exchange(mismatch_[size_t(r)], {}); }
   void synchronize() override {}
 
+  void shared_expert(int64_t r, const bf16* x, int64_t n, bf16* y) override { backend_->shared_expert(r, x, n, y); }
+  void add_shared(const bf16* routed, const bf16* shared, bf16* out, int64_t n) override {
+    const size_t count = size_t(n * config().hidden);
+    if (!shared) {
+      if (out != routed) std::copy(routed, routed + count, out);
+      return;
+    }
+    for (size_t i = 0; i < count; ++i) out[i].bits = bf16_round(add_rn(to_f32(routed[i]), to_f32(shared[i])));
+  }
+
  private:
   const bf16* row(int64_t r, int64_t slot, int64_t token) const {
     const int64_t T = max_tokens(), H = config().hidden;
@@ -170,25 +183,104 @@ class CpuFakeQuantOps final : public FakeQuantOps {
   std::vector<std::optional<LayoutMismatch>> mismatch_;
 };
 
+std::mutex& factory_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<LayerDevice, FakeQuantMoe::DeviceFactory>& factories() {
+  static std::map<LayerDevice, FakeQuantMoe::DeviceFactory> f;
+  return f;
+}
+
 }  // namespace
 
-FakeQuantMoe::FakeQuantMoe(std::unique_ptr<ExpertBackend> backend, int64_t layer) {
+const char* layer_device_name(LayerDevice device) { return device == LayerDevice::kCuda ? "cuda" : "cpu"; }
+
+std::unique_ptr<FakeQuantMoe> FakeQuantMoe::make(LayerDevice device, const MoeConfig& config, int64_t num_ranks,
+                                                 int64_t max_tokens, std::vector<LayerWeights> weights,
+                                                 const EngineOptions& options, int64_t layer) {
+  if (device == LayerDevice::kCpu)
+    return std::make_unique<FakeQuantMoe>(
+        make_expert_backend("mega_moe", config, num_ranks, max_tokens, std::move(weights), options), layer);
+  DeviceFactory f;
+  {
+    const std::lock_guard<std::mutex> lock(factory_mutex());
+    const auto it = factories().find(device);
+    if (it != factories().end()) f = it->second;
+  }
+  MOEFQ_CHECK(f != nullptr, "fake-quantized layer on ", layer_device_name(device), ": this build has no CUDA "
+              "support (rebuild with nvcc) or its layers were not registered (cuda::register_cuda_backends())");
+  return f(config, num_ranks, max_tokens, std::move(weights), options, layer);
+}
+
+void FakeQuantMoe::register_device_factory(LayerDevice device, DeviceFactory factory) {
+  const std::lock_guard<std::mutex> lock(factory_mutex());
+  factories()[device] = std::move(factory);
+}
+
+FakeQuantMoe::FakeQuantMoe(std::unique_ptr<ExpertBackend> backend, int64_t layer) : device_(LayerDevice::kCpu) {
   observer_ = std::make_shared<CalibrationObserver>();
   auto ops = std::make_unique<CpuFakeQuantOps>(std::move(backend), observer_);
   backend_ = &ops->backend();
+  ops_ = ops.get();
+  driver_ = std::make_unique<FakeQuantDriver>(std::move(ops), layer);
+}
+FakeQuantMoe::FakeQuantMoe(std::unique_ptr<FakeQuantOps> ops, LayerDevice device, int64_t layer)
+    : device_(device), ops_(ops.get()) {
   driver_ = std::make_unique<FakeQuantDriver>(std::move(ops), layer);
 }
 FakeQuantMoe::~FakeQuantMoe() = default;
 
 std::vector<std::string> FakeQuantMoe::quantizer_names() const { return driver_->quantizers().names(); }
 void FakeQuantMoe::configure(const std::map<std::string, QuantizerConfig>& configs) { driver_->configure(configs); }
-void FakeQuantMoe::set_calibration_observer(CalibrationObserver observer) { *observer_ = std::move(observer); }
+void FakeQuantMoe::set_calibration_observer(CalibrationObserver observer) {
+  MOEFQ_CHECK(observer_ != nullptr, "set_calibration_observer: the CPU only (the ", layer_device_name(device_),
+              " layer keeps its calibration statistics on the device)");
+  *observer_ = std::move(observer);
+}
 void FakeQuantMoe::start_calibration() { driver_->start_calibration(); }
 void FakeQuantMoe::finish_calibration() { driver_->finish_calibration(); }
 void FakeQuantMoe::abort_calibration() { driver_->abort_calibration(); }
 const std::vector<float>& FakeQuantMoe::rank_amax(int which) const { return driver_->rank_amax(which); }
-void FakeQuantMoe::forward(std::span<const RankBatch> batches) { driver_->forward(batches); }
-void FakeQuantMoe::quantizers_only(std::span<const RankBatch> batches) { driver_->forward(batches, false); }
+void FakeQuantMoe::forward(std::span<const RankBatch> batches, StreamHandle stream) {
+  ops_->set_stream(stream);
+  driver_->forward(batches);
+}
+void FakeQuantMoe::quantizers_only(std::span<const RankBatch> batches, StreamHandle stream) {
+  ops_->set_stream(stream);
+  driver_->forward(batches, false);
+}
+void FakeQuantMoe::synchronize(StreamHandle stream) {
+  ops_->set_stream(stream);
+  driver_->synchronize();
+}
+void FakeQuantMoe::shared_expert(int64_t rank, const bf16* x, int64_t n, bf16* y, StreamHandle stream) {
+  MOEFQ_CHECK(rank >= 0 && rank < ops_->num_local_ranks(), "shared_expert: rank ", rank, " is not in [0, ",
+              ops_->num_local_ranks(), ")");
+  ops_->set_stream(stream);
+  ops_->shared_expert(rank, x, n, y);
+}
+void FakeQuantMoe::add_shared(const bf16* routed, const bf16* shared, bf16* out, int64_t n, StreamHandle stream) {
+  ops_->set_stream(stream);
+  ops_->add_shared(routed, shared, out, n);
+}
+void FakeQuantMoe::forward_with_shared(std::span<const RankBatch> batches, std::span<bf16* const> shared,
+                                       StreamHandle stream) {
+  forward(batches, stream);
+  if (ops_->config().num_shared == 0) return;
+  MOEFQ_CHECK(shared.size() == batches.size(), "forward_with_shared: ", shared.size(), " shared outputs for ",
+              batches.size(), " ranks");
+  for (size_t r = 0; r < batches.size(); ++r) {
+    const RankBatch& b = batches[r];
+    shared_expert(int64_t(r), b.x, b.num_tokens, shared[r], stream);
+    add_shared(b.y, shared[r], b.y, b.num_tokens, stream);
+  }
+}
+ExpertBackend& FakeQuantMoe::backend() {
+  MOEFQ_CHECK(backend_ != nullptr, "backend: the host-tensor expert back-end of a CPU layer; this layer is on ",
+              layer_device_name(device_));
+  return *backend_;
+}
 const MoeQuantizers& FakeQuantMoe::quantizers() const { return driver_->quantizers(); }
 const Quantizer& FakeQuantMoe::dispatch_quantizer(int64_t rank) const { return driver_->quantizers().dispatch(rank); }
 const Quantizer& FakeQuantMoe::combine_quantizer(int64_t rank) const { return driver_->quantizers().combine(rank); }
@@ -203,6 +295,9 @@ CombineWeighting FakeQuantMoe::combine_weighting() const { return driver_->combi
 void FakeQuantMoe::set_combine_weighting(CombineWeighting w) { driver_->set_combine_weighting(w); }
 bool FakeQuantMoe::layout_checked(int64_t rank) const { return driver_->layout_checked(rank); }
 void FakeQuantMoe::set_count_clipping(bool on) { driver_->set_count_clipping(on); }
-std::vector<ClipCounts> FakeQuantMoe::read_clip_counts() { return driver_->read_clip_counts(); }
+std::vector<ClipCounts> FakeQuantMoe::read_clip_counts(StreamHandle stream) {
+  ops_->set_stream(stream);
+  return driver_->read_clip_counts();
+}
 
 }  // namespace moefq

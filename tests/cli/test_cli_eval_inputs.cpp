@@ -218,6 +218,21 @@ TEST_F(EvalInputs, EveryNumericOptionTakesPlainDecimalsOnly) {
   EXPECT_EQ(r.status, 0) << describe(r);
 }
 
+// --pipeline was removed (one runner per device): with any value, on eval and calibrate, an old
+// script is told why (exit 2, nothing written), not run on another path.
+TEST_F(EvalInputs, RemovedPipelineOptionIsRefusedWithTheReason) {
+  for (const std::string v : {"host", "device", "x"}) {
+    const std::vector<std::string> why = {"--pipeline " + v, "removed", "the device runner gives the same bits",
+                                          "drop --pipeline"};
+    expect_rejected("eval " + kSmall + " --pipeline " + v + " --out rep", why);
+    expect_rejected("calibrate " + kSmallCal + " --pipeline " + v + " --save c.json", why);
+  }
+  // The option is no longer offered.
+  const RunResult help = moefq("eval --help");
+  EXPECT_EQ(help.status, 0) << describe(help);
+  EXPECT_EQ(help.out.find("--pipeline"), std::string::npos) << help.out;
+}
+
 TEST_F(EvalInputs, UnknownCommandsAreNamed) {
   for (const std::string cmd : {"evl", "EVAL", "frobnicate --tokens 4"}) {
     const std::string word = cmd.substr(0, cmd.find(' '));

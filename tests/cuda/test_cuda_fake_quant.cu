@@ -3,8 +3,8 @@
 // independent expectations computed on the host from the GPU engine's own rows; the raise paths;
 // the layout check waiting for routed rows; calibrated amax; and CUDA graph capture/replay after
 // a padding-only warm-up, with the correct layout and with a corrupted one (the error surfaces at
-// synchronize() and the CUDA context keeps working). The "mega_moe_cuda" host back-end is checked
-// bit-identical to the device path.
+// synchronize() and the CUDA context keeps working). The layer facade on CUDA (FakeQuantMoe::make)
+// is checked bit-identical to this face, and its add_shared to the CPU's.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -295,28 +295,83 @@ TEST(CudaFakeQuant, GraphCaptureAfterPaddingOnlyWarmup) {
   }
 }
 
-// The host-tensor back-end "mega_moe_cuda" under FakeQuantMoe gives the device path's bits.
-TEST(CudaFakeQuant, HostBackendMatchesTheDevicePath) {
+// The one layer facade on CUDA (FakeQuantMoe::make from host weights) gives the CUDA face's bits,
+// and forward_with_shared adds the shared expert as add_shared's rule says: bf16(routed + shared),
+// one rounding, checked on the host against the routed output and the shared expert's.
+TEST(CudaFakeQuant, LayerFacadeOnCudaMatchesTheCudaFace) {
   SKIP_WITHOUT_GPU();
   cuda::register_cuda_backends();
   const MoeConfig c = small_config();
-  const int64_t R = 2, T = 16;
+  ASSERT_GT(c.num_shared, 0);
+  const int64_t R = 2, T = 16, H = c.hidden;
   const std::string yaml = std::string(kCombineNvfp4) + "  - quantizer_name: '*dispatch_quantizer'\n"
                                                         "    cfg: {num_bits: e4m3, constant_amax: 1000}\n";
   Layer l = make_layer(c, R, T, false, yaml);
-  FakeQuantMoe host(make_expert_backend("mega_moe_cuda", c, R, T, weights_for(c, R), EngineOptions{false, 2}), 0);
-  host.configure(apply_recipe(parse_recipe_text(yaml, "test.yaml"), host.quantizer_names()));
+  const std::unique_ptr<FakeQuantMoe> fq =
+      FakeQuantMoe::make(LayerDevice::kCuda, c, R, T, weights_for(c, R), EngineOptions{false, 2}, 0);
+  EXPECT_EQ(fq->device(), LayerDevice::kCuda);
+  fq->configure(apply_recipe(parse_recipe_text(yaml, "test.yaml"), fq->quantizer_names()));
   const Problem p = make_problem(c, R, T, 95, 3);
-  DeviceProblem dp(p, T);
+  DeviceProblem dp(p, T), dq(p, T), ds(p, T);
   const auto want = run(*l.fq, dp);
-  const auto got = test::host_forward(host, p);
+  fq->forward(dq.batches(), nullptr);
+  fq->synchronize(nullptr);
+  const auto routed = dq.outputs();
   for (int64_t r = 0; r < R; ++r)
-    EXPECT_TRUE(test::bytes_equal(want[size_t(r)].data(), got[size_t(r)].data(), got[size_t(r)].size(), 2));
+    EXPECT_TRUE(test::bytes_equal(want[size_t(r)].data(), routed[size_t(r)].data(), routed[size_t(r)].size(), 2))
+        << "rank " << r;
+  EXPECT_TRUE(fq->layout_checked(0) && fq->layout_checked(1));
+
+  std::vector<cuda::DeviceBuffer<bf16>> shared;
+  std::vector<bf16*> shared_ptrs;
+  for (int64_t r = 0; r < R; ++r) shared_ptrs.push_back(shared.emplace_back(size_t(T * H)).get());
+  fq->forward_with_shared(ds.batches(), shared_ptrs, nullptr);
+  fq->synchronize(nullptr);
+  const auto whole = ds.outputs();
+  for (int64_t r = 0; r < R; ++r) {
+    const std::vector<bf16> sh = shared[size_t(r)].download();
+    const std::vector<bf16>& y = routed[size_t(r)];
+    std::vector<bf16> expect(y.size());
+    for (size_t i = 0; i < y.size(); ++i) expect[i].bits = bf16_round(add_rn(to_f32(y[i]), to_f32(sh[i])));
+    EXPECT_TRUE(test::bytes_equal(expect.data(), whole[size_t(r)].data(), expect.size(), 2)) << "rank " << r;
+  }
+  EXPECT_TRUE(any_differs(whole, routed));  // the shared expert contributes
+}
+
+// add_shared on the GPU and on the CPU: the same bits for the same routed and shared rows,
+// including the values at the edges of bf16 (inf, NaN, +-0, subnormals, overflow to inf), and a
+// copy of routed without a shared output.
+TEST(CudaFakeQuant, AddSharedIsTheSameRuleOnBothDevices) {
+  SKIP_WITHOUT_GPU();
+  cuda::register_cuda_backends();
+  const MoeConfig c = small_config();
+  const int64_t R = 1, T = 8, H = c.hidden, n = T;
+  auto gpu = FakeQuantMoe::make(LayerDevice::kCuda, c, R, T, weights_for(c, R), EngineOptions{false, 2}, 0);
+  auto cpu = FakeQuantMoe::make(LayerDevice::kCpu, c, R, T, weights_for(c, R), EngineOptions{false, 2}, 0);
+  std::vector<bf16> a(size_t(n * H)), b(size_t(n * H));
+  const uint16_t edges[] = {0x7F80, 0xFF80, 0x7FC0, 0x0000, 0x8000, 0x0001, 0x8001, 0x7F7F, 0xFF7F, 0x3F80};
+  uint32_t z = 12345;
+  for (size_t i = 0; i < a.size(); ++i) {
+    z = z * 1664525u + 1013904223u;
+    a[i].bits = i < 10 ? edges[i] : uint16_t(z >> 16);
+    b[i].bits = i < 10 ? edges[9 - i] : uint16_t(z & 0xFFFF);
+  }
+  std::vector<bf16> want(a.size()), copy(a.size());
+  cpu->add_shared(a.data(), b.data(), want.data(), n);
+  cpu->add_shared(a.data(), nullptr, copy.data(), n);
+  EXPECT_TRUE(test::bytes_equal(a.data(), copy.data(), a.size(), 2));
+  cuda::DeviceBuffer<bf16> da(a), db(b), dout(a.size());
+  gpu->add_shared(da.get(), db.get(), dout.get(), n, nullptr);
+  EXPECT_TRUE(test::bytes_equal(want.data(), dout.download().data(), want.size(), 2));
+  gpu->add_shared(da.get(), nullptr, dout.get(), n, nullptr);
+  EXPECT_TRUE(test::bytes_equal(a.data(), dout.download().data(), a.size(), 2));
+  gpu->add_shared(da.get(), db.get(), da.get(), n, nullptr);  // in place
+  EXPECT_TRUE(test::bytes_equal(want.data(), da.download().data(), want.size(), 2));
 }
 
 // combine_weighting after: the GPU quantizer's output is the CPU rule's weighted re-sum of the
-// QDQ'd rows the GPU engine left (bit for bit), the layout check passes, the host-tensor back-end
-// gives the same bits, and the output differs from the before mode's.
+// QDQ'd rows the GPU engine left (bit for bit), the layout check passes, the layer facade made
+// from host weights gives the same bits, and the output differs from the before mode's.
 TEST(CudaFakeQuant, CombineWeightingAfterEqualsCpuRule) {
   SKIP_WITHOUT_GPU();
   cuda::register_cuda_backends();
@@ -342,14 +397,16 @@ TEST(CudaFakeQuant, CombineWeightingAfterEqualsCpuRule) {
       Layer before = make_layer(c, R, T, fused, cs.yaml);
       EXPECT_TRUE(any_differs(got, run(*before.fq, dp)));
       expect_finite(got);
-      FakeQuantMoe host(make_expert_backend("mega_moe_cuda", c, R, T, weights_for(c, R),
-                                            EngineOptions{fused, 2, CombineWeighting::kAfter}),
-                        0);
-      host.configure(apply_recipe(parse_recipe_text(cs.yaml, "test.yaml"), host.quantizer_names()));
-      const auto host_y = test::host_forward(host, p);
+      const std::unique_ptr<FakeQuantMoe> facade = FakeQuantMoe::make(
+          LayerDevice::kCuda, c, R, T, weights_for(c, R), EngineOptions{fused, 2, CombineWeighting::kAfter}, 0);
+      facade->configure(apply_recipe(parse_recipe_text(cs.yaml, "test.yaml"), facade->quantizer_names()));
+      DeviceProblem df(p, T);
+      facade->forward(df.batches(), nullptr);
+      facade->synchronize(nullptr);
+      const auto facade_y = df.outputs();
       for (int64_t r = 0; r < R; ++r)
-        EXPECT_TRUE(test::bytes_equal(got[size_t(r)].data(), host_y[size_t(r)].data(), host_y[size_t(r)].size(), 2))
-            << "host back-end, rank " << r;
+        EXPECT_TRUE(test::bytes_equal(got[size_t(r)].data(), facade_y[size_t(r)].data(), facade_y[size_t(r)].size(), 2))
+            << "layer facade, rank " << r;
     }
 }
 

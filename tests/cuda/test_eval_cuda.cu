@@ -1,8 +1,9 @@
-// The device-resident evaluation against the two host paths: the same CUDA engine behind the
-// host-tensor back-end ("mega_moe_cuda": the same data and engine, so every figure within fp64
-// reduction order, 1e-12 relative), and the CPU engine (everything before the expert GEMMs
-// identical: routing, the dispatch amax; the rest within the GEMM tolerance). And the memory plan
-// refusing a run that does not fit the GPU, before any allocation.
+// The device-resident evaluation (one runner per device on the GPU) against the layer facade driven
+// from the host on the same engine (FakeQuantMoe::make(LayerDevice::kCuda): the same weights, the
+// CPU router, so the calibrated amax bit for bit), against itself (a second run gives every figure
+// bit for bit), and against the CPU engine (everything before the expert GEMMs identical: routing,
+// the dispatch amax; the rest within the GEMM tolerance). And the memory plan refusing a run that
+// does not fit the GPU, before any allocation.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,16 +13,19 @@
 
 #include "checkpoint_test_util.h"
 #include "cli/cli_test_util.h"
+#include "cuda/device_buffer.h"
 #include "cuda/host_api.h"
 #include "eval/layer_runner.h"
 #include "gpu_test.h"
 #include "moefq/errors.h"
 #include "moefq/eval.h"
+#include "moefq/fake_quant_moe.h"
+#include "moefq/router.h"
 
 namespace moefq {
 namespace {
 
-EvalOptions small_run(EvalDevice device, const std::string& backend) {
+EvalOptions small_run(EvalDevice device) {
   cuda::register_cuda_backends();
   register_cuda_layer_runner();
   EvalOptions o;
@@ -32,7 +36,6 @@ EvalOptions small_run(EvalDevice device, const std::string& backend) {
   o.eval_batches = 1;
   o.layers = {0, 3};  // an early layer (super experts) and a middle one
   o.device = device;
-  o.backend_kind = backend;
   return o;
 }
 
@@ -48,23 +51,22 @@ const EvalRow& row_of(const EvalResult& r, int64_t layer, const std::string& rec
   throw std::runtime_error("no row " + recipe);
 }
 
-// Every row of the device-resident run equals the host pipeline's on the same engine.
-void expect_same_rows(const EvalResult& dev, const EvalResult& host) {
-  ASSERT_EQ(dev.rows.size(), host.rows.size());
-  for (const EvalRow& a : dev.rows) {
+// Every row of two device-resident runs: the same figures, bit for bit.
+void expect_same_rows(const EvalResult& a_run, const EvalResult& b_run) {
+  ASSERT_EQ(a_run.rows.size(), b_run.rows.size());
+  for (const EvalRow& a : a_run.rows) {
     SCOPED_TRACE("layer " + std::to_string(a.layer) + " " + a.recipe);
-    const EvalRow& b = row_of(host, a.layer, a.recipe);
-    const double tol = 1e-12;
-    EXPECT_TRUE(close(a.metrics.rel_l2, b.metrics.rel_l2, tol)) << a.metrics.rel_l2 << " vs " << b.metrics.rel_l2;
-    EXPECT_TRUE(close(a.metrics.cosine, b.metrics.cosine, tol));
-    EXPECT_TRUE(close(a.metrics.calc_diff, b.metrics.calc_diff, 1e-9));  // a difference of sums
+    const EvalRow& b = row_of(b_run, a.layer, a.recipe);
+    EXPECT_EQ(a.metrics.rel_l2, b.metrics.rel_l2);
+    EXPECT_EQ(a.metrics.cosine, b.metrics.cosine);
+    EXPECT_EQ(a.metrics.calc_diff, b.metrics.calc_diff);
     EXPECT_EQ(a.metrics.max_abs, b.metrics.max_abs);
-    EXPECT_TRUE(close(a.metrics.snr_db, b.metrics.snr_db, tol));
+    EXPECT_EQ(a.metrics.snr_db, b.metrics.snr_db);
     EXPECT_EQ(a.metrics.count, b.metrics.count);
-    EXPECT_TRUE(close(a.rel_l2_token_p50, b.rel_l2_token_p50, tol));
-    EXPECT_TRUE(close(a.rel_l2_token_p99, b.rel_l2_token_p99, tol));
-    EXPECT_TRUE(close(a.rel_l2_token_max, b.rel_l2_token_max, tol));
-    EXPECT_TRUE(close(a.rel_l2_non_outlier, b.rel_l2_non_outlier, tol));
+    EXPECT_EQ(a.rel_l2_token_p50, b.rel_l2_token_p50);
+    EXPECT_EQ(a.rel_l2_token_p99, b.rel_l2_token_p99);
+    EXPECT_EQ(a.rel_l2_token_max, b.rel_l2_token_max);
+    EXPECT_EQ(a.rel_l2_non_outlier, b.rel_l2_non_outlier);
     EXPECT_EQ(a.num_outlier_channels, b.num_outlier_channels);
     EXPECT_EQ(a.dispatch_clipped_fraction, b.dispatch_clipped_fraction);
     EXPECT_EQ(a.combine_clipped_fraction, b.combine_clipped_fraction);
@@ -74,46 +76,88 @@ void expect_same_rows(const EvalResult& dev, const EvalResult& host) {
   }
 }
 
-TEST(EvalCuda, DeviceResidentEqualsTheHostPathOnTheSameEngine) {
-  SKIP_WITHOUT_GPU();
-  const EvalResult dev = run_eval(small_run(EvalDevice::kCuda, "mega_moe"));
-  const EvalResult host = run_eval(small_run(EvalDevice::kCpu, "mega_moe_cuda"));
-  ASSERT_EQ(dev.calibration.layers.size(), 2u);
-  for (size_t l = 0; l < 2; ++l) {
-    const LayerCalibration &a = dev.calibration.layers[l], &b = host.calibration.layers[l];
-    EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);
-    EXPECT_EQ(a.combine_amax, b.combine_amax);
-    EXPECT_EQ(a.dispatch_rank_amax, b.dispatch_rank_amax);
-    EXPECT_EQ(a.combine_rank_amax, b.combine_rank_amax);
+// The calibration of every layer of a device-resident run equals the layer facade's on the same
+// engine driven from the host: every rank's weights and the layer's activations made on the host
+// (rank_weights, layer_activations), routed by the CPU router, uploaded, one forward per
+// calibration batch. The GPU generates the synthetic weights and activations and routes by itself:
+// the same bits, or the amax would differ.
+void expect_calibration_equals_the_facade(const EvalOptions& o, const EvalResult& dev) {
+  RunnerSetup s;
+  s.config = dev.setup.config;
+  s.ranks = o.ranks;
+  s.tokens = o.tokens;
+  s.calib_batches = o.calib_batches;
+  s.seed = o.seed;
+  s.synthetic = o.synthetic;
+  s.checkpoint_dir = o.checkpoint_dir;
+  const int64_t R = s.ranks, T = s.tokens, H = s.config.hidden;
+  EngineOptions eo;
+  eo.fuse_shared = false;
+  eo.combine_weighting = dev.setup.combine_weighting;
+  eo.staging = dev.setup.staging;
+  ASSERT_EQ(dev.calibration.layers.size(), dev.setup.layers.size());
+  for (size_t l = 0; l < dev.setup.layers.size(); ++l) {
+    const int64_t layer = dev.setup.layers[l];
+    SCOPED_TRACE("layer " + std::to_string(layer));
+    std::vector<LayerWeights> w = all_rank_weights(s, layer);
+    const std::vector<float> gate = w[0].gate, bias = w[0].gate_bias;
+    const std::unique_ptr<FakeQuantMoe> fq =
+        FakeQuantMoe::make(LayerDevice::kCuda, s.config, R, T, std::move(w), eo, layer);
+    const std::vector<bf16> x = layer_activations(s, layer, 0, int64_t(s.calib_batches) * R * T);
+    cuda::DeviceBuffer<bf16> dx(x), dy(size_t(R * T * H));
+    std::vector<cuda::DeviceBuffer<int32_t>> idx;
+    std::vector<cuda::DeviceBuffer<float>> wts;
+    fq->start_calibration();
+    for (int b = 0; b < s.calib_batches; ++b) {
+      std::vector<RankBatch> batches;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t first = (int64_t(b) * R + r) * T;
+        const Routing rt = route(s.config, x.data() + first * H, T, gate, bias);
+        idx.emplace_back(rt.topk_idx);
+        wts.emplace_back(rt.topk_weights);
+        batches.push_back({dx.get() + first * H, T, idx.back().get(), wts.back().get(), dy.get() + r * T * H});
+      }
+      fq->forward(batches, nullptr);
+    }
+    fq->finish_calibration();
+    const LayerCalibration& a = dev.calibration.layers[l];
+    EXPECT_EQ(a.dispatch_amax, *fq->quantizers().dispatch(0).amax());
+    EXPECT_EQ(a.combine_amax, *fq->quantizers().combine(0).amax());
+    EXPECT_EQ(a.dispatch_rank_amax, fq->rank_amax(0));
+    EXPECT_EQ(a.combine_rank_amax, fq->rank_amax(1));
   }
-  expect_same_rows(dev, host);
+}
+
+TEST(EvalCuda, DeviceResidentEqualsTheLayerFacadeOnTheSameEngine) {
+  SKIP_WITHOUT_GPU();
+  const EvalOptions o = small_run(EvalDevice::kCuda);
+  const EvalResult dev = run_eval(o);
+  ASSERT_EQ(dev.calibration.layers.size(), 2u);
+  expect_calibration_equals_the_facade(o, dev);
+  expect_same_rows(dev, run_eval(o));
 }
 
 // The architectures beside DeepSeek-V3's: softmax routing with and without renormalisation, no
 // shared expert (Qwen3-MoE, Mixtral with 8 experts and top 2, OLMoE), and GLM-4.5-Air's sigmoid
 // routing with one group and a shared expert, at their presets' full sizes, one layer each.
-TEST(EvalCuda, EveryArchitectureOnTheDeviceEqualsTheHostPath) {
+TEST(EvalCuda, EveryArchitectureOnTheDeviceEqualsTheLayerFacade) {
   SKIP_WITHOUT_GPU();
   for (const char* name : {"qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "glm-4.5-air"}) {
     SCOPED_TRACE(name);
-    const auto run = [&](EvalDevice device, const std::string& backend) {
-      EvalOptions o = small_run(device, backend);
-      o.preset = name;
-      o.preset_given = true;
-      o.layers = {0};
-      return run_eval(o);
-    };
-    const EvalResult dev = run(EvalDevice::kCuda, "mega_moe"), host = run(EvalDevice::kCpu, "mega_moe_cuda");
+    EvalOptions o = small_run(EvalDevice::kCuda);
+    o.preset = name;
+    o.preset_given = true;
+    o.layers = {0};
+    const EvalResult dev = run_eval(o);
     ASSERT_EQ(dev.calibration.layers.size(), 1u);
-    EXPECT_EQ(dev.calibration.layers[0].dispatch_amax, host.calibration.layers[0].dispatch_amax);
-    EXPECT_EQ(dev.calibration.layers[0].combine_amax, host.calibration.layers[0].combine_amax);
-    expect_same_rows(dev, host);
+    expect_calibration_equals_the_facade(o, dev);
+    expect_same_rows(dev, run_eval(o));
   }
 }
 
 // The device-resident run against the CPU engine's, with the preset's staging or the one given.
 void expect_close_to_the_cpu_engine(std::optional<Staging> staging) {
-  EvalOptions od = small_run(EvalDevice::kCuda, "mega_moe"), oc = small_run(EvalDevice::kCpu, "mega_moe");
+  EvalOptions od = small_run(EvalDevice::kCuda), oc = small_run(EvalDevice::kCpu);
   od.staging = oc.staging = staging;
   const EvalResult dev = run_eval(od);
   const EvalResult cpu = run_eval(oc);
@@ -156,30 +200,22 @@ TEST(EvalCuda, StagingNoneDeviceResidentAgainstTheCpuEngine) {
 }
 
 // A checkpoint's layers, read on the host and copied through pinned staging buffers (the next one
-// read ahead by a host thread), give what the host pipeline gives on the same checkpoint.
-TEST(EvalCuda, CheckpointLayersThroughPinnedStagingEqualTheHostPath) {
+// read ahead by a host thread), give the calibration of the layer facade on the same checkpoint,
+// and the same figures in a second run.
+TEST(EvalCuda, CheckpointLayersThroughPinnedStagingEqualTheLayerFacade) {
   SKIP_WITHOUT_GPU();
   const std::filesystem::path dir = test::unique_temp_path("moefq_ckpt_cuda_");
   test::write_checkpoint(dir, {{1, 7}, {2, 8}, {3, 9}});
-  const auto run = [&](EvalDevice device, const std::string& backend) {
-    EvalOptions o = small_run(device, backend);
-    o.preset = "tiny";
-    o.checkpoint_dir = dir.string();
-    o.layers = {1, 2, 3};
-    o.ranks = 2;
-    o.tokens = 32;
-    return run_eval(o);
-  };
-  const EvalResult dev = run(EvalDevice::kCuda, "mega_moe"), host = run(EvalDevice::kCpu, "mega_moe_cuda");
+  EvalOptions o = small_run(EvalDevice::kCuda);
+  o.preset = "tiny";
+  o.checkpoint_dir = dir.string();
+  o.layers = {1, 2, 3};
+  o.ranks = 2;
+  o.tokens = 32;
+  const EvalResult dev = run_eval(o);
   EXPECT_TRUE(dev.memory.streaming) << dev.memory.describe();
-  ASSERT_EQ(dev.rows.size(), host.rows.size());
-  for (const EvalRow& a : dev.rows) {
-    SCOPED_TRACE("layer " + std::to_string(a.layer) + " " + a.recipe);
-    const EvalRow& b = row_of(host, a.layer, a.recipe);
-    EXPECT_TRUE(close(a.metrics.rel_l2, b.metrics.rel_l2, 1e-12)) << a.metrics.rel_l2 << " vs " << b.metrics.rel_l2;
-    EXPECT_EQ(a.metrics.max_abs, b.metrics.max_abs);
-    EXPECT_EQ(a.combine_amax, b.combine_amax);
-  }
+  expect_calibration_equals_the_facade(o, dev);
+  expect_same_rows(dev, run_eval(o));
   std::filesystem::remove_all(dir);
 }
 
@@ -189,7 +225,7 @@ TEST(EvalCuda, CheckpointReadTellsTheExpertsRead) {
   SKIP_WITHOUT_GPU();
   const std::filesystem::path dir = test::unique_temp_path("moefq_ckpt_cuda_");
   test::write_checkpoint(dir, {{1, 7}});
-  EvalOptions o = small_run(EvalDevice::kCuda, "mega_moe");
+  EvalOptions o = small_run(EvalDevice::kCuda);
   o.checkpoint_dir = dir.string();
   o.layers = {1};
   o.ranks = 2;
@@ -207,7 +243,7 @@ TEST(EvalCuda, CheckpointReadTellsTheExpertsRead) {
 
 TEST(EvalCuda, MemoryPlanRefusesARunThatDoesNotFit) {
   SKIP_WITHOUT_GPU();
-  EvalOptions o = small_run(EvalDevice::kCuda, "mega_moe");
+  EvalOptions o = small_run(EvalDevice::kCuda);
   o.preset = "deepseek-v3";
   o.preset_given = true;
   o.ranks = 8;

@@ -1,7 +1,7 @@
 // The device-resident runner of the evaluation (eval/layer_runner.h): the layer lives on the GPU
 // from start to finish. Synthetic weights are generated straight into the engine's weight sets
 // (checkpoint weights are read on the host and copied in), activations generated there (or copied
-// from the file), routed by the CUDA router, run through CudaFakeQuantMoe, and reduced to metric
+// from the file), routed by the CUDA router, run through FakeQuantMoe on CUDA, and reduced to metric
 // sums in fp64 on the device: only the per-token and per-channel sums come back. Where the memory
 // plan allows, the next layer's synthetic weights are generated on a second stream while the
 // current layer is evaluated.
@@ -151,12 +151,12 @@ class DeviceRunner final : public LayerRunner {
         launch_route(c, x_of(b, r), T, gate_.get(), c.noaux_tc ? bias_.get() : nullptr, nullptr, route_ws_.get(),
                      idx_.get() + slot(b, r) * T * K, wts_.get() + slot(b, r) * T * K, stream_);
     model_ = std::move(le->model);
-    fq_ = std::make_unique<CudaFakeQuantMoe>(std::move(le->engine), layer);
+    fq_ = make_fake_quant_moe(std::move(le->engine), layer);
     // The shared expert on the unquantized x of the evaluation batches, as the model runs it.
     if (c.num_shared > 0)
       for (int i = 0; i < s_.eval_batches; ++i)
         for (int64_t r = 0; r < R; ++r)
-          fq_->engine().shared_expert(r, x_of(s_.calib_batches + i, r), T, shared_.get() + (i * R + r) * T * H, stream_);
+          fq_->shared_expert(r, x_of(s_.calib_batches + i, r), T, shared_.get() + (i * R + r) * T * H, stream_);
     MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
@@ -255,8 +255,7 @@ class DeviceRunner final : public LayerRunner {
   // Evaluation batch i's output after a call into out ([rank][token][H]): bf16(routed + shared).
   void assemble(int i, bf16* out) {
     const int64_t R = s_.ranks, T = s_.tokens, H = s_.config.hidden;
-    launch_assemble_output(y_.get(), shared_.get() ? shared_.get() + int64_t(i) * R * T * H : nullptr, out, R * T, H,
-                           stream_);
+    fq_->add_shared(y_.get(), shared_.get() ? shared_.get() + int64_t(i) * R * T * H : nullptr, out, R * T, stream_);
   }
 
   // The engine of `layer` with its weights, made on `stream` (synthetic: generated there;
@@ -314,7 +313,7 @@ class DeviceRunner final : public LayerRunner {
   std::future<std::vector<LayerWeights>> next_host_;
   int64_t next_host_layer_ = -1;
   int b0_ = 0;  // the first batch held (0, or the first evaluation batch with a loaded calibration)
-  std::unique_ptr<CudaFakeQuantMoe> fq_;
+  std::unique_ptr<FakeQuantMoe> fq_;
   std::unique_ptr<DeviceSyntheticLayer> model_;
   std::unique_ptr<LayerEngine> next_;
   DeviceBuffer<bf16> acts_;       // [batches held][R][T][H]

@@ -7,11 +7,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void assemble_kernel(const bf16* y, const bf16* shared, bf16* out, int64_t n) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    out[i].bits = shared ? bf16_round(add_rn(bf16_to_f32(y[i].bits), bf16_to_f32(shared[i].bits))) : y[i].bits;
-}
-
 // A thread's partial sums; folded over the CTA in a fixed tree, so a run is deterministic.
 struct Partial {
   double v[6];  // err2, ref2, out2, dot, dot1, sq1
@@ -93,14 +88,6 @@ __global__ void channel_sums_kernel(const bf16* out, const bf16* ref, int64_t n,
 }
 
 }  // namespace
-
-void launch_assemble_output(const bf16* y, const bf16* shared, bf16* out, int64_t n, int64_t H, cudaStream_t stream) {
-  const int64_t total = n * H;
-  if (total == 0) return;
-  const unsigned blocks = unsigned(std::min<int64_t>((total + kThreads - 1) / kThreads, 65535));
-  assemble_kernel<<<blocks, kThreads, 0, stream>>>(y, shared, out, total);
-  MOEFQ_CUDA_CHECK_LAUNCH();
-}
 
 void launch_token_sums(const bf16* out, const bf16* ref, int64_t n, int64_t H, MetricSums* sums, cudaStream_t stream) {
   if (n == 0) return;

@@ -1,6 +1,6 @@
-// The evaluation's reductions on the GPU (eval/layer_runner.h): the layer's output assembled from
-// the routed output and the separately run shared expert, and the metric sums of an output against
-// the reference, per token and per channel, in fp64. Plain host launchers on a stream.
+// The evaluation's reductions on the GPU (eval/layer_runner.h): the metric sums of an output against
+// the reference, per token and per channel, in fp64. Plain host launchers on a stream. (The
+// layer's output, routed + shared expert, is FakeQuantMoe::add_shared's.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,10 +11,6 @@
 #include "moefq/numerics.h"
 
 namespace moefq::cuda {
-
-// out = bf16(float(y) + float(shared)) (one RN rounding, as the model adds them), or out = y when
-// shared is null. y, shared, out: [n, H] bf16.
-void launch_assemble_output(const bf16* y, const bf16* shared, bf16* out, int64_t n, int64_t H, cudaStream_t stream);
 
 // sums[t] = MetricSums of out[t] against ref[t] (each [H] bf16), for t < n: the same sums as
 // MetricSums::add over the row (the order of the additions within a row may differ).

@@ -1,13 +1,17 @@
-// CudaFakeQuantMoe: the shared fake-quantization driver over device primitives (kernels and their
-// launches on the caller's stream).
+// The CUDA implementation of FakeQuantMoe: the shared fake-quantization driver over device
+// primitives (kernels and their launches on the caller's stream), the CudaFakeQuantMoe face on it,
+// and its registration as FakeQuantMoe::make's CUDA factory.
 #include "fakequant/cuda/cuda_fake_quant.cuh"
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "cuda/combine_kernels.cuh"
 #include "cuda/cuda_check.h"
+#include "cuda/host_api.h"
 #include "cuda/qdq_kernels.cuh"
+#include "fakequant/cuda/add_shared_kernels.cuh"
 #include "fakequant/fake_quant_driver.h"
 #include "moefq/errors.h"
 
@@ -104,7 +108,7 @@ class CudaFakeQuantOps final : public FakeQuantOps {
   }
 
   CudaEngine& engine() { return *engine_; }
-  void set_stream(cudaStream_t s) { stream_ = s; }
+  void set_stream(void* s) override { stream_ = static_cast<cudaStream_t>(s); }
   cudaStream_t stream() const { return stream_; }
   DeviceBuffer<float>& device_amax() { return amax_; }
   void set_trap(bool trap) { trap_ = trap; }
@@ -212,6 +216,13 @@ class CudaFakeQuantOps final : public FakeQuantOps {
   }
   void synchronize() override { engine_->synchronize(stream_); }
 
+  void shared_expert(int64_t r, const bf16* x, int64_t n, bf16* y) override {
+    engine_->shared_expert(first_rank() + r, x, n, y, stream_);
+  }
+  void add_shared(const bf16* routed, const bf16* shared, bf16* out, int64_t n) override {
+    launch_add_shared(routed, shared, out, n, config().hidden, stream_);
+  }
+
  private:
   const bf16* rows_base(int64_t r) const {
     return reinterpret_cast<const bf16*>(engine_->buffer(first_rank() + r) + combine_offset_);
@@ -229,47 +240,68 @@ class CudaFakeQuantOps final : public FakeQuantOps {
   bool trap_ = false;
 };
 
-CudaFakeQuantMoe::CudaFakeQuantMoe(std::unique_ptr<CudaEngine> engine, int64_t layer) {
-  auto ops = std::make_unique<CudaFakeQuantOps>(std::move(engine));
-  ops_ = ops.get();
-  driver_ = std::make_unique<FakeQuantDriver>(std::move(ops), layer);
+namespace {
+
+// The layer, and where its primitives are (for CudaFakeQuantMoe's device-only knobs).
+std::unique_ptr<FakeQuantMoe> make_fake_quant_moe(std::unique_ptr<CudaEngine> engine, int64_t layer,
+                                                  CudaFakeQuantOps** ops) {
+  auto o = std::make_unique<CudaFakeQuantOps>(std::move(engine));
+  if (ops) *ops = o.get();
+  return std::make_unique<FakeQuantMoe>(std::move(o), LayerDevice::kCuda, layer);
 }
+
+}  // namespace
+
+std::unique_ptr<FakeQuantMoe> make_fake_quant_moe(std::unique_ptr<CudaEngine> engine, int64_t layer) {
+  return make_fake_quant_moe(std::move(engine), layer, nullptr);
+}
+
+void register_cuda_backends() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    FakeQuantMoe::register_device_factory(
+        LayerDevice::kCuda, [](const MoeConfig& c, int64_t R, int64_t T, std::vector<LayerWeights> w,
+                               const EngineOptions& o, int64_t layer) {
+          // The host weights go once uploaded (the engine copies them).
+          auto engine = std::make_unique<CudaEngine>(c, R, T, w, o);
+          w.clear();
+          return make_fake_quant_moe(std::move(engine), layer);
+        });
+  });
+}
+
+CudaFakeQuantMoe::CudaFakeQuantMoe(std::unique_ptr<CudaEngine> engine, int64_t layer)
+    : layer_(make_fake_quant_moe(std::move(engine), layer, &ops_)) {}
 CudaFakeQuantMoe::~CudaFakeQuantMoe() = default;
 
-std::vector<std::string> CudaFakeQuantMoe::quantizer_names() const { return driver_->quantizers().names(); }
-void CudaFakeQuantMoe::configure(const std::map<std::string, QuantizerConfig>& configs) { driver_->configure(configs); }
-void CudaFakeQuantMoe::start_calibration() { driver_->start_calibration(); }
-void CudaFakeQuantMoe::finish_calibration() { driver_->finish_calibration(); }
-void CudaFakeQuantMoe::abort_calibration() { driver_->abort_calibration(); }
-const std::vector<float>& CudaFakeQuantMoe::rank_amax(int which) const { return driver_->rank_amax(which); }
-void CudaFakeQuantMoe::load_calibration_file(const std::string& path) { driver_->load_calibration_file(path); }
+std::vector<std::string> CudaFakeQuantMoe::quantizer_names() const { return layer_->quantizer_names(); }
+void CudaFakeQuantMoe::configure(const std::map<std::string, QuantizerConfig>& configs) { layer_->configure(configs); }
+void CudaFakeQuantMoe::start_calibration() { layer_->start_calibration(); }
+void CudaFakeQuantMoe::finish_calibration() { layer_->finish_calibration(); }
+void CudaFakeQuantMoe::abort_calibration() { layer_->abort_calibration(); }
+const std::vector<float>& CudaFakeQuantMoe::rank_amax(int which) const { return layer_->rank_amax(which); }
+void CudaFakeQuantMoe::load_calibration_file(const std::string& path) { layer_->load_calibration_file(path); }
 void CudaFakeQuantMoe::set_calibrated_amax(float dispatch_amax, float combine_amax) {
-  driver_->set_calibrated_amax(dispatch_amax, combine_amax);
+  layer_->set_calibrated_amax(dispatch_amax, combine_amax);
 }
 void CudaFakeQuantMoe::forward(std::span<const DeviceBatch> batches, cudaStream_t stream) {
-  ops_->set_stream(stream);
-  driver_->forward(batches, true);
+  layer_->forward(batches, stream);
 }
 void CudaFakeQuantMoe::quantizers_only(std::span<const DeviceBatch> batches, cudaStream_t stream) {
-  ops_->set_stream(stream);
-  driver_->forward(batches, false);
+  layer_->quantizers_only(batches, stream);
 }
-void CudaFakeQuantMoe::synchronize(cudaStream_t stream) {
-  ops_->set_stream(stream);
-  driver_->synchronize();
-}
+void CudaFakeQuantMoe::synchronize(cudaStream_t stream) { layer_->synchronize(stream); }
 void CudaFakeQuantMoe::set_trap_on_mismatch(bool trap) { ops_->set_trap(trap); }
-void CudaFakeQuantMoe::set_count_clipping(bool on) { driver_->set_count_clipping(on); }
+void CudaFakeQuantMoe::set_count_clipping(bool on) { layer_->set_count_clipping(on); }
 std::vector<ClipCounts> CudaFakeQuantMoe::read_clip_counts(cudaStream_t stream) {
-  ops_->set_stream(stream);
-  return driver_->read_clip_counts();
+  return layer_->read_clip_counts(stream);
 }
 DeviceBuffer<float>& CudaFakeQuantMoe::device_amax() { return ops_->device_amax(); }
 CudaEngine& CudaFakeQuantMoe::engine() { return ops_->engine(); }
-const MoeQuantizers& CudaFakeQuantMoe::quantizers() const { return driver_->quantizers(); }
-bool CudaFakeQuantMoe::layout_checked(int64_t rank) const { return driver_->layout_checked(rank); }
-CombineWeighting CudaFakeQuantMoe::combine_weighting() const { return driver_->combine_weighting(); }
-void CudaFakeQuantMoe::set_combine_weighting(CombineWeighting w) { driver_->set_combine_weighting(w); }
+const MoeQuantizers& CudaFakeQuantMoe::quantizers() const { return layer_->quantizers(); }
+bool CudaFakeQuantMoe::layout_checked(int64_t rank) const { return layer_->layout_checked(rank); }
+CombineWeighting CudaFakeQuantMoe::combine_weighting() const { return layer_->combine_weighting(); }
+void CudaFakeQuantMoe::set_combine_weighting(CombineWeighting w) { layer_->set_combine_weighting(w); }
 size_t CudaFakeQuantMoe::combine_offset() const { return *ops_->combine_offset(); }
 void CudaFakeQuantMoe::set_combine_offset(size_t offset) { ops_->set_combine_offset(offset); }
 

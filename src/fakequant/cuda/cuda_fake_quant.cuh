@@ -1,5 +1,8 @@
-// Fake quantization of MoE dispatch and combine (docs/fake_quant.md) around the CUDA engine, all on the
-// device: the shared driver (fakequant/fake_quant_driver.h) over device primitives. Dispatch QDQ
+// The CUDA implementation behind FakeQuantMoe (moefq/fake_quant_moe.h, LayerDevice::kCuda), and
+// CudaFakeQuantMoe: that same layer as code holding CUDA types sees it (cudaStream_t, the engine,
+// the device amax; the kernels' tests, the benchmarks, real ranks). Fake quantization of MoE
+// dispatch and combine (docs/fake_quant.md) around the CUDA engine, all on the device: the shared
+// driver (fakequant/fake_quant_driver.h) over device primitives. Dispatch QDQ
 // out of place, combine QDQ + exact re-sum in one kernel that reads the rows once, max calibration
 // on the device (MAX over the ranks at the end: simulated ones on the host, real ones through the
 // engine's RankLink all-reduce), and the layout check: eager (one host synchronisation, once per
@@ -20,15 +23,17 @@
 
 #include "cuda/cuda_engine.cuh"
 #include "cuda/device_buffer.h"
+#include "moefq/fake_quant_moe.h"
 #include "moefq/moe_quantizers.h"
-
-namespace moefq {
-class FakeQuantDriver;
-}
 
 namespace moefq::cuda {
 
 class CudaFakeQuantOps;
+
+// The fake-quantized layer on this engine (its first_rank() .. : the ranks the layer computes), as
+// FakeQuantMoe::make(LayerDevice::kCuda) makes it from weights: for a caller that made the engine
+// itself (the evaluation's device runner generates the weights in place).
+std::unique_ptr<FakeQuantMoe> make_fake_quant_moe(std::unique_ptr<CudaEngine> engine, int64_t layer);
 
 class CudaFakeQuantMoe {
  public:
@@ -86,9 +91,12 @@ class CudaFakeQuantMoe {
   size_t combine_offset() const;
   void set_combine_offset(size_t offset);
 
+  // The layer facade this face works on (shared_expert, add_shared, ...).
+  FakeQuantMoe& layer() { return *layer_; }
+
  private:
-  CudaFakeQuantOps* ops_;  // owned by the driver
-  std::unique_ptr<FakeQuantDriver> driver_;
+  CudaFakeQuantOps* ops_ = nullptr;  // owned by layer_'s driver
+  std::unique_ptr<FakeQuantMoe> layer_;
 };
 
 }  // namespace moefq::cuda

@@ -1,5 +1,6 @@
-// The host runner of the evaluation (layer_runner.h): FakeQuantMoe around a host-tensor expert
-// back-end, with the data, routing, reference and metric sums in host memory.
+// The CPU runner of the evaluation (layer_runner.h): FakeQuantMoe on the CPU engine, with the data,
+// routing, reference and metric sums in host memory. Also the runners' shared helpers (the layer's
+// activations and weights) and their registry.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -11,7 +12,6 @@
 #include "eval/layer_runner.h"
 #include "moefq/checkpoint.h"
 #include "moefq/errors.h"
-#include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"
 #include "moefq/router.h"
 #include "moefq/weight_cache.h"
@@ -94,9 +94,9 @@ struct Batch {
   }
 };
 
-class HostRunner final : public LayerRunner {
+class CpuRunner final : public LayerRunner {
  public:
-  explicit HostRunner(const RunnerSetup& s) : s_(s), threads_(resolve_threads(s.num_threads)) {}
+  explicit CpuRunner(const RunnerSetup& s) : s_(s), threads_(resolve_threads(s.num_threads)) {}
 
   void load(int64_t layer, bool need_calibration) override {
     const MoeConfig& cfg = s_.config;
@@ -113,7 +113,7 @@ class HostRunner final : public LayerRunner {
     eo.combine_weighting = s_.combine_weighting;
     eo.staging = s_.staging;
     eo.num_threads = s_.num_threads;
-    fq_ = std::make_unique<FakeQuantMoe>(make_expert_backend(s_.backend_kind, cfg, R, T, std::move(w), eo), layer);
+    fq_ = FakeQuantMoe::make(LayerDevice::kCpu, cfg, R, T, std::move(w), eo, layer);
     const auto make_batch = [&](int64_t b) {
       Batch batch;
       for (int64_t r = 0; r < R; ++r) {
@@ -131,7 +131,7 @@ class HostRunner final : public LayerRunner {
       for (Batch& b : eval_)
         for (int64_t r = 0; r < R; ++r) {
           b.shared.emplace_back(size_t(T * H));
-          fq_->backend().shared_expert(r, b.x[size_t(r)], T, b.shared.back().data());
+          fq_->shared_expert(r, b.x[size_t(r)], T, b.shared.back().data());
         }
   }
 
@@ -238,16 +238,9 @@ class HostRunner final : public LayerRunner {
   std::vector<bf16> output(const Batch& b) const {
     const int64_t T = s_.tokens, H = s_.config.hidden, R = s_.ranks;
     std::vector<bf16> out(size_t(R * T * H));
-    for (int64_t r = 0; r < R; ++r) {
-      bf16* o = out.data() + r * T * H;
-      const std::vector<bf16>& y = b.y[size_t(r)];
-      if (b.shared.empty()) {
-        std::copy(y.begin(), y.end(), o);
-        continue;
-      }
-      const std::vector<bf16>& sh = b.shared[size_t(r)];
-      for (size_t k = 0; k < y.size(); ++k) o[k].bits = bf16_round(add_rn(to_f32(y[k]), to_f32(sh[k])));
-    }
+    for (int64_t r = 0; r < R; ++r)
+      fq_->add_shared(b.y[size_t(r)].data(), b.shared.empty() ? nullptr : b.shared[size_t(r)].data(),
+                      out.data() + r * T * H, T);
     return out;
   }
 
@@ -266,7 +259,7 @@ void register_layer_runner(EvalDevice device, LayerRunnerFactory factory) {
 }
 
 std::unique_ptr<LayerRunner> make_layer_runner(EvalDevice device, const RunnerSetup& setup) {
-  if (device == EvalDevice::kCpu) return make_host_runner(setup);
+  if (device == EvalDevice::kCpu) return make_cpu_runner(setup);
   LayerRunnerFactory f;
   {
     std::lock_guard<std::mutex> lock(registry_mutex());
@@ -278,6 +271,6 @@ std::unique_ptr<LayerRunner> make_layer_runner(EvalDevice device, const RunnerSe
   return f(setup);
 }
 
-std::unique_ptr<LayerRunner> make_host_runner(const RunnerSetup& setup) { return std::make_unique<HostRunner>(setup); }
+std::unique_ptr<LayerRunner> make_cpu_runner(const RunnerSetup& setup) { return std::make_unique<CpuRunner>(setup); }
 
 }  // namespace moefq

@@ -171,9 +171,9 @@ void resolve_calibration(const EvalOptions& o, bool with_recipes, Prepared& p) {
   p.runner.calibration_stats = p.device == EvalDevice::kCpu && (beyond_max || logfmt);
 }
 
-void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
+// The model (a checkpoint's config.json, a config file or a preset) and where its weights come from.
+void resolve_model(const EvalOptions& o, Prepared& p) {
   EvalSetup& s = p.setup;
-  // The model.
   MOEFQ_CHECK(o.config_path.empty() || o.checkpoint_dir.empty(),
               "--config and --checkpoint cannot be used together (a checkpoint brings its own config.json)");
   MOEFQ_CHECK(!o.preset_given || (o.config_path.empty() && o.checkpoint_dir.empty()), "--preset and ",
@@ -201,8 +201,11 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   s.synthetic = synthetic_kind_name(o.synthetic);
   if (p.runner.checkpoint_dir.empty())
     s.weights_source = std::string("synthetic e4m3, ") + (model ? "model-shaped " : "Gaussian ") + seed;
+}
 
-  // Sizes.
+// The sizes of the run (ranks, tokens, batches) and how it is described in the reports.
+void resolve_sizes(const EvalOptions& o, bool with_recipes, Prepared& p) {
+  EvalSetup& s = p.setup;
   MOEFQ_CHECK(o.ranks >= 1, "--ranks must be >= 1, got ", o.ranks);
   MOEFQ_CHECK(s.config.num_experts % o.ranks == 0, "--ranks ", o.ranks, " must divide the ", s.config.num_experts,
               " routed experts of ", s.config.name);
@@ -226,8 +229,11 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   p.device = o.device;
   p.progress = o.progress;
   p.progress_every_seconds = o.progress_every_seconds;
+}
 
-  // Layers.
+// The layers, and a checkpoint's tensors for each of them (checked before any work).
+void resolve_layers(const EvalOptions& o, Prepared& p) {
+  EvalSetup& s = p.setup;
   s.layers = o.layers;
   if (s.layers.empty()) {
     MOEFQ_CHECK(p.runner.checkpoint_dir.empty(), "--checkpoint needs --layers (e.g. --layers 3-10): which of the "
@@ -251,7 +257,11 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
     p.runner.weight_format = f;
     s.weights_source += std::string(" (") + weight_format_name(f) + ")";
   }
+}
 
+// What every runner needs of the run, from the setup resolved so far.
+void resolve_runner(const EvalOptions& o, Prepared& p) {
+  EvalSetup& s = p.setup;
   p.runner.config = s.config;
   p.runner.ranks = s.ranks;
   p.runner.tokens = s.tokens;
@@ -260,7 +270,13 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   p.runner.seed = s.seed;
   p.runner.synthetic = o.synthetic;
   p.runner.num_threads = o.num_threads;
+}
 
+// The activations: the file's tensors per layer (checked), or the synthetic ones.
+void resolve_activations(const EvalOptions& o, Prepared& p) {
+  EvalSetup& s = p.setup;
+  const std::string seed = "(seed " + std::to_string(o.seed) + ")";
+  const bool model = o.synthetic == SyntheticKind::kModel;
   // Activations: one [tokens, H] tensor per layer ("layers.{i}"), else "hidden_states".
   if (!o.activations_path.empty()) {
     p.acts.emplace(SafetensorsFile::open(o.activations_path, "--activations " + o.activations_path));
@@ -296,7 +312,12 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
     s.activations_source = model ? "synthetic, model-shaped: RMSNorm gains, outlier channels, sink tokens " + seed
                                  : "synthetic, N(0, 1) " + seed;
   }
+}
 
+// The recipes (a sweep or files), resolved against the quantizers of every evaluated layer, their
+// calibration methods and the link.
+void resolve_recipes(const EvalOptions& o, bool with_recipes, Prepared& p) {
+  EvalSetup& s = p.setup;
   MOEFQ_CHECK(o.recipe_root.empty() || fs::is_directory(o.recipe_root), "--recipe-root ", o.recipe_root,
               ": not a directory (it holds the configs/ tree recipe imports are looked up in)");
   // Recipes, resolved against the quantizers of every evaluated layer (so a recipe may name one
@@ -331,7 +352,12 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   }
   resolve_calibration(o, with_recipes, p);
   p.link = s.link = make_link_model(o.link, o.link_gbps);
+}
 
+// The layer's modes for the whole run: where the router weight is applied, and the staging (the
+// baseline).
+void resolve_modes(const EvalOptions& o, Prepared& p) {
+  EvalSetup& s = p.setup;
   // Where the router weight is applied: one mode for the run (the rows every recipe quantizes, and
   // the calibrated combine amax, depend on it): the option, else the recipes' (which must agree).
   std::optional<CombineWeighting> weighting = o.combine_weighting;
@@ -353,6 +379,17 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   s.staging = o.staging.value_or(default_staging(
       s.config, p.runner.checkpoint_dir.empty() ? std::nullopt : std::optional(p.runner.weight_format)));
   p.runner.staging = s.staging;
+}
+
+// The options resolved and checked, every bad input refused before any work, in this order.
+void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
+  resolve_model(o, p);
+  resolve_sizes(o, with_recipes, p);
+  resolve_layers(o, p);
+  resolve_runner(o, p);
+  resolve_activations(o, p);
+  resolve_recipes(o, with_recipes, p);
+  resolve_modes(o, p);
 }
 
 // The memory plan, refused with the figures when the run does not fit; `command` ("moefq eval")
@@ -823,6 +860,199 @@ CalibrationState run_calibration(const EvalOptions& options, EvalSetup* setup) {
 }
 
 namespace {
+
+// Recipe i's configuration of quantizer q (a disabled one when the recipe leaves it alone).
+QuantizerConfig config_of(const Prepared& p, size_t i, const std::string& q) {
+  const auto it = p.recipe_configs[i].find(q);
+  return it == p.recipe_configs[i].end() ? QuantizerConfig{} : it->second;
+}
+
+// The calibrated amax of one (quantizer, method, format) (which 0: dispatch, 1: combine), derived
+// once per layer from the one calibration and kept in cal.derived; nullopt where q takes none.
+std::optional<float> derived_amax(LayerCalibration& cal, int which, const std::optional<CalibrationMethod>& m,
+                                  const QuantizerConfig& q, const std::string& L) {
+  const float max = which == 0 ? cal.dispatch_amax : cal.combine_amax;
+  if (!m || !q.enable || !format_has_global_amax(q.spec.format) || q.spec.amax_source != AmaxSource::kCalibrated)
+    return std::nullopt;
+  const AbsHistogram* h = which == 0 ? cal.dispatch_hist.get() : cal.combine_hist.get();
+  if (!h) return max;  // max calibration without statistics (or a loaded file)
+  const std::string quantizer = which == 0 ? "dispatch" : "combine", format = format_name(q.spec.format);
+  for (const DerivedCalibration& d : cal.derived)
+    if (d.quantizer == quantizer && d.method == m->name() && d.format == format) return d.amax.amax;
+  DerivedCalibration d{quantizer, m->name(), format, derive_amax(*h, *m, q.spec.format, L + " " + quantizer)};
+  if (m->kind == CalibrationMethod::Kind::kMax) d.amax.amax = max;  // the running max (bf16 data: the same)
+  cal.derived.push_back(d);
+  return d.amax.amax;
+}
+
+// One layer's steps: every recipe's calibrated amax, and the recipes in the order they run.
+struct StepPlan {
+  std::vector<size_t> order;  // [step] -> recipe
+  std::vector<RecipeStep> steps;
+  std::vector<std::optional<float>> dispatch_amax, combine_amax;  // [recipe]
+};
+
+// The recipes in the order they run: those that leave dispatch unquantized first (they reuse the
+// reference's engine call), then the others grouped by their dispatch configuration, the engine
+// once per group.
+StepPlan plan_steps(const Prepared& p, int64_t layer, LayerCalibration& cal, const std::string& L) {
+  const size_t num_recipes = p.recipes.size();
+  const std::string dname = FakeQuantMoe::dispatch_name(layer), cname = FakeQuantMoe::combine_name(layer);
+  StepPlan plan;
+  plan.dispatch_amax.resize(num_recipes);
+  plan.combine_amax.resize(num_recipes);
+  for (size_t i = 0; i < num_recipes; ++i) {
+    plan.dispatch_amax[i] = derived_amax(cal, 0, p.methods[i], config_of(p, i, dname), L);
+    plan.combine_amax[i] = derived_amax(cal, 1, p.methods[i], config_of(p, i, cname), L);
+  }
+  std::vector<size_t>& order = plan.order;
+  const auto add = [&](size_t i, bool with_engine) {
+    order.push_back(i);
+    plan.steps.push_back(RecipeStep{p.recipes[i].name, p.recipe_configs[i], with_engine, plan.dispatch_amax[i],
+                                    plan.combine_amax[i]});
+  };
+  for (size_t i = 0; i < num_recipes; ++i)
+    if (!config_of(p, i, dname).enable) add(i, false);
+  for (size_t i = 0; i < num_recipes; ++i) {
+    const QuantizerConfig d = config_of(p, i, dname);
+    if (!d.enable || std::find(order.begin(), order.end(), i) != order.end()) continue;
+    for (size_t j = i; j < num_recipes; ++j) {
+      const QuantizerConfig dj = config_of(p, j, dname);
+      if (!dj.enable || !(dj.spec == d.spec) || plan.dispatch_amax[j] != plan.dispatch_amax[i] ||
+          std::find(order.begin(), order.end(), j) != order.end())
+        continue;
+      add(j, j == i);
+    }
+  }
+  return plan;
+}
+
+// What the rows of a layer are made from, beside the run.
+struct LayerPass {
+  int64_t layer = 0;
+  std::string L;  // "layer 3"
+  const LayerCalibration* cal = nullptr;
+  const StepPlan* plan = nullptr;
+  const EvalPassStats* pass = nullptr;
+  const LayerRunner* runner = nullptr;
+  bool loaded = false;                 // the amax came from a calibration file
+  std::string loaded_calibration;      // the setup's calibration name when loaded and not max
+};
+
+// Recipe i's row from its step's statistics: the metrics, token shape, outlier-free error, the
+// clipped fractions, wire bytes and transfer times.
+EvalRow make_row(const Prepared& p, const LayerPass& lp, size_t i, const RecipeStats& st,
+                 const std::vector<bool>& outliers, int64_t num_outliers) {
+  const EvalSetup& s = p.setup;
+  const int64_t H = s.config.hidden, R = s.ranks;
+  const LayerCalibration& cal = *lp.cal;
+  EvalRow row;
+  row.layer = lp.layer;
+  row.recipe = p.recipes[i].name;
+  const QuantizerConfig d = config_of(p, i, FakeQuantMoe::dispatch_name(lp.layer)),
+                        c = config_of(p, i, FakeQuantMoe::combine_name(lp.layer));
+  const auto clipped = [&](int which) {
+    uint64_t clip = 0, total = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      clip += st.clips[size_t(which * R + r)].clipped;
+      total += st.clips[size_t(which * R + r)].total;
+    }
+    return total ? double(clip) / double(total) : 0.0;
+  };
+  // A loaded file's amax is of the method that made it.
+  if (p.methods[i]) row.calibration = !lp.loaded_calibration.empty() ? lp.loaded_calibration : p.methods[i]->name();
+  if (d.enable) {
+    row.dispatch_format = format_name(d.spec.format);
+    row.dispatch_amax = global_amax(d, lp.plan->dispatch_amax[i].value_or(cal.dispatch_amax));
+    if (row.dispatch_amax) row.dispatch_clipped_fraction = clipped(0);
+  }
+  if (c.enable) {
+    row.combine_format = format_name(c.spec.format);
+    row.combine_amax = global_amax(c, lp.plan->combine_amax[i].value_or(cal.combine_amax));
+    if (row.combine_amax) row.combine_clipped_fraction = clipped(1);
+    for (int64_t r = 0; r < R; ++r)
+      MOEFQ_ASSERT(lp.runner->layout_checked(r), lp.L, ": the combine quantizer of rank ", r,
+                   " ran without a layout check");
+  }
+  row.layout_check = c.enable ? "pass" : "n/a";
+  MetricSums all;
+  for (const MetricSums& tk : st.tokens) all.merge(tk);
+  row.metrics = finalize_metrics(all);
+  const TokenShape shape = token_shape(st.tokens);
+  row.rel_l2_token_p50 = shape.p50;
+  row.rel_l2_token_p99 = shape.p99;
+  row.rel_l2_token_max = shape.max;
+  // The error outside the outlier channels, from the per-channel sums. Without outlier channels
+  // it is rel_l2 itself, exactly (the per-channel sums would give it in another order).
+  row.num_outlier_channels = num_outliers;
+  row.rel_l2_non_outlier = row.metrics.rel_l2;
+  if (num_outliers > 0 && !std::isnan(row.metrics.rel_l2)) {
+    double err2 = 0, ref2 = 0;
+    for (int64_t h = 0; h < H; ++h)
+      if (!outliers[size_t(h)]) {
+        err2 += st.channel_err2[size_t(h)];
+        ref2 += lp.pass->reference_channels[size_t(h)];
+      }
+    row.rel_l2_non_outlier = ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
+  }
+  row.dispatch_wire_bytes_per_token = wire_bytes_per_row(d.enable ? std::optional<Format>(d.spec.format) : std::nullopt, H);
+  row.combine_wire_bytes_per_token = wire_bytes_per_row(c.enable ? std::optional<Format>(c.spec.format) : std::nullopt, H);
+  // logfmt10 sends the groups it cannot cast as bf16: its bytes at the cast fraction measured on
+  // the calibration data (where it was collected).
+  if (d.enable && d.spec.format == Format::kLogfmt10 && cal.dispatch_logfmt.total) {
+    row.dispatch_cast_fraction = cal.dispatch_logfmt.fraction();
+    row.dispatch_wire_bytes_per_token = logfmt10_bytes_per_row(H, *row.dispatch_cast_fraction);
+  }
+  if (c.enable && c.spec.format == Format::kLogfmt10 && cal.combine_logfmt.total) {
+    row.combine_cast_fraction = cal.combine_logfmt.fraction();
+    row.combine_wire_bytes_per_token = logfmt10_bytes_per_row(H, *row.combine_cast_fraction);
+  }
+  row.wire_saving = 1.0 - (row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token) / (4.0 * double(H));
+  const int64_t K = s.config.top_k;
+  row.dispatch_us = transfer_us(p.link, row.dispatch_wire_bytes_per_token, s.tokens, R, K);
+  row.combine_us = transfer_us(p.link, row.combine_wire_bytes_per_token, s.tokens, R, K);
+  row.saved_us = 2.0 * transfer_us(p.link, 2.0 * double(H), s.tokens, R, K) - row.dispatch_us - row.combine_us;
+  row.over_budget = s.max_rel_l2 && !(row.metrics.rel_l2 <= *s.max_rel_l2);
+  return row;
+}
+
+// One warning per layer and quantizer that clipped: the largest fraction and its recipes, each
+// with where its amax came from. Methods that clip by design (percentile, mse) are left out.
+// rows: [recipe], in the recipes' order.
+void warn_clipping(const Prepared& p, const LayerPass& lp, const std::vector<EvalRow>& rows,
+                   const std::string& load_path, std::vector<std::string>& warnings) {
+  for (int which = 0; which < 2; ++which) {
+    double worst = 0;
+    std::string names;
+    bool calibrated = false, constant = false;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const EvalRow& r = rows[i];
+      const auto& f = which == 0 ? r.dispatch_clipped_fraction : r.combine_clipped_fraction;
+      if (!f || *f <= kClipWarnFraction) continue;
+      const QuantizerConfig q =
+          config_of(p, i, which == 0 ? FakeQuantMoe::dispatch_name(lp.layer) : FakeQuantMoe::combine_name(lp.layer));
+      std::string source;
+      if (q.spec.amax_source == AmaxSource::kConstant) {
+        source = "constant amax " + std::to_string(q.spec.constant_amax);
+        source.erase(source.find_last_not_of('0') + 1);
+        if (source.back() == '.') source.pop_back();
+        constant = true;
+      } else {
+        if (p.methods[i] && p.methods[i]->kind != CalibrationMethod::Kind::kMax) continue;
+        source = lp.loaded ? "amax loaded from " + load_path : "max-calibrated amax";
+        calibrated = true;
+      }
+      worst = std::max(worst, *f);
+      names += (names.empty() ? "" : ", ") + r.recipe + ": " + source;
+    }
+    if (worst > kClipWarnFraction)
+      warnings.push_back(lp.L + ": up to " + pct(worst) + " of the " + (which == 0 ? "dispatch" : "combine") +
+                         " elements lie beyond their amax and saturate (" + names + "); " +
+                         (calibrated ? "calibrate on more data, or on data more like the evaluation's" : "") +
+                         (calibrated && constant ? "; " : "") + (constant ? "raise the recipe's constant_amax" : ""));
+  }
+}
+
 EvalResult run_eval_once(const EvalOptions& options) {
   const auto t0 = Clock::now();
   Prepared p;
@@ -843,7 +1073,6 @@ EvalResult run_eval_once(const EvalOptions& options) {
   }
   const std::unique_ptr<LayerRunner> runner = make_layer_runner(p.device, p.runner);
   const size_t num_recipes = p.recipes.size();
-  const int64_t H = s.config.hidden, R = s.ranks;
   const int64_t num_layers = int64_t(s.layers.size());
   Progress progress(p, num_layers, loaded ? 0 : num_layers,
                     num_layers * int64_t(s.eval_batches) * int64_t(num_recipes + 1));
@@ -870,172 +1099,27 @@ EvalResult run_eval_once(const EvalOptions& options) {
     }
     LayerCalibration& cal = *std::find_if(result.calibration.layers.begin(), result.calibration.layers.end(),
                                           [&](const LayerCalibration& c) { return c.layer == layer; });
-    // Each (quantizer, method, format)'s amax, derived once per layer from the one calibration.
-    const auto amax_for = [&](int which, const std::optional<CalibrationMethod>& m,
-                              const QuantizerConfig& q) -> std::optional<float> {
-      const float max = which == 0 ? cal.dispatch_amax : cal.combine_amax;
-      if (!m || !q.enable || !format_has_global_amax(q.spec.format) || q.spec.amax_source != AmaxSource::kCalibrated)
-        return std::nullopt;
-      const AbsHistogram* h = which == 0 ? cal.dispatch_hist.get() : cal.combine_hist.get();
-      if (!h) return max;  // max calibration without statistics (or a loaded file)
-      const std::string quantizer = which == 0 ? "dispatch" : "combine", format = format_name(q.spec.format);
-      for (const DerivedCalibration& d : cal.derived)
-        if (d.quantizer == quantizer && d.method == m->name() && d.format == format) return d.amax.amax;
-      DerivedCalibration d{quantizer, m->name(), format, derive_amax(*h, *m, q.spec.format, L + " " + quantizer)};
-      if (m->kind == CalibrationMethod::Kind::kMax) d.amax.amax = max;  // the running max (bf16 data: the same)
-      cal.derived.push_back(d);
-      return d.amax.amax;
-    };
-
-    // The recipes in the order they run: those that leave dispatch unquantized first (they reuse
-    // the reference's engine call), then the others grouped by their dispatch configuration, the
-    // engine once per group.
-    const std::string dname = FakeQuantMoe::dispatch_name(layer), cname = FakeQuantMoe::combine_name(layer);
-    const auto config_of = [&](size_t i, const std::string& q) {
-      const auto it = p.recipe_configs[i].find(q);
-      return it == p.recipe_configs[i].end() ? QuantizerConfig{} : it->second;
-    };
-    std::vector<size_t> order;
-    std::vector<RecipeStep> steps;
-    std::vector<std::optional<float>> step_damax(num_recipes), step_camax(num_recipes);
-    for (size_t i = 0; i < num_recipes; ++i) {
-      step_damax[i] = amax_for(0, p.methods[i], config_of(i, dname));
-      step_camax[i] = amax_for(1, p.methods[i], config_of(i, cname));
-    }
-    const auto step_of = [&](size_t i, bool with_engine) {
-      return RecipeStep{p.recipes[i].name, p.recipe_configs[i], with_engine, step_damax[i], step_camax[i]};
-    };
-    for (size_t i = 0; i < num_recipes; ++i)
-      if (!config_of(i, dname).enable) {
-        order.push_back(i);
-        steps.push_back(step_of(i, false));
-      }
-    for (size_t i = 0; i < num_recipes; ++i) {
-      const QuantizerConfig d = config_of(i, dname);
-      if (!d.enable || std::find(order.begin(), order.end(), i) != order.end()) continue;
-      for (size_t j = i; j < num_recipes; ++j) {
-        const QuantizerConfig dj = config_of(j, dname);
-        if (!dj.enable || !(dj.spec == d.spec) || step_damax[j] != step_damax[i] ||
-            std::find(order.begin(), order.end(), j) != order.end())
-          continue;
-        order.push_back(j);
-        steps.push_back(step_of(j, j == i));
-      }
-    }
-    const EvalPassStats pass = runner->evaluate(steps, cal.dispatch_amax, cal.combine_amax,
+    const StepPlan plan = plan_steps(p, layer, cal, L);
+    const EvalPassStats pass = runner->evaluate(plan.steps, cal.dispatch_amax, cal.combine_amax,
                                                 [&](const std::string& what) { progress.step(Progress::kEval, L + " " + what); });
     times.reference = pass.reference_seconds;
     times.recipes = pass.recipes_seconds;
     t = Clock::now();
     const std::vector<bool> outliers = outlier_channels(pass.reference_channels);
     const int64_t num_outliers = int64_t(std::count(outliers.begin(), outliers.end(), true));
-
+    LayerPass lp{layer, L, &cal, &plan, &pass, runner.get(), loaded,
+                 loaded && result.calibration.algorithm != "max" ? result.setup.calibration : std::string()};
     std::vector<EvalRow> rows(num_recipes);
     bool zero_reference = false;  // the reference output compared against was all zero
-    for (size_t k = 0; k < order.size(); ++k) {
-      const size_t i = order[k];
-      const RecipeStats& st = pass.steps[k];
-      EvalRow& row = rows[i];
-      row.layer = layer;
-      row.recipe = p.recipes[i].name;
-      const QuantizerConfig d = config_of(i, dname), c = config_of(i, cname);
-      const auto clipped = [&](int which) {
-        uint64_t clip = 0, total = 0;
-        for (int64_t r = 0; r < R; ++r) {
-          clip += st.clips[size_t(which * R + r)].clipped;
-          total += st.clips[size_t(which * R + r)].total;
-        }
-        return total ? double(clip) / double(total) : 0.0;
-      };
-      // A loaded file's amax is of the method that made it.
-      if (p.methods[i])
-        row.calibration = loaded && result.calibration.algorithm != "max" ? result.setup.calibration : p.methods[i]->name();
-      if (d.enable) {
-        row.dispatch_format = format_name(d.spec.format);
-        row.dispatch_amax = global_amax(d, step_damax[i].value_or(cal.dispatch_amax));
-        if (row.dispatch_amax) row.dispatch_clipped_fraction = clipped(0);
-      }
-      if (c.enable) {
-        row.combine_format = format_name(c.spec.format);
-        row.combine_amax = global_amax(c, step_camax[i].value_or(cal.combine_amax));
-        if (row.combine_amax) row.combine_clipped_fraction = clipped(1);
-        for (int64_t r = 0; r < R; ++r)
-          MOEFQ_ASSERT(runner->layout_checked(r), L, ": the combine quantizer of rank ", r, " ran without a layout check");
-      }
-      row.layout_check = c.enable ? "pass" : "n/a";
+    for (size_t k = 0; k < plan.order.size(); ++k) {
+      const size_t i = plan.order[k];
+      rows[i] = make_row(p, lp, i, pass.steps[k], outliers, num_outliers);
       MetricSums all;
-      for (const MetricSums& tk : st.tokens) all.merge(tk);
-      row.metrics = finalize_metrics(all);
+      for (const MetricSums& tk : pass.steps[k].tokens) all.merge(tk);
       zero_reference = zero_reference || (all.count > 0 && all.ref2 == 0);
-      const TokenShape shape = token_shape(st.tokens);
-      row.rel_l2_token_p50 = shape.p50;
-      row.rel_l2_token_p99 = shape.p99;
-      row.rel_l2_token_max = shape.max;
-      // The error outside the outlier channels, from the per-channel sums. Without outlier channels
-      // it is rel_l2 itself, exactly (the per-channel sums would give it in another order).
-      row.num_outlier_channels = num_outliers;
-      row.rel_l2_non_outlier = row.metrics.rel_l2;
-      if (num_outliers > 0 && !std::isnan(row.metrics.rel_l2)) {
-        double err2 = 0, ref2 = 0;
-        for (int64_t h = 0; h < H; ++h)
-          if (!outliers[size_t(h)]) {
-            err2 += st.channel_err2[size_t(h)];
-            ref2 += pass.reference_channels[size_t(h)];
-          }
-        row.rel_l2_non_outlier = ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
-      }
-      row.dispatch_wire_bytes_per_token = wire_bytes_per_row(d.enable ? std::optional<Format>(d.spec.format) : std::nullopt, H);
-      row.combine_wire_bytes_per_token = wire_bytes_per_row(c.enable ? std::optional<Format>(c.spec.format) : std::nullopt, H);
-      // logfmt10 sends the groups it cannot cast as bf16: its bytes at the cast fraction measured on
-      // the calibration data (where it was collected).
-      if (d.enable && d.spec.format == Format::kLogfmt10 && cal.dispatch_logfmt.total) {
-        row.dispatch_cast_fraction = cal.dispatch_logfmt.fraction();
-        row.dispatch_wire_bytes_per_token = logfmt10_bytes_per_row(H, *row.dispatch_cast_fraction);
-      }
-      if (c.enable && c.spec.format == Format::kLogfmt10 && cal.combine_logfmt.total) {
-        row.combine_cast_fraction = cal.combine_logfmt.fraction();
-        row.combine_wire_bytes_per_token = logfmt10_bytes_per_row(H, *row.combine_cast_fraction);
-      }
-      row.wire_saving = 1.0 - (row.dispatch_wire_bytes_per_token + row.combine_wire_bytes_per_token) / (4.0 * double(H));
-      const int64_t K = s.config.top_k;
-      row.dispatch_us = transfer_us(p.link, row.dispatch_wire_bytes_per_token, s.tokens, R, K);
-      row.combine_us = transfer_us(p.link, row.combine_wire_bytes_per_token, s.tokens, R, K);
-      row.saved_us = 2.0 * transfer_us(p.link, 2.0 * double(H), s.tokens, R, K) - row.dispatch_us - row.combine_us;
-      row.over_budget = s.max_rel_l2 && !(row.metrics.rel_l2 <= *s.max_rel_l2);
     }
     times.metrics = pass.metrics_seconds + seconds_since(t);
-    // One warning per layer and quantizer that clipped: the largest fraction and its recipes, each
-    // with where its amax came from. Methods that clip by design (percentile, mse) are left out.
-    for (int which = 0; which < 2; ++which) {
-      double worst = 0;
-      std::string names;
-      bool calibrated = false, constant = false;
-      for (size_t i = 0; i < num_recipes; ++i) {
-        const EvalRow& r = rows[i];
-        const auto& f = which == 0 ? r.dispatch_clipped_fraction : r.combine_clipped_fraction;
-        if (!f || *f <= kClipWarnFraction) continue;
-        const QuantizerConfig q = config_of(i, which == 0 ? dname : cname);
-        std::string source;
-        if (q.spec.amax_source == AmaxSource::kConstant) {
-          source = "constant amax " + std::to_string(q.spec.constant_amax);
-          source.erase(source.find_last_not_of('0') + 1);
-          if (source.back() == '.') source.pop_back();
-          constant = true;
-        } else {
-          if (p.methods[i] && p.methods[i]->kind != CalibrationMethod::Kind::kMax) continue;
-          source = loaded ? "amax loaded from " + options.load_calibration : "max-calibrated amax";
-          calibrated = true;
-        }
-        worst = std::max(worst, *f);
-        names += (names.empty() ? "" : ", ") + r.recipe + ": " + source;
-      }
-      if (worst > kClipWarnFraction)
-        result.warnings.push_back(
-            L + ": up to " + pct(worst) + " of the " + (which == 0 ? "dispatch" : "combine") +
-            " elements lie beyond their amax and saturate (" + names + "); " +
-            (calibrated ? "calibrate on more data, or on data more like the evaluation's" : "") +
-            (calibrated && constant ? "; " : "") + (constant ? "raise the recipe's constant_amax" : ""));
-    }
+    warn_clipping(p, lp, rows, options.load_calibration, result.warnings);
     // All-zero weights or block scales make every recipe look perfect (rel_l2 0, cosine 1).
     if (zero_reference)
       result.warnings.push_back(L + ": the reference output is all zero (all-zero weights or block scales?), so every "

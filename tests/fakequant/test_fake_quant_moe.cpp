@@ -933,5 +933,132 @@ TEST(MoeQuantizers, AbortAfterAFinishThatFailedHalfWayRestoresEveryReplica) {
   EXPECT_EQ(*q.combine(1).amax(), 7.0f);
 }
 
+// =============================================================================================
+// the layer facade: the device a choice, the model's output composed in one place
+
+// make(kCpu) is the layer on the "mega_moe" engine: the same bits as FakeQuantMoe around that
+// back-end, under every recipe kind.
+TEST(FakeQuantMoe, MakeOnTheCpuIsTheLayerOnTheMegaMoeEngine) {
+  const MoeConfig c = small_config();
+  const int64_t R = 2, T = 12;
+  for (const char* recipe : {kNone, kDispatchFp8, kCombineNvfp4, kBoth}) {
+    SCOPED_TRACE(recipe);
+    auto made = FakeQuantMoe::make(LayerDevice::kCpu, c, R, T, weights_for(c, R), EngineOptions{false, 2}, 0);
+    EXPECT_EQ(made->device(), LayerDevice::kCpu);
+    EXPECT_STREQ(layer_device_name(made->device()), "cpu");
+    auto direct = make_fq("mega_moe", c, R, T, false);
+    configure(*made, recipe);
+    configure(*direct, recipe);
+    const Problem p = make_problem(c, R, T, 700, 4);
+    const auto a = host_forward(*made, p), b = host_forward(*direct, p);
+    for (int64_t r = 0; r < R; ++r) EXPECT_TRUE(test::bytes_equal(a[size_t(r)], b[size_t(r)])) << "rank " << r;
+  }
+}
+
+// forward_with_shared = forward, then y = bf16(y + the shared expert on the unquantized x) in one
+// fp32 addition per element: recomputed here from forward()'s output and the back-end's shared
+// expert. Quantizing dispatch must not reach the shared expert (it sees the caller's x).
+TEST(FakeQuantMoe, ForwardWithSharedAddsTheSharedExpertOnTheUnquantizedTokens) {
+  const MoeConfig c = small_config();
+  ASSERT_GT(c.num_shared, 0);
+  const int64_t R = 2, T = 12, H = c.hidden;
+  auto fq = FakeQuantMoe::make(LayerDevice::kCpu, c, R, T, weights_for(c, R), EngineOptions{false, 2}, 0);
+  configure(*fq, kBoth);
+  const Problem p = make_problem(c, R, T, 710, 4);
+  const auto routed = host_forward(*fq, p);
+  std::vector<std::vector<bf16>> y(static_cast<size_t>(R)), shared(static_cast<size_t>(R));
+  std::vector<RankBatch> b;
+  std::vector<bf16*> shared_ptrs;
+  for (int64_t r = 0; r < R; ++r) {
+    y[size_t(r)].assign(size_t(T * H), bf16{});
+    shared[size_t(r)].assign(size_t(T * H), bf16{});
+    shared_ptrs.push_back(shared[size_t(r)].data());
+    b.push_back({p.x[size_t(r)].data(), T, p.idx[size_t(r)].data(), p.wt[size_t(r)].data(), y[size_t(r)].data()});
+  }
+  fq->forward_with_shared(b, shared_ptrs);
+  bool differs = false;
+  for (int64_t r = 0; r < R; ++r) {
+    std::vector<bf16> alone(size_t(T * H)), want(size_t(T * H));
+    fq->backend().shared_expert(r, p.x[size_t(r)].data(), T, alone.data());
+    EXPECT_TRUE(test::bytes_equal(alone, shared[size_t(r)])) << "the shared expert's output, rank " << r;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const float sum = to_f32(routed[size_t(r)][i]) + to_f32(alone[i]);
+      want[i].bits = bf16_round(sum);
+      differs = differs || want[i].bits != routed[size_t(r)][i].bits;
+    }
+    EXPECT_TRUE(test::bytes_equal(want, y[size_t(r)])) << "rank " << r;
+  }
+  EXPECT_TRUE(differs) << "the shared expert contributed nothing";
+  // Without a shared expert: forward() alone, and no shared output is needed.
+  const MoeConfig plain = small_config(16, 4, 0);
+  auto fp = FakeQuantMoe::make(LayerDevice::kCpu, plain, R, T, weights_for(plain, R), EngineOptions{false, 2}, 0);
+  const Problem q = make_problem(plain, R, T, 711, 4);
+  const auto want = host_forward(*fp, q);
+  for (int64_t r = 0; r < R; ++r) b[size_t(r)] = {q.x[size_t(r)].data(), T, q.idx[size_t(r)].data(),
+                                                   q.wt[size_t(r)].data(), y[size_t(r)].data()};
+  fp->forward_with_shared(b, {});
+  for (int64_t r = 0; r < R; ++r) EXPECT_TRUE(test::bytes_equal(want[size_t(r)], y[size_t(r)])) << "rank " << r;
+}
+
+// add_shared's rule at the edges of bf16: inf + -inf is NaN, overflow rounds to inf, -0 + -0 is -0,
+// subnormals add exactly; no shared output copies routed; out may be routed.
+TEST(FakeQuantMoe, AddSharedIsOneRoundingOfTheFp32Sum) {
+  const MoeConfig c = small_config();
+  auto fq = FakeQuantMoe::make(LayerDevice::kCpu, c, 1, 4, weights_for(c, 1), EngineOptions{false, 2}, 0);
+  const int64_t H = c.hidden, n = 2;
+  std::vector<bf16> a(size_t(n * H)), b(size_t(n * H)), out(size_t(n * H));
+  std::mt19937 rng(5);
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i].bits = uint16_t(rng());
+    b[i].bits = uint16_t(rng());
+  }
+  const uint16_t pairs[][3] = {{0x7F80, 0xFF80, 0x7FC0},   // inf + -inf: NaN (compared as NaN below)
+                               {0x7F7F, 0x7F7F, 0x7F80},   // max + max: inf
+                               {0x8000, 0x8000, 0x8000},   // -0 + -0: -0
+                               {0x0001, 0x0001, 0x0002},   // two smallest subnormals
+                               {0x3F80, 0x3380, 0x3F80},   // 1 + 2^-24: rounds back to 1
+                               {0x3F81, 0x3B80, 0x3F82}};  // 1 + 2^-7 + 2^-8: a tie, to even
+  for (size_t k = 0; k < std::size(pairs); ++k) {
+    a[k].bits = pairs[k][0];
+    b[k].bits = pairs[k][1];
+  }
+  fq->add_shared(a.data(), b.data(), out.data(), n);
+  EXPECT_TRUE(std::isnan(to_f32(out[0])));
+  for (size_t k = 1; k < std::size(pairs); ++k) EXPECT_EQ(out[k].bits, pairs[k][2]) << "pair " << k;
+  for (size_t i = std::size(pairs); i < a.size(); ++i) {
+    const float sum = to_f32(a[i]) + to_f32(b[i]);
+    if (std::isnan(sum)) {
+      EXPECT_TRUE(std::isnan(to_f32(out[i]))) << i;
+      continue;
+    }
+    EXPECT_EQ(out[i].bits, bf16_round(sum)) << i;
+  }
+  std::vector<bf16> copy(a.size());
+  fq->add_shared(a.data(), nullptr, copy.data(), n);
+  EXPECT_TRUE(test::bytes_equal(a, copy));
+  std::vector<bf16> in_place = a;
+  fq->add_shared(in_place.data(), b.data(), in_place.data(), n);
+  EXPECT_TRUE(test::bytes_equal(out, in_place));
+}
+
+// A CUDA layer needs the CUDA library's registration: without it (a CPU-only build, or nothing
+// registered) make() says so instead of running anything; the CPU-only parts of the facade refuse
+// the wrong use with a message.
+TEST(FakeQuantMoe, CudaWithoutTheCudaLibraryIsAClearError) {
+  const MoeConfig c = small_config();
+  try {
+    (void)FakeQuantMoe::make(LayerDevice::kCuda, c, 1, 4, weights_for(c, 1), EngineOptions{false, 2}, 0);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kBadInput);
+    const std::string m = e.what();
+    EXPECT_NE(m.find("on cuda"), std::string::npos) << m;
+    EXPECT_NE(m.find("no CUDA support"), std::string::npos) << m;
+  }
+  auto fq = FakeQuantMoe::make(LayerDevice::kCpu, c, 2, 4, weights_for(c, 2), EngineOptions{false, 2}, 0);
+  std::vector<bf16> x(size_t(4 * c.hidden)), y(x.size());
+  expect_error([&] { fq->shared_expert(2, x.data(), 4, y.data()); }, {"shared_expert: rank 2", "[0, 2)"});
+}
+
 }  // namespace
 }  // namespace moefq

@@ -107,6 +107,11 @@ void expect_calibration_equals_the_facade(const EvalOptions& o, const EvalResult
     cuda::DeviceBuffer<bf16> dx(x), dy(size_t(R * T * H));
     std::vector<cuda::DeviceBuffer<int32_t>> idx;
     std::vector<cuda::DeviceBuffer<float>> wts;
+    // As the evaluation calibrates: both quantizers on (fp8, calibrated amax), no QDQ meanwhile.
+    QuantizerConfig on;
+    on.enable = true;
+    on.configured = true;
+    fq->configure({{FakeQuantMoe::dispatch_name(layer), on}, {FakeQuantMoe::combine_name(layer), on}});
     fq->start_calibration();
     for (int b = 0; b < s.calib_batches; ++b) {
       std::vector<RankBatch> batches;

@@ -753,9 +753,11 @@ TEST_F(EvalLib, CalibrationStatisticsAreTheRowsCountedDirectly) {
   const Nvfp4Blocks sample(kept.data(), nullptr, int64_t(kept.size()) / H, H);
   for (float a : {0.1f, 1.0f, f.dispatch_amax}) EXPECT_EQ(f.dispatch_nvfp4->qdq_squared_error(a), sample.qdq_squared_error(a));
   // The mse row's amax is derived from the sample; the histograms are those of the full run.
-  for (const EvalRow& row : few.rows)
-    if (row.recipe == "moe_dispatch_nvfp4")
+  for (const EvalRow& row : few.rows) {
+    if (row.recipe == "moe_dispatch_nvfp4") {
       EXPECT_EQ(*row.dispatch_amax, derive_amax(*f.dispatch_hist, o_.calibration[0], Format::kNvfp4, "t", &sample).amax);
+    }
+  }
   EXPECT_EQ(f.dispatch_hist->total(), hist.total());
   o_.nvfp4_sample_elements = 0;
   EXPECT_NE(error_of([&] { run_eval(o_); }).find("nvfp4_sample_elements must be > 0"), std::string::npos);

@@ -80,7 +80,7 @@ struct EvalOptions {
   // The calibration methods (calibration_stats.h) of the recipes' calibrated amax; empty: each
   // recipe's own `algorithm:` (max by default). With several, each recipe with a calibrated amax is
   // evaluated once per method, named "<recipe>@<method>" (dispatch_fp8@p99.99). Methods other than
-  // max run on the CPU and need a calibration (not a calibration file).
+  // max need a calibration (not a calibration file).
   std::vector<CalibrationMethod> calibration;
   // The bound of the calibration rows nvfp4's mse keeps per quantizer, in elements (SampleRows).
   int64_t nvfp4_sample_elements = kNvfp4SampleElements;

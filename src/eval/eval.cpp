@@ -155,15 +155,13 @@ void resolve_calibration(const EvalOptions& o, bool with_recipes, Prepared& p) {
   for (const CalibrationMethod& m : used) names += (names.empty() ? "" : ", ") + m.name();
   p.setup.calibration = names.empty() ? "max" : names;
   if (beyond_max) {
-    MOEFQ_CHECK(p.device == EvalDevice::kCpu, "--calibration ", names, ": methods beyond max run with --device cpu ",
-                "(the GPU evaluation keeps only the running max of the calibration data)");
     MOEFQ_CHECK(o.load_calibration.empty(), "--calibration ", names, " cannot be used with --load-calibration (a ",
                 "calibration file holds one amax per quantizer; calibrate in this run instead)");
   }
   bool logfmt = false;
   for (const auto& cfgs : p.recipe_configs)
     for (const auto& [name, c] : cfgs) logfmt = logfmt || (c.enable && c.spec.format == Format::kLogfmt10);
-  p.runner.calibration_stats = p.device == EvalDevice::kCpu && (beyond_max || logfmt);
+  p.runner.calibration_stats = beyond_max || logfmt;
 }
 
 void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {

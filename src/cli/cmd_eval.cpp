@@ -62,8 +62,9 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
   sub->add_option("--calib-batches", o.eval.calib_batches, "calibration batches (default 2)")->check(CLI::Range(1, 100000));
   sub->add_option("--calibration", o.calibration,
                   "how the calibrated amax is chosen: max (default), percentile (99.99), percentile:P, or mse (the "
-                  "amax minimizing the QDQ error, fp8/int8); eval takes a comma-separated list and evaluates each "
-                  "recipe once per method (default: each recipe's own algorithm)");
+                  "amax minimizing the QDQ error; nvfp4's on a sample of the calibration rows); eval takes a "
+                  "comma-separated list and evaluates each recipe once per method (default: each recipe's own "
+                  "algorithm)");
   sub->add_option("--seed", o.seed, "seed of the synthetic weights and activations (default 1)")
       ->check(seed_range());
   sub->add_option("--device", o.device, "auto | cpu | cuda (default auto: cuda when a GPU is visible)");

@@ -1,8 +1,9 @@
 // The device-resident evaluation against the two host paths: the same CUDA engine behind the
 // host-tensor back-end ("mega_moe_cuda": the same data and engine, so every figure within fp64
-// reduction order, 1e-12 relative), and the CPU engine (everything before the expert GEMMs
-// identical: routing, the dispatch amax; the rest within the GEMM tolerance). And the memory plan
-// refusing a run that does not fit the GPU, before any allocation.
+// reduction order, 1e-12 relative, and the calibration statistics bit for bit), and the CPU engine
+// (everything before the expert GEMMs identical: routing, the dispatch amax and statistics; the
+// rest within the GEMM tolerance). And the memory plan refusing a run that does not fit the GPU,
+// before any allocation.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,6 +18,8 @@
 #include "gpu_test.h"
 #include "moefq/errors.h"
 #include "moefq/eval.h"
+#include "moefq/safetensors.h"
+#include "moefq/synthetic.h"
 
 namespace moefq {
 namespace {
@@ -203,6 +206,152 @@ TEST(EvalCuda, CheckpointReadTellsTheExpertsRead) {
   for (const std::string& l : lines) told += l.find("/10 experts' weights") != std::string::npos;
   EXPECT_EQ(told, 9) << "1..9 of 10 experts read (10 ends the load)";
   std::filesystem::remove_all(dir);
+}
+
+// The calibration statistics of two runs on the same rows: the histograms bin by bin, logfmt10's
+// cast groups, nvfp4's block pairs (their error at several amax, bit for bit), and every derived
+// amax with its clipped fraction and error. combine_too = false: the dispatch side only (the CPU
+// engine's combine rows differ within the GEMM tolerance), with the combine side's totals.
+void expect_same_statistics(const LayerCalibration& a, const LayerCalibration& b, bool combine_too) {
+  ASSERT_TRUE(a.dispatch_hist && a.combine_hist && b.dispatch_hist && b.combine_hist);
+  for (int which = 0; which < 2; ++which) {
+    SCOPED_TRACE(which == 0 ? "dispatch" : "combine");
+    const AbsHistogram &ha = which == 0 ? *a.dispatch_hist : *a.combine_hist, &hb = which == 0 ? *b.dispatch_hist : *b.combine_hist;
+    const CastGroups &ga = which == 0 ? a.dispatch_logfmt : a.combine_logfmt, &gb = which == 0 ? b.dispatch_logfmt : b.combine_logfmt;
+    const Nvfp4Blocks *na = which == 0 ? a.dispatch_nvfp4.get() : a.combine_nvfp4.get(),
+                      *nb = which == 0 ? b.dispatch_nvfp4.get() : b.combine_nvfp4.get();
+    ASSERT_EQ(na == nullptr, nb == nullptr);
+    EXPECT_GT(ha.total(), 0u);
+    EXPECT_EQ(ha.total(), hb.total());
+    EXPECT_EQ(ha.nonfinite(), hb.nonfinite());
+    EXPECT_EQ(ga.total, gb.total);
+    if (na) EXPECT_EQ(na->num_rows(), nb->num_rows());
+    if (which == 1 && !combine_too) continue;
+    int64_t mismatches = 0, first = -1;
+    for (int bin = 0; bin < AbsHistogram::kBins; ++bin)
+      if (ha.count(bin) != hb.count(bin) && mismatches++ == 0) first = bin;
+    EXPECT_EQ(mismatches, 0) << "first at bin 0x" << std::hex << first << std::dec << ": " << ha.count(int(first))
+                             << " vs " << hb.count(int(first));
+    EXPECT_EQ(ga.cast, gb.cast);
+    if (na) {
+      EXPECT_EQ(na->num_elements(), nb->num_elements());
+      EXPECT_EQ(na->num_pairs(), nb->num_pairs());
+      for (float amax : {1e-3f, 0.5f, 7.0f, ha.max(), 3 * ha.max()})
+        EXPECT_EQ(na->qdq_squared_error(amax), nb->qdq_squared_error(amax)) << "amax " << amax;
+    }
+  }
+  std::vector<const DerivedCalibration*> da, db;
+  for (const DerivedCalibration& d : a.derived)
+    if (combine_too || d.quantizer == "dispatch") da.push_back(&d);
+  for (const DerivedCalibration& d : b.derived)
+    if (combine_too || d.quantizer == "dispatch") db.push_back(&d);
+  ASSERT_EQ(da.size(), db.size());
+  for (size_t i = 0; i < da.size(); ++i) {
+    SCOPED_TRACE(da[i]->quantizer + " " + da[i]->method + " " + da[i]->format);
+    EXPECT_EQ(da[i]->quantizer, db[i]->quantizer);
+    EXPECT_EQ(da[i]->method, db[i]->method);
+    EXPECT_EQ(da[i]->format, db[i]->format);
+    EXPECT_EQ(da[i]->amax.amax, db[i]->amax.amax);
+    EXPECT_EQ(da[i]->amax.clipped_fraction, db[i]->amax.clipped_fraction);
+    EXPECT_EQ(da[i]->amax.rel_error, db[i]->amax.rel_error);
+  }
+}
+
+// Activations whose rows are scaled by 1, 2^-6 and 2^-12 (logfmt10 then casts some groups of the
+// dispatch and not others), for every row small_run uses, written to a file the options name.
+void use_scaled_activations(EvalOptions& o, const std::filesystem::path& file) {
+  const int64_t H = 1024, N = int64_t(o.calib_batches + o.eval_batches) * o.ranks * o.tokens;  // tiny: H 1024
+  const std::vector<float> raw = synthetic_activations(N, H, 11);
+  std::vector<bf16> x(raw.size());
+  for (int64_t i = 0; i < N * H; ++i)
+    x[size_t(i)] = bf16{bf16_round(std::ldexp(raw[size_t(i)], -6 * int((i / H) % 3)))};
+  SafetensorsWriter w;
+  w.add("hidden_states", StDtype::kBF16, {N, H}, {reinterpret_cast<const uint8_t*>(x.data()), x.size() * 2});
+  w.write(file.string());
+  o.activations_path = file.string();
+}
+
+// Calibration beyond max on the device: the histograms accumulated there, logfmt10's cast groups
+// counted there and nvfp4's sampled rows gathered there give what the host path on the same engine
+// gives, bit for bit: every statistic, every derived amax (max, percentile, mse of fp8 and nvfp4),
+// and every row, its cast fraction and wire bytes included. Then with a bound of 7 rows, so the
+// device picks the sampled rows among many.
+TEST(EvalCuda, CalibrationMethodsAndCastGroupsOnTheDeviceEqualTheHostPath) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path file = test::unique_temp_path("moefq_acts_cuda_");
+  for (int64_t bound : {kNvfp4SampleElements, int64_t(7 * 1024)}) {
+    SCOPED_TRACE("nvfp4 sample bound " + std::to_string(bound));
+    const auto run = [&](EvalDevice device, const std::string& backend) {
+      EvalOptions o = small_run(device, backend);
+      o.calib_batches = 2;
+      use_scaled_activations(o, file);
+      o.recipes = {"moe_dispatch_fp8", "moe_combine_fp8", "moe_dispatch_nvfp4", "moe_combine_nvfp4",
+                   "moe_combine_logfmt10"};
+      o.calibration = parse_calibration_methods("max,percentile:99.9,mse", "--calibration");
+      o.nvfp4_sample_elements = bound;
+      return run_eval(o);
+    };
+    const EvalResult dev = run(EvalDevice::kCuda, "mega_moe"), host = run(EvalDevice::kCpu, "mega_moe_cuda");
+    ASSERT_EQ(dev.calibration.layers.size(), 2u);
+    for (size_t l = 0; l < 2; ++l) {
+      SCOPED_TRACE("layer " + std::to_string(dev.calibration.layers[l].layer));
+      const LayerCalibration &a = dev.calibration.layers[l], &b = host.calibration.layers[l];
+      EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);
+      EXPECT_EQ(a.combine_amax, b.combine_amax);
+      expect_same_statistics(a, b, true);
+      EXPECT_EQ(a.derived.size(), 2u * 3u + 2u * 3u);  // {dispatch, combine} x {fp8, nvfp4} x 3 methods
+      EXPECT_GT(a.dispatch_logfmt.cast, 0u);
+      EXPECT_LT(a.dispatch_logfmt.cast, a.dispatch_logfmt.total);
+      if (bound < kNvfp4SampleElements) {
+        EXPECT_LE(a.combine_nvfp4->num_rows(), 7u);
+        EXPECT_GT(a.combine_nvfp4->num_rows(), 0u);
+      } else {
+        EXPECT_EQ(a.combine_nvfp4->num_elements(), a.combine_hist->total()) << "every row fits the sample";
+      }
+    }
+    expect_same_rows(dev, host);
+    for (const EvalRow& r : dev.rows) {
+      SCOPED_TRACE("layer " + std::to_string(r.layer) + " " + r.recipe);
+      const EvalRow& h = row_of(host, r.layer, r.recipe);
+      EXPECT_EQ(r.calibration, h.calibration);
+      EXPECT_EQ(r.dispatch_cast_fraction, h.dispatch_cast_fraction);
+      EXPECT_EQ(r.combine_cast_fraction, h.combine_cast_fraction);
+      EXPECT_EQ(r.dispatch_wire_bytes_per_token, h.dispatch_wire_bytes_per_token);
+      EXPECT_EQ(r.combine_wire_bytes_per_token, h.combine_wire_bytes_per_token);
+      if (r.recipe == "moe_combine_logfmt10") {
+        EXPECT_TRUE(r.combine_cast_fraction.has_value()) << "the device run reports the cast fraction";
+      }
+    }
+  }
+  std::filesystem::remove_all(file);
+}
+
+// Against the CPU engine: the dispatch side sees the same tokens with the same routing, so its
+// statistics and derived amax are the same bit for bit; the combine side's rows differ within the
+// GEMM tolerance, but not their number.
+TEST(EvalCuda, CalibrationStatisticsOnTheDeviceAgainstTheCpuEngine) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path file = test::unique_temp_path("moefq_acts_cuda_");
+  const auto run = [&](EvalDevice device) {
+    EvalOptions o = small_run(device, "mega_moe");
+    use_scaled_activations(o, file);
+    o.recipes = {"moe_dispatch_fp8", "moe_dispatch_nvfp4", "moe_combine_logfmt10"};
+    o.calibration = parse_calibration_methods("percentile:99.99,mse", "--calibration");
+    o.nvfp4_sample_elements = 50 * 1024;
+    return run_eval(o);
+  };
+  const EvalResult dev = run(EvalDevice::kCuda), cpu = run(EvalDevice::kCpu);
+  ASSERT_EQ(dev.calibration.layers.size(), cpu.calibration.layers.size());
+  for (size_t l = 0; l < dev.calibration.layers.size(); ++l) {
+    SCOPED_TRACE("layer " + std::to_string(dev.calibration.layers[l].layer));
+    expect_same_statistics(dev.calibration.layers[l], cpu.calibration.layers[l], false);
+  }
+  for (const EvalRow& r : dev.rows)
+    if (r.dispatch_amax) {
+      SCOPED_TRACE("layer " + std::to_string(r.layer) + " " + r.recipe);
+      EXPECT_EQ(r.dispatch_amax, row_of(cpu, r.layer, r.recipe).dispatch_amax);
+    }
+  std::filesystem::remove_all(file);
 }
 
 TEST(EvalCuda, MemoryPlanRefusesARunThatDoesNotFit) {

@@ -11,7 +11,7 @@
 #include "moefq/eval.h"
 #include "moefq/fileio.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/host_api.h"
+#include "moefq/cuda.h"
 #include "eval/layer_runner.h"
 #endif
 

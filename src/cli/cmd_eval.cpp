@@ -19,7 +19,7 @@
 #include "moefq/moe_config.h"
 #include "moefq/report.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/host_api.h"
+#include "moefq/cuda.h"
 #include "eval/layer_runner.h"
 #endif
 

@@ -26,7 +26,7 @@
 #include "moefq/synthetic.h"
 #include "moefq/wire_bytes.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/host_api.h"
+#include "moefq/cuda.h"
 #endif
 
 namespace moefq::cli {

@@ -16,7 +16,7 @@
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/host_api.h"
+#include "moefq/cuda_device.h"
 #endif
 
 namespace moefq::cli {

@@ -21,11 +21,9 @@
 #include "moefq/fake_quant_moe.h"
 #include "moefq/router.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/cuda_check.h"
-#include "cuda/device_buffer.h"
-#include "cuda/router_kernels.cuh"
 #include "eval/cuda/eval_kernels.cuh"
 #include "fakequant/cuda/cuda_fake_quant.cuh"
+#include "moefq/cuda.h"
 #endif
 
 namespace moefq::py {
@@ -150,12 +148,11 @@ class MoeLayer {
     }
 #ifdef MOEFQ_HAS_CUDA
     MOEFQ_CHECK(cuda::device_count() > 0, "MoeLayer: device 'cuda' but no GPU is visible");
-    MOEFQ_CUDA_CHECK(cudaGetDevice(&device_id_));
+    device_id_ = cuda::current_device();
     device_ = std::make_unique<cuda::CudaFakeQuantMoe>(
         std::make_unique<cuda::CudaEngine>(cfg_, ranks_, max_tokens_, w, eo), o.layer);
-    d_gate_ = cuda::DeviceBuffer<float>(gate_);
-    MOEFQ_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
-    if (!bias_.empty()) d_bias_ = cuda::DeviceBuffer<float>(bias_);
+    router_ = std::make_unique<cuda::DeviceRouter>(cfg_, gate_, bias_);
+    done_ = std::make_unique<cuda::StreamMark>();
 #else
     throw std::runtime_error("MoeLayer: device 'cuda' needs a moefq built with CUDA (rebuild with nvcc)");
 #endif
@@ -163,11 +160,7 @@ class MoeLayer {
 
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
-  ~MoeLayer() {
-#ifdef MOEFQ_HAS_CUDA
-    if (done_ != nullptr) cudaEventDestroy(done_);
-#endif
-  }
+  ~MoeLayer() = default;
 
   const MoeConfig& config() const { return cfg_; }
   std::string source() const { return source_; }
@@ -286,14 +279,12 @@ class MoeLayer {
     pb::gil_scoped_release release;
     const std::lock_guard<std::mutex> held(mu_);  // one call at a time on the layer's workspace
     DeviceGuard device(device_id_);
-    const cudaStream_t s = as_stream(stream);
+    const cudaStream_t s = static_cast<cudaStream_t>(as_stream(stream));
     std::vector<RankBatch> batches = split(x, idx.ptr<int32_t>(), w.ptr<float>(), y, n);
     // The workspace is reused by every call: a call on another stream than the last one waits for
     // that one's work on the GPU (eager calls; a captured graph is ordered by its replays).
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    MOEFQ_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
-    const bool eager = capturing == cudaStreamCaptureStatusNone;
-    if (eager && last_stream_.has_value() && *last_stream_ != s) MOEFQ_CUDA_CHECK(cudaStreamWaitEvent(s, done_, 0));
+    const bool eager = !cuda::stream_capturing(s);
+    if (eager && last_stream_.has_value() && *last_stream_ != s) done_->wait(s);
     device_q().forward(batches, s);
     if (add_shared) {
       bf16* sh = scratch->ptr<bf16>();
@@ -305,7 +296,7 @@ class MoeLayer {
       cuda::launch_assemble_output(y.ptr<bf16>(), sh, y.ptr<bf16>(), n, H, s);
     }
     if (eager) {
-      MOEFQ_CUDA_CHECK(cudaEventRecord(done_, s));
+      done_->record(s);
       last_stream_ = s;
     }
 #else
@@ -341,8 +332,7 @@ class MoeLayer {
     ws->expect_same_device(x);
     pb::gil_scoped_release release;
     DeviceGuard device(device_id_);
-    cuda::launch_route(cfg_, x.ptr<bf16>(), n, d_gate_.get(), d_bias_.get(), nullptr, ws->data(), idx.ptr<int32_t>(),
-                       w.ptr<float>(), as_stream(stream));
+    router_->route(x.ptr<bf16>(), n, ws->data(), idx.ptr<int32_t>(), w.ptr<float>(), as_stream(stream));
 #else
     (void)stream;
 #endif
@@ -350,7 +340,7 @@ class MoeLayer {
 
   size_t route_workspace_bytes(int64_t n) const {
 #ifdef MOEFQ_HAS_CUDA
-    if (cuda_) return cuda::route_workspace_bytes(cfg_, n);
+    if (cuda_) return router_->workspace_bytes(n);
 #endif
     (void)n;
     return 0;
@@ -363,7 +353,7 @@ class MoeLayer {
       pb::gil_scoped_release release;
       const std::lock_guard<std::mutex> held(mu_);
       DeviceGuard device(device_id_);
-      device_q().synchronize(as_stream(stream));
+      device_q().synchronize(static_cast<cudaStream_t>(as_stream(stream)));
     }
 #endif
     (void)stream;
@@ -402,9 +392,9 @@ class MoeLayer {
 #ifdef MOEFQ_HAS_CUDA
   cuda::CudaFakeQuantMoe& device_q() const { return *device_; }
   std::unique_ptr<cuda::CudaFakeQuantMoe> device_;
-  cuda::DeviceBuffer<float> d_gate_, d_bias_;
+  std::unique_ptr<cuda::DeviceRouter> router_;
   // The end of the last eager forward's work and its stream (under mu_).
-  cudaEvent_t done_ = nullptr;
+  std::unique_ptr<cuda::StreamMark> done_;
   std::optional<cudaStream_t> last_stream_;
 #else
   FakeQuantMoe& device_q() const { throw std::logic_error("no CUDA"); }

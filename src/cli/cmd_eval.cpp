@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "cli/eval_table.h"
 #include "cli/table.h"
+#include "tool/device_choice.h"
 #include "moefq/checkpoint.h"
 #include "moefq/errors.h"
 #include "moefq/eval.h"
@@ -19,7 +20,7 @@
 #include "moefq/moe_config.h"
 #include "moefq/report.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/host_api.h"
+#include "moefq/cuda.h"
 #include "eval/layer_runner.h"
 #endif
 
@@ -101,7 +102,7 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
   // GPU's free memory (only then) to say whether --device cuda would fit.
   register_cuda_layer_runner();
 #endif
-  const bool cuda = use_cuda(o.device);
+  const bool cuda = tool::use_cuda(o.device);
   if (cuda) {
 #ifdef MOEFQ_HAS_CUDA
     cuda::register_cuda_backends();
@@ -115,7 +116,7 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
     MOEFQ_CHECK(o.pipeline == "device", "--pipeline ", o.pipeline, " needs a GPU (--device cuda)");
     o.eval.device = EvalDevice::kCpu;
     o.eval.backend_kind = "mega_moe";
-    o.eval.device_name = cpu_device_name(o.eval.num_threads);
+    o.eval.device_name = tool::cpu_device_name(o.eval.num_threads);
   }
   o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", terminal_safe(line).c_str()); };
 }

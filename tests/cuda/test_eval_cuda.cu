@@ -13,7 +13,7 @@
 
 #include "checkpoint_test_util.h"
 #include "cli/cli_test_util.h"
-#include "cuda/host_api.h"
+#include "moefq/cuda.h"
 #include "eval/layer_runner.h"
 #include "gpu_test.h"
 #include "moefq/errors.h"

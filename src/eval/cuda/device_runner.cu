@@ -9,12 +9,12 @@
 #include <cstring>
 #include <future>
 
-#include "cuda/cuda_check.h"
-#include "cuda/host_api.h"
-#include "cuda/cuda_engine.cuh"
-#include "cuda/device_buffer.h"
-#include "cuda/router_kernels.cuh"
-#include "cuda/synthetic_kernels.cuh"
+#include "cuda_base/cuda_check.h"
+#include "moefq/cuda_device.h"
+#include "engine/cuda/cuda_engine.cuh"
+#include "cuda_base/device_buffer.h"
+#include "engine/cuda/router_kernels.cuh"
+#include "engine/cuda/synthetic_kernels.cuh"
 #include "eval/cuda/calibration_kernels.cuh"
 #include "eval/cuda/eval_kernels.cuh"
 #include "eval/layer_runner.h"

@@ -5,9 +5,9 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cuda/combine_kernels.cuh"
-#include "cuda/cuda_check.h"
-#include "cuda/qdq_kernels.cuh"
+#include "engine/cuda/combine_kernels.cuh"
+#include "cuda_base/cuda_check.h"
+#include "quant/cuda/qdq_kernels.cuh"
 #include "fakequant/fake_quant_driver.h"
 #include "moefq/errors.h"
 

@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_engine.cuh"
-#include "cuda/device_buffer.h"
+#include "engine/cuda/cuda_engine.cuh"
+#include "cuda_base/device_buffer.h"
 #include "moefq/moe_quantizers.h"
 
 namespace moefq {

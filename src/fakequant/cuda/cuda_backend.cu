@@ -5,9 +5,9 @@
 // graph-capturable path is CudaEngine / CudaFakeQuantMoe on device tensors.
 #include <mutex>
 
-#include "cuda/cuda_check.h"
-#include "cuda/cuda_engine.cuh"
-#include "cuda/host_api.h"
+#include "cuda_base/cuda_check.h"
+#include "engine/cuda/cuda_engine.cuh"
+#include "moefq/cuda.h"
 #include "engine/expert_cpu.h"
 #include "moefq/expert_backend.h"
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "bench/bench.h"
-#include "cuda/cuda_check.h"
+#include "cuda_base/cuda_check.h"
 
 namespace moefq::bench {
 

@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "bench/bench.h"
-#include "cli/commands.h"
+#include "tool/device_choice.h"
 #include "eval/layer_runner.h"
 #include "moefq/cpu_engine.h"
 #include "moefq/errors.h"
@@ -85,7 +85,7 @@ int run_bench_engine_cpu(const EngineCpuBenchOptions& o) {
   std::printf("layer call: median %.2f ms (min %.2f, max %.2f, %d calls)  %.2f GFLOP/s  %.0f tokens/s\n", med,
               ms.front(), ms.back(), o.reps, flops / med * 1e-6, double(R * T) / med * 1e3);
   if (!o.json.empty()) {
-    nlohmann::json j = {{"tool", "moefq bench engine-cpu"}, {"device", cli::cpu_device_name(o.threads)},
+    nlohmann::json j = {{"tool", "moefq bench engine-cpu"}, {"device", tool::cpu_device_name(o.threads)},
                         {"date", today()}, {"preset", cfg.name}, {"ranks", R}, {"tokens_per_rank", T},
                         {"routed_rows", rows}, {"threads", threads}, {"median_ms", med}, {"min_ms", ms.front()},
                         {"gflops", flops / med * 1e-6}, {"weights", weight_format_name(o.format)},

@@ -6,12 +6,12 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
-#include "cli/commands.h"
+#include "tool/device_choice.h"
 #include "moefq/errors.h"
 #include "moefq/eval.h"
 #include "moefq/fileio.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/host_api.h"
+#include "moefq/cuda.h"
 #include "eval/layer_runner.h"
 #endif
 
@@ -33,13 +33,13 @@ int run_bench_eval(const EvalBenchOptions& o) {
 #ifdef MOEFQ_HAS_CUDA
   register_cuda_layer_runner();  // a refused CPU run's plan asks the GPU's free memory, as eval's
 #endif
-  if (cli::use_cuda(o.device)) {
+  if (tool::use_cuda(o.device)) {
 #ifdef MOEFQ_HAS_CUDA
     e.device = EvalDevice::kCuda;
     e.device_name = cuda::device_description();
 #endif
   } else {
-    e.device_name = cli::cpu_device_name(0);
+    e.device_name = tool::cpu_device_name(0);
   }
   e.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
   // bench eval times the pipeline; on a CPU a full-size preset takes minutes per layer: run_eval

@@ -1,4 +1,4 @@
-// `moefq bench gemm`: the grouped expert GEMMs (cuda/grouped_gemm.cuh) on MoE shapes, against
+// `moefq bench gemm`: the grouped expert GEMMs (engine/cuda/grouped_gemm.cuh) on MoE shapes, against
 // cuBLASLt's FP8 GEMM of the same total M x N x K and against the time to read the touched
 // experts' weights once from HBM, both measured in the same run. CUDA builds only.
 #pragma once

@@ -14,7 +14,7 @@
 #include "bench/ceilings.cuh"
 #include "bench/moe_inputs.h"
 #include "fakequant/cuda/cuda_fake_quant.cuh"
-#include "cuda/host_api.h"
+#include "moefq/cuda_device.h"
 #include "eval/layer_runner.h"
 #include "moefq/errors.h"
 #include "moefq/fileio.h"

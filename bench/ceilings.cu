@@ -7,7 +7,7 @@
 
 #include "bench/bench_cuda_util.cuh"
 #include "bench/bench_memory.h"
-#include "cuda/device_buffer.h"
+#include "cuda_base/device_buffer.h"
 #include "moefq/errors.h"
 
 namespace moefq::bench {

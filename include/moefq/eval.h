@@ -77,8 +77,10 @@ struct EvalOptions {
   // The calibration methods (calibration_stats.h) of the recipes' calibrated amax; empty: each
   // recipe's own `algorithm:` (max by default). With several, each recipe with a calibrated amax is
   // evaluated once per method, named "<recipe>@<method>" (dispatch_fp8@p99.99). Methods other than
-  // max run on the CPU and need a calibration (not a calibration file).
+  // max need a calibration (not a calibration file).
   std::vector<CalibrationMethod> calibration;
+  // The bound of the calibration rows nvfp4's mse keeps per quantizer, in elements (SampleRows).
+  int64_t nvfp4_sample_elements = kNvfp4SampleElements;
   // The link the wire bytes are turned into transfer time on (link_model.h): a named link, or
   // link_gbps > 0 (GB/s per GPU, one direction, no latency). Empty and 0: no times.
   std::string link;
@@ -131,6 +133,8 @@ struct LayerCalibration {
   std::vector<float> dispatch_rank_amax, combine_rank_amax;  // [ranks]
   // |x| histograms over every rank's calibration data (only when a method beyond max is asked for).
   std::shared_ptr<const AbsHistogram> dispatch_hist, combine_hist;
+  // The nvfp4 blocks of the sampled calibration rows (only when nvfp4's mse is asked for).
+  std::shared_ptr<const Nvfp4Blocks> dispatch_nvfp4, combine_nvfp4;
   std::vector<DerivedCalibration> derived;  // each (quantizer, method, format) the recipes used
   // logfmt10's cast groups on the calibration data (wire_bytes.h; collected with the histograms, or
   // when a recipe sends logfmt10).

@@ -879,7 +879,7 @@ MOEFQ_HD float logfmt_qdq_table_normal(float x, const LogFmtBlock& b, const floa
 // (the sum's final bf16 rounding makes every NaN canonical). For every input, each *_sum function
 // returns the value of the numerics.h rule up to those two freedoms, with fp32 and integer
 // operations only (no conversion instructions, which run at 1/8 of the fp32 rate and made the
-// combine compute-bound). Used by src/cuda/qdq_rules.cuh;
+// combine compute-bound). Used by src/quant/cuda/qdq_rules.cuh;
 // tests/cuda/test_combine_cuda.cu proves each on every input it can get.
 
 // min that returns NaN when an operand is NaN (fminf drops it).

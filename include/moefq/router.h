@@ -31,7 +31,7 @@ struct Routing {
 // below -inf. Slots come in that order; weight = s of the expert (no bias), divided by
 // (sum + 1e-20f) if norm_topk_prob (sum: slot order, from +0), times routed_scaling; a NaN weight
 // is the canonical NaN. The per-token rules live in src/engine/router_rules.h, shared with the
-// CUDA router (src/cuda/router_kernels.cuh), which gives the same ids and weight bits.
+// CUDA router (src/engine/cuda/router_kernels.cuh), which gives the same ids and weight bits.
 // Deterministic: a token's result depends only on its own row, whatever num_tokens, chunking or
 // threading. num_threads: 0 = automatic (threads from 256 tokens on), otherwise at most that many.
 Routing route(const MoeConfig& cfg, const bf16* x, int64_t num_tokens, const std::vector<float>& gate,

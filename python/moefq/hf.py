@@ -555,7 +555,7 @@ def quantize_moe(model, recipe, forward_loop=None, *, combine_weighting=None, la
     kernel's computation, with a dispatch and a combine quantizer per block configured from `recipe`,
     calibrated by `forward_loop(model)` or loaded from `calibration`. Returns a MoeQuantization (printed
     when verbose). See the module docstring for the contract."""
-    from .torch import CombineQuantizer, DispatchQuantizer
+    from ._modules import CombineQuantizer, DispatchQuantizer
 
     if forward_loop is not None and calibration is not None:
         raise ValueError("quantize_moe: give forward_loop (to calibrate) or calibration (to load), not both")

@@ -13,7 +13,7 @@
 #include "tensor.h"
 
 #ifdef MOEFQ_HAS_CUDA
-#include <cuda_runtime.h>
+#include "moefq/cuda_device.h"
 #endif
 
 namespace moefq::py {
@@ -36,18 +36,9 @@ void require_cuda_build(const Tensor& t);
 #ifdef MOEFQ_HAS_CUDA
 // Makes a device current for a scope (the caller's tensors may live on another device than the
 // current one); restores the previous one.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device);
-  ~DeviceGuard();
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0, device_ = 0;
-};
+using cuda::DeviceGuard;
 // The caller's stream, passed from Python as an integer (torch.cuda.Stream.cuda_stream).
-inline cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+inline cuda::Stream as_stream(uintptr_t stream) { return reinterpret_cast<cuda::Stream>(stream); }
 #endif
 
 }  // namespace moefq::py

@@ -15,7 +15,7 @@
 #include "moefq/report.h"
 #include "moefq/safetensors.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/host_api.h"
+#include "moefq/cuda.h"
 #include "eval/layer_runner.h"
 #endif
 

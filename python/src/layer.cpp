@@ -20,10 +20,7 @@
 #include "moefq/fake_quant_moe.h"
 #include "moefq/router.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/cuda_check.h"
-#include "cuda/device_buffer.h"
-#include "cuda/host_api.h"
-#include "cuda/router_kernels.cuh"
+#include "moefq/cuda.h"
 #endif
 
 namespace moefq::py {
@@ -147,12 +144,11 @@ class MoeLayer {
     }
 #ifdef MOEFQ_HAS_CUDA
     MOEFQ_CHECK(cuda::device_count() > 0, "MoeLayer: device 'cuda' but no GPU is visible");
-    MOEFQ_CUDA_CHECK(cudaGetDevice(&device_id_));
+    device_id_ = cuda::current_device();
     cuda::register_cuda_backends();
     fq_ = FakeQuantMoe::make(LayerDevice::kCuda, cfg_, ranks_, max_tokens_, std::move(w), eo, o.layer);
-    d_gate_ = cuda::DeviceBuffer<float>(gate_);
-    MOEFQ_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
-    if (!bias_.empty()) d_bias_ = cuda::DeviceBuffer<float>(bias_);
+    router_ = std::make_unique<cuda::DeviceRouter>(cfg_, gate_, bias_);
+    done_ = std::make_unique<cuda::StreamMark>();
 #else
     throw std::runtime_error("MoeLayer: device 'cuda' needs a moefq built with CUDA (rebuild with nvcc)");
 #endif
@@ -160,11 +156,7 @@ class MoeLayer {
 
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
-  ~MoeLayer() {
-#ifdef MOEFQ_HAS_CUDA
-    if (done_ != nullptr) cudaEventDestroy(done_);
-#endif
-  }
+  ~MoeLayer() = default;
 
   const MoeConfig& config() const { return cfg_; }
   std::string source() const { return source_; }
@@ -270,20 +262,18 @@ class MoeLayer {
     pb::gil_scoped_release release;
     const std::lock_guard<std::mutex> held(mu_);  // one call at a time on the layer's workspace
     DeviceGuard device(device_id_);
-    const cudaStream_t s = as_stream(stream);
+    const cuda::Stream s = as_stream(stream);
     std::vector<RankBatch> batches = split(x, idx.ptr<int32_t>(), w.ptr<float>(), y, n);
     // The workspace is reused by every call: a call on another stream than the last one waits for
     // that one's work on the GPU (eager calls; a captured graph is ordered by its replays).
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    MOEFQ_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
-    const bool eager = capturing == cudaStreamCaptureStatusNone;
-    if (eager && last_stream_.has_value() && *last_stream_ != s) MOEFQ_CUDA_CHECK(cudaStreamWaitEvent(s, done_, 0));
+    const bool eager = !cuda::stream_capturing(s);
+    if (eager && last_stream_.has_value() && *last_stream_ != s) done_->wait(s);
     if (add_shared)
       fq_->forward_with_shared(batches, shared_outputs(batches, x, scratch->ptr<bf16>()), s);
     else
       fq_->forward(batches, s);
     if (eager) {
-      MOEFQ_CUDA_CHECK(cudaEventRecord(done_, s));
+      done_->record(s);
       last_stream_ = s;
     }
 #else
@@ -319,8 +309,7 @@ class MoeLayer {
     ws->expect_same_device(x);
     pb::gil_scoped_release release;
     DeviceGuard device(device_id_);
-    cuda::launch_route(cfg_, x.ptr<bf16>(), n, d_gate_.get(), d_bias_.get(), nullptr, ws->data(), idx.ptr<int32_t>(),
-                       w.ptr<float>(), as_stream(stream));
+    router_->route(x.ptr<bf16>(), n, ws->data(), idx.ptr<int32_t>(), w.ptr<float>(), as_stream(stream));
 #else
     (void)stream;
 #endif
@@ -328,7 +317,7 @@ class MoeLayer {
 
   size_t route_workspace_bytes(int64_t n) const {
 #ifdef MOEFQ_HAS_CUDA
-    if (cuda_) return cuda::route_workspace_bytes(cfg_, n);
+    if (cuda_) return router_->workspace_bytes(n);
 #endif
     (void)n;
     return 0;
@@ -384,10 +373,10 @@ class MoeLayer {
     return out;
   }
 #ifdef MOEFQ_HAS_CUDA
-  cuda::DeviceBuffer<float> d_gate_, d_bias_;
+  std::unique_ptr<cuda::DeviceRouter> router_;
   // The end of the last eager forward's work and its stream (under mu_).
-  cudaEvent_t done_ = nullptr;
-  std::optional<cudaStream_t> last_stream_;
+  std::unique_ptr<cuda::StreamMark> done_;
+  std::optional<cuda::Stream> last_stream_;
 #endif
   bool cuda_ = false;
   int device_id_ = 0;

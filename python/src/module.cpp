@@ -11,8 +11,7 @@
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/cuda_check.h"
-#include "cuda/host_api.h"
+#include "moefq/cuda_device.h"
 #endif
 
 namespace moefq::py {
@@ -49,16 +48,6 @@ void require_cuda_build(const Tensor& t) {
     throw std::runtime_error(t.what() + " is on " + t.device_name() +
                              ", but this moefq was built without CUDA (rebuild with nvcc to use GPU tensors)");
 }
-
-#ifdef MOEFQ_HAS_CUDA
-DeviceGuard::DeviceGuard(int device) : device_(device) {
-  MOEFQ_CUDA_CHECK(cudaGetDevice(&previous_));
-  if (previous_ != device_) MOEFQ_CUDA_CHECK(cudaSetDevice(device_));
-}
-DeviceGuard::~DeviceGuard() {
-  if (previous_ != device_) cudaSetDevice(previous_);
-}
-#endif
 
 }  // namespace moefq::py
 

@@ -7,9 +7,7 @@
 #include "moefq/combine_qdq.h"
 #include "moefq/errors.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/combine_kernels.cuh"
-#include "cuda/cuda_check.h"
-#include "cuda/qdq_kernels.cuh"
+#include "moefq/cuda.h"
 #endif
 
 namespace moefq::py {
@@ -64,12 +62,7 @@ pb::object qdq(const pb::capsule& xc, const pb::capsule& yc, const std::string& 
   {
     pb::gil_scoped_release release;
     DeviceGuard device(x.device_id());
-    const cudaStream_t s = as_stream(stream);
-    if (global && dynamic) {
-      MOEFQ_CUDA_CHECK(cudaMemsetAsync(d_amax, 0, sizeof(float), s));
-      cuda::launch_amax(dt, x.data(), x.numel(), d_amax, s);
-    }
-    cuda::launch_qdq(f, dt, x.data(), y.data(), rows, cols, d_amax, s);
+    cuda::qdq_device(f, dt, x.data(), y.data(), rows, cols, d_amax, global && dynamic, as_stream(stream));
   }
 #else
   (void)dynamic;
@@ -142,21 +135,17 @@ void combine(const pb::capsule& rows_c, const pb::capsule& y_c, std::optional<st
   MOEFQ_CHECK(topk.has_value(), kWho, ": a CUDA call needs topk_idx (the moefq package makes an all-active one)");
   MOEFQ_CHECK(!amax, kWho, ": a CUDA tensor takes its amax as a 1-element float32 tensor on its device");
   const float* d_amax = global ? device_amax(amax_t, rows, kWho) : nullptr;
-  cuda::CombineRows r;
-  r.buffer = rows.ptr<uint8_t>();
-  r.combine_offset = 0;
-  r.max_tokens = T;
+  cuda::DeviceCombineRows r;
+  r.rows = rows.ptr<bf16>();
   r.top_k = K;
+  r.num_tokens = T;
   r.hidden = H;
-  r.fused_shared = shared.has_value();
   r.shared = shared ? shared->ptr<bf16>() : nullptr;
   r.topk_idx = topk->ptr<int32_t>();
   r.topk_weights = weights ? weights->ptr<float>() : nullptr;
-  r.num_tokens = T;
   pb::gil_scoped_release release;
   DeviceGuard device(rows.device_id());
-  cuda::launch_combine_qdq(r, f.has_value(), f.value_or(Format::kFp8), d_amax, cuda::CombineCheck{}, y.ptr<bf16>(),
-                           as_stream(stream));
+  cuda::combine_qdq_resum(r, f, d_amax, y.ptr<bf16>(), as_stream(stream));
 #else
   (void)stream;
 #endif

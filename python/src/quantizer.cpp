@@ -11,7 +11,7 @@
 #include "moefq/quantizer.h"
 #include "moefq/recipe.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/cuda_check.h"
+#include "moefq/cuda_device.h"
 #endif
 
 namespace moefq::py {
@@ -61,10 +61,7 @@ void collect(Quantizer& q, const pb::capsule& xc, uintptr_t stream) {
 #ifdef MOEFQ_HAS_CUDA
   DeviceGuard device(x.device_id());
   std::vector<uint8_t> host(x.bytes());
-  if (!host.empty()) {
-    MOEFQ_CUDA_CHECK(cudaMemcpyAsync(host.data(), x.data(), host.size(), cudaMemcpyDeviceToHost, as_stream(stream)));
-    MOEFQ_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
-  }
+  cuda::copy_to_host(host.data(), x.data(), host.size(), as_stream(stream));
   if (bf)
     q.collect(reinterpret_cast<const bf16*>(host.data()), x.numel());
   else

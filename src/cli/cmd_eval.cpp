@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "cli/eval_table.h"
 #include "cli/table.h"
+#include "tool/device_choice.h"
 #include "moefq/checkpoint.h"
 #include "moefq/errors.h"
 #include "moefq/eval.h"
@@ -19,7 +20,7 @@
 #include "moefq/moe_config.h"
 #include "moefq/report.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/host_api.h"
+#include "moefq/cuda.h"
 #include "eval/layer_runner.h"
 #endif
 
@@ -62,8 +63,9 @@ void add_model_options(CLI::App* sub, EvalCliOptions& o) {
   sub->add_option("--calib-batches", o.eval.calib_batches, "calibration batches (default 2)")->check(CLI::Range(1, 100000));
   sub->add_option("--calibration", o.calibration,
                   "how the calibrated amax is chosen: max (default), percentile (99.99), percentile:P, or mse (the "
-                  "amax minimizing the QDQ error, fp8/int8); eval takes a comma-separated list and evaluates each "
-                  "recipe once per method (default: each recipe's own algorithm)");
+                  "amax minimizing the QDQ error; nvfp4's on a sample of the calibration rows); eval takes a "
+                  "comma-separated list and evaluates each recipe once per method (default: each recipe's own "
+                  "algorithm)");
   sub->add_option("--seed", o.seed, "seed of the synthetic weights and activations (default 1)")
       ->check(seed_range());
   sub->add_option("--device", o.device, "auto | cpu | cuda (default auto: cuda when a GPU is visible)");
@@ -102,7 +104,7 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
   // GPU's free memory (only then) to say whether --device cuda would fit.
   register_cuda_layer_runner();
 #endif
-  const bool cuda = use_cuda(o.device);
+  const bool cuda = tool::use_cuda(o.device);
   if (cuda) {
 #ifdef MOEFQ_HAS_CUDA
     o.eval.device = EvalDevice::kCuda;
@@ -110,7 +112,7 @@ void resolve(EvalCliOptions& o, const CLI::App* sub) {
 #endif
   } else {
     o.eval.device = EvalDevice::kCpu;
-    o.eval.device_name = cpu_device_name(o.eval.num_threads);
+    o.eval.device_name = tool::cpu_device_name(o.eval.num_threads);
   }
   o.eval.progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", terminal_safe(line).c_str()); };
 }

@@ -17,6 +17,7 @@
 
 #include "cli/commands.h"
 #include "cli/table.h"
+#include "tool/device_choice.h"
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
 #include "moefq/host_memory.h"
@@ -26,7 +27,7 @@
 #include "moefq/synthetic.h"
 #include "moefq/wire_bytes.h"
 #ifdef MOEFQ_HAS_CUDA
-#include "cuda/host_api.h"
+#include "moefq/cuda.h"
 #endif
 
 namespace moefq::cli {
@@ -201,7 +202,7 @@ int run_qdq(const QdqOptions& o, const CLI::App* sub) {
   }
   std::optional<float> amax;
   if (!o.amax.empty()) amax = parse_amax(o.amax);
-  const bool cuda = use_cuda(o.device);
+  const bool cuda = tool::use_cuda(o.device);
   std::string device = "cpu";
 #ifdef MOEFQ_HAS_CUDA
   if (cuda) device = "cuda: " + cuda::device_description();

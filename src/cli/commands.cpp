@@ -10,40 +10,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
-#include <thread>
 #include <vector>
 
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
-#ifdef MOEFQ_HAS_CUDA
-#include "cuda/host_api.h"
-#endif
 
 namespace moefq::cli {
-
-bool use_cuda(const std::string& device) {
-  MOEFQ_CHECK(device == "auto" || device == "cpu" || device == "cuda", "--device: unknown device '",
-              device, "' (expected auto, cpu or cuda)");
-  if (device == "cpu") return false;
-#ifdef MOEFQ_HAS_CUDA
-  const bool gpu = cuda::device_count() > 0;
-#else
-  const bool gpu = false;
-#endif
-  MOEFQ_CHECK(gpu || device == "auto", "--device cuda: no CUDA device is visible",
-#ifdef MOEFQ_HAS_CUDA
-              ""
-#else
-              " (this moefq was built without CUDA)"
-#endif
-  );
-  return gpu;
-}
-
-std::string cpu_device_name(int num_threads) {
-  const unsigned n = num_threads > 0 ? unsigned(num_threads) : std::max(1u, std::thread::hardware_concurrency());
-  return "cpu (" + std::to_string(n) + (n == 1 ? " thread)" : " threads)");
-}
 
 std::string elapsed_and_eta(std::chrono::steady_clock::time_point start, double done, double total) {
   if (!(done > 0)) return "";

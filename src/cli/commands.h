@@ -27,13 +27,6 @@ std::function<int()> add_launch_command(CLI::App& app);
 // far, with `done` of `total` units of work done; "" before any work is done.
 std::string elapsed_and_eta(std::chrono::steady_clock::time_point start, double done, double total);
 
-// Device selection shared by commands: "auto" (cuda when a GPU is visible), "cpu" or "cuda".
-// Returns true for cuda; throws a bad-input error for an unknown name or cuda without a GPU.
-bool use_cuda(const std::string& device);
-// "cpu (8 threads)": the CPU device as the reports and benchmark JSON name it; num_threads 0 means
-// every hardware thread.
-std::string cpu_device_name(int num_threads);
-
 // The one parser of numbers on the command line. An integer: decimal digits with an optional
 // leading '-', in the int64 range. A decimal number: an optional '-', digits with an optional
 // '.', an optional exponent (e or E, an optional sign, digits), finite. Nothing else: no spaces,

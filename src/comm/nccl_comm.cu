@@ -9,9 +9,9 @@
 #include <thread>
 
 #include "comm/nccl_check.h"
-#include "cuda/cuda_check.h"
-#include "cuda/device_buffer.h"
-#include "cuda/host_api.h"
+#include "cuda_base/cuda_check.h"
+#include "cuda_base/device_buffer.h"
+#include "moefq/cuda_device.h"
 #include "moefq/errors.h"
 
 namespace moefq::comm {

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/rank_link.h"
+#include "engine/cuda/rank_link.h"
 #include "moefq/dist_env.h"
 
 namespace moefq::comm {

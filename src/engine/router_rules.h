@@ -1,5 +1,5 @@
 // The per-token rules of the MoE router (router.h), written once as host+device functions: the CPU
-// router (engine/router.cpp) and the CUDA router (cuda/router_kernels.cu) call exactly these, so
+// router (engine/router.cpp) and the CUDA router (engine/cuda/router_kernels.cu) call exactly these, so
 // they score, select and weigh identically, bit for bit. Every fp32 operation is explicit
 // (numerics.h's add_rn / mul_rn / div_rn and the portable exp_f32, sigmoid_f32, softplus_f32,
 // sqrt_rn), so no compiler can contract or reorder one on either side.

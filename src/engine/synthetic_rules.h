@@ -1,5 +1,5 @@
 // The element rules of the synthetic model (moefq/synthetic.h), written once as host+device
-// functions: the CPU generator (engine/synthetic.cpp) and the CUDA one (cuda/synthetic_kernels.cu)
+// functions: the CPU generator (engine/synthetic.cpp) and the CUDA one (engine/cuda/synthetic_kernels.cu)
 // call exactly these, so a weight or activation is the same bits wherever it is generated.
 // Counter-based: every value is a pure function of (stream key, element index), so any element
 // can be generated alone, in any order, by any thread. Every fp32 operation is explicit

@@ -54,6 +54,12 @@ LayerWeights rank_weights(const RunnerSetup& s, int64_t layer, int64_t rank, con
                                         s.num_threads, on_progress, WeightCacheSettings::from_env());
 }
 
+SampleRows nvfp4_sample_rows(const RunnerSetup& s, int which) {
+  const uint64_t tokens = uint64_t(s.calib_batches) * uint64_t(s.ranks) * uint64_t(s.tokens);
+  return SampleRows::plan(which == 0 ? tokens : tokens * uint64_t(s.config.top_k), s.config.hidden,
+                          s.nvfp4_sample_elements);
+}
+
 std::vector<LayerWeights> all_rank_weights(const RunnerSetup& s, int64_t layer,
                                            const std::function<void(int64_t, int64_t)>& on_weights) {
   const int64_t R = s.ranks, per_rank = s.config.num_experts / R + (s.config.num_shared > 0 ? 1 : 0);
@@ -141,33 +147,47 @@ class CpuRunner final : public LayerRunner {
   bool layout_checked(int64_t r) const override { return fq_->layout_checked(r); }
 
   LayerCalibration calibrate() override {
-    if (!s_.calibration_stats)
+    const bool sample = s_.nvfp4_sample_elements > 0;
+    if (!s_.calibration_stats && !sample)
       return calibrate_with(*fq_, int(calib_.size()), [&](int b) { fq_->forward(calib_[size_t(b)].views()); });
     // Per quantizer and rank (the observer hears one rank at a time), merged after.
     const int64_t R = s_.ranks, H = s_.config.hidden;
     std::vector<AbsHistogram> hist(size_t(2 * R));
     std::vector<CastGroups> cast(size_t(2 * R));
-    fq_->set_calibration_observer([&](int which, int64_t r, const bf16* x, int64_t n) {
-      hist[size_t(which * R + r)].add(x, n);
-      cast[size_t(which * R + r)].merge(logfmt10_cast_groups(x, n / H, H));
-    });
+    if (s_.calibration_stats)
+      fq_->set_calibration_observer([&](int which, int64_t r, const bf16* x, int64_t n) {
+        hist[size_t(which * R + r)].add(x, n);
+        cast[size_t(which * R + r)].merge(logfmt10_cast_groups(x, n / H, H));
+      });
+    RowSample rows[2];
+    if (sample)
+      for (int which = 0; which < 2; ++which) rows[which].reset(nvfp4_sample_rows(s_, which), H);
     LayerCalibration c;
     try {
-      c = calibrate_with(*fq_, int(calib_.size()), [&](int b) { fq_->forward(calib_[size_t(b)].views()); });
+      c = calibrate_with(*fq_, int(calib_.size()), [&](int b) {
+        fq_->forward(calib_[size_t(b)].views());
+        if (sample) sample_rows(b, rows);
+      });
     } catch (...) {
       fq_->set_calibration_observer({});
       throw;
     }
     fq_->set_calibration_observer({});
-    auto d = std::make_shared<AbsHistogram>(), m = std::make_shared<AbsHistogram>();
-    for (int64_t r = 0; r < R; ++r) {
-      d->merge(hist[size_t(r)]);
-      m->merge(hist[size_t(R + r)]);
-      c.dispatch_logfmt.merge(cast[size_t(r)]);
-      c.combine_logfmt.merge(cast[size_t(R + r)]);
+    if (s_.calibration_stats) {
+      auto d = std::make_shared<AbsHistogram>(), m = std::make_shared<AbsHistogram>();
+      for (int64_t r = 0; r < R; ++r) {
+        d->merge(hist[size_t(r)]);
+        m->merge(hist[size_t(R + r)]);
+        c.dispatch_logfmt.merge(cast[size_t(r)]);
+        c.combine_logfmt.merge(cast[size_t(R + r)]);
+      }
+      c.dispatch_hist = std::move(d);
+      c.combine_hist = std::move(m);
     }
-    c.dispatch_hist = std::move(d);
-    c.combine_hist = std::move(m);
+    if (sample) {
+      c.dispatch_nvfp4 = rows[0].blocks(H);
+      c.combine_nvfp4 = rows[1].blocks(H);
+    }
     return c;
   }
 
@@ -234,6 +254,51 @@ class CpuRunner final : public LayerRunner {
   }
 
  private:
+  // The rows SampleRows keeps of one quantizer's calibration: [slots][H] bf16 and which slots hold one.
+  struct RowSample {
+    SampleRows plan;
+    std::vector<bf16> data;
+    std::vector<uint8_t> valid;
+    void reset(const SampleRows& p, int64_t H) {
+      plan = p;
+      data.assign(size_t(p.num_slots * uint64_t(H)), bf16{});
+      valid.assign(size_t(p.num_slots), 0);
+    }
+    void keep(uint64_t position, const bf16* row, int64_t H) {
+      const int64_t j = plan.slot(position);
+      if (j < 0) return;
+      std::copy(row, row + H, data.begin() + j * H);
+      valid[size_t(j)] = 1;
+    }
+    std::shared_ptr<const Nvfp4Blocks> blocks(int64_t H) const {
+      return std::make_shared<Nvfp4Blocks>(data.data(), valid.data(), int64_t(plan.num_slots), H);
+    }
+  };
+
+  // Calibration batch b's rows as its quantizers saw them (dispatch: the tokens with an active routed
+  // slot; combine: the active routed rows in the back-end's buffer) into the samples, by position.
+  void sample_rows(int b, RowSample* rows) {
+    const int64_t R = s_.ranks, T = s_.tokens, H = s_.config.hidden, K = s_.config.top_k;
+    const ExpertBackend& be = fq_->backend();
+    const int64_t stride = be.max_tokens() * H;  // the combine rows: [K][max tokens][H] bf16
+    MOEFQ_ASSERT(be.combine_offset().has_value(), "the nvfp4 row sample needs the combine rows of ", be.kind());
+    for (int64_t r = 0; r < R; ++r) {
+      const Batch& batch = calib_[size_t(b)];
+      const int32_t* idx = batch.routing[size_t(r)].topk_idx.data();
+      const bf16* combine = reinterpret_cast<const bf16*>(be.combine_bytes(r).data() + *be.combine_offset());
+      for (int64_t t = 0; t < T; ++t) {
+        const uint64_t token = uint64_t((int64_t(b) * R + r) * T + t);
+        bool active = false;
+        for (int64_t k = 0; k < K; ++k) {
+          if (idx[t * K + k] < 0) continue;
+          active = true;
+          rows[1].keep(token * uint64_t(K) + uint64_t(k), combine + k * stride + t * H, H);
+        }
+        if (active) rows[0].keep(token, batch.x[size_t(r)] + t * H, H);
+      }
+    }
+  }
+
   // A batch's output after a call, [rank][token][H]: bf16(routed + shared), as the model adds them.
   std::vector<bf16> output(const Batch& b) const {
     const int64_t T = s_.tokens, H = s_.config.hidden, R = s_.ranks;

@@ -104,7 +104,6 @@ void expand_calibration_methods(const EvalOptions& o, Prepared& p) {
   std::vector<NamedRecipe> recipes;
   std::vector<std::map<std::string, QuantizerConfig>> configs;
   std::set<std::string> names;
-  std::map<Format, std::string> skipped;  // mse left out: the recipes, by block format
   const bool several = o.calibration.size() > 1;
   for (size_t i = 0; i < p.recipes.size(); ++i) {
     std::vector<std::optional<CalibrationMethod>> ms;
@@ -116,12 +115,11 @@ void expand_calibration_methods(const EvalOptions& o, Prepared& p) {
     else
       ms.assign(o.calibration.begin(), o.calibration.end());
     for (const auto& m : ms) {
-      // mse needs an element-wise format (calibration_stats.h): a block format is left out, said so.
-      const auto block = std::find_if(formats.begin(), formats.end(), [](Format f) { return format_block_size(f) > 0; });
-      if (m && m->kind == CalibrationMethod::Kind::kMse && block != formats.end()) {
-        std::string& names = skipped[*block];
-        names += (names.empty() ? "" : ", ") + p.recipes[i].name;
-        continue;
+      // nvfp4's mse needs its blocks, from a sample of the calibration rows (calibration_stats.h).
+      if (m && m->kind == CalibrationMethod::Kind::kMse &&
+          std::find(formats.begin(), formats.end(), Format::kNvfp4) != formats.end()) {
+        MOEFQ_CHECK(o.nvfp4_sample_elements > 0, "nvfp4_sample_elements must be > 0, got ", o.nvfp4_sample_elements);
+        p.runner.nvfp4_sample_elements = o.nvfp4_sample_elements;
       }
       NamedRecipe r = p.recipes[i];
       if (m && several) r.name += "@" + m->short_name();
@@ -131,10 +129,6 @@ void expand_calibration_methods(const EvalOptions& o, Prepared& p) {
       p.methods.push_back(m);
     }
   }
-  for (const auto& [f, names] : skipped)
-    p.notes.push_back("no mse rows for " + names + ": " + format_name(f) + "'s error depends on its " +
-                      std::to_string(format_block_size(f)) +
-                      "-element blocks, which the calibration statistics do not keep (use max or percentile)");
   p.recipes = std::move(recipes);
   p.recipe_configs = std::move(configs);
 }
@@ -160,15 +154,13 @@ void resolve_calibration(const EvalOptions& o, bool with_recipes, Prepared& p) {
   for (const CalibrationMethod& m : used) names += (names.empty() ? "" : ", ") + m.name();
   p.setup.calibration = names.empty() ? "max" : names;
   if (beyond_max) {
-    MOEFQ_CHECK(p.device == EvalDevice::kCpu, "--calibration ", names, ": methods beyond max run with --device cpu ",
-                "(the GPU evaluation keeps only the running max of the calibration data)");
     MOEFQ_CHECK(o.load_calibration.empty(), "--calibration ", names, " cannot be used with --load-calibration (a ",
                 "calibration file holds one amax per quantizer; calibrate in this run instead)");
   }
   bool logfmt = false;
   for (const auto& cfgs : p.recipe_configs)
     for (const auto& [name, c] : cfgs) logfmt = logfmt || (c.enable && c.spec.format == Format::kLogfmt10);
-  p.runner.calibration_stats = p.device == EvalDevice::kCpu && (beyond_max || logfmt);
+  p.runner.calibration_stats = beyond_max || logfmt;
 }
 
 // The model (a checkpoint's config.json, a config file or a preset) and where its weights come from.
@@ -879,7 +871,8 @@ std::optional<float> derived_amax(LayerCalibration& cal, int which, const std::o
   const std::string quantizer = which == 0 ? "dispatch" : "combine", format = format_name(q.spec.format);
   for (const DerivedCalibration& d : cal.derived)
     if (d.quantizer == quantizer && d.method == m->name() && d.format == format) return d.amax.amax;
-  DerivedCalibration d{quantizer, m->name(), format, derive_amax(*h, *m, q.spec.format, L + " " + quantizer)};
+  const Nvfp4Blocks* blocks = which == 0 ? cal.dispatch_nvfp4.get() : cal.combine_nvfp4.get();
+  DerivedCalibration d{quantizer, m->name(), format, derive_amax(*h, *m, q.spec.format, L + " " + quantizer, blocks)};
   if (m->kind == CalibrationMethod::Kind::kMax) d.amax.amax = max;  // the running max (bf16 data: the same)
   cal.derived.push_back(d);
   return d.amax.amax;

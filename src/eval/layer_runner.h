@@ -39,8 +39,11 @@ struct RunnerSetup {
   CombineWeighting combine_weighting = CombineWeighting::kBefore;  // the engine's (EngineOptions)
   Staging staging = Staging::kE4m3;                                 // the engine's (EngineOptions)
   bool prefetch = false;     // the memory plan allows preparing the next layer meanwhile
-  // calibrate() also fills LayerCalibration's histograms and logfmt10 cast groups (CPU runner only).
+  // calibrate() also fills LayerCalibration's histograms and logfmt10 cast groups, and with
+  // nvfp4_sample_elements > 0 the nvfp4 blocks of the rows SampleRows keeps (that many elements at
+  // most per quantizer), the same on every runner.
   bool calibration_stats = false;
+  int64_t nvfp4_sample_elements = 0;
 
   int64_t batch_tokens() const { return ranks * tokens; }
   int64_t num_tokens() const { return int64_t(calib_batches + eval_batches) * batch_tokens(); }
@@ -94,7 +97,7 @@ class LayerRunner {
   virtual bool layout_checked(int64_t rank) const = 0;
 
   // Max calibration on the calibration batches with both quantizers enabled (no QDQ meanwhile):
-  // the reduced amax and each rank's own.
+  // the reduced amax and each rank's own (and the statistics setup.calibration_stats asks for).
   virtual LayerCalibration calibrate() = 0;
   // The evaluation batches, one at a time: the unquantized reference first, then every step in
   // order (each configured with `configs` and the calibrated amax), its output compared with the
@@ -142,6 +145,9 @@ LayerCalibration calibrate_with(FakeQuantMoe& fq, int num_batches, Forward&& for
   c.combine_amax = *fq.quantizers().combine(0).amax();
   return c;
 }
+
+// The SampleRows of the nvfp4 blocks (RunnerSetup::nvfp4_sample_elements): which 0 dispatch, 1 combine.
+SampleRows nvfp4_sample_rows(const RunnerSetup& setup, int which);
 
 // Creates the runner for a device; the CUDA one is registered by register_cuda_layer_runner().
 using LayerRunnerFactory = std::function<std::unique_ptr<LayerRunner>(const RunnerSetup&)>;

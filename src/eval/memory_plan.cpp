@@ -128,6 +128,17 @@ MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
   add("activations", acts, cuda);
   add("outputs, reference, metric sums", outputs + sums, cuda);
   add("dispatch QDQ output", xq, cuda);
+  // Calibration statistics: the two quantizers' histograms (the CPU runner's per rank too) and
+  // nvfp4's row samples (on the host: the rows and their sorted block pairs).
+  if (s.calibration_stats || s.nvfp4_sample_elements > 0) {
+    const double hist = s.calibration_stats ? 2.0 * double(AbsHistogram::kBins) * 8.0 : 0.0;
+    double sample = 0;
+    if (s.nvfp4_sample_elements > 0)
+      for (int which = 0; which < 2; ++which)
+        sample += double(nvfp4_sample_rows(s, which).num_slots) * double(H) * 2.0;
+    p.items.push_back({"calibration statistics", hist * double(cuda ? 1 : R + 1) + sample * 3.0,
+                       cuda ? hist + sample : 0.0});
+  }
   if (!cuda) {
     const int threads = resolve_threads(s.num_threads);
     const double scratch = double(threads) * (128.0 * double(std::max(H, I)) + 64.0 * double(std::max(H, I) + std::max(2 * I, H))) * 4.0;

@@ -1,6 +1,7 @@
 // The calibration methods of include/moefq/calibration_stats.h, from the exact bf16 histogram.
 #include "moefq/calibration_stats.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
@@ -133,6 +134,14 @@ void AbsHistogram::add(const float* x, int64_t n) {
   }
 }
 
+void AbsHistogram::add_counts(const uint64_t* counts, uint64_t nonfinite) {
+  for (size_t i = 0; i < counts_.size(); ++i) {
+    counts_[i] += counts[i];
+    total_ += counts[i];
+  }
+  nonfinite_ += nonfinite;
+}
+
 void AbsHistogram::merge(const AbsHistogram& o) {
   for (size_t i = 0; i < counts_.size(); ++i) counts_[i] += o.counts_[i];
   total_ += o.total_;
@@ -173,9 +182,84 @@ double AbsHistogram::qdq_squared_error(Format f, float amax) const {
   return s;
 }
 
-DerivedAmax derive_amax(const AbsHistogram& h, const CalibrationMethod& m, Format f, const std::string& where) {
+SampleRows SampleRows::plan(uint64_t num_positions, int64_t cols, int64_t max_elements) {
+  MOEFQ_ASSERT(cols > 0 && max_elements > 0, "SampleRows::plan: cols and max_elements must be > 0");
+  MOEFQ_CHECK(num_positions < (uint64_t(1) << 32), "nvfp4 mse calibration: ", num_positions,
+              " calibration rows per quantizer are more than the row sample can index (2^32); use fewer "
+              "--calib-batches, --ranks or --tokens");
+  SampleRows s;
+  s.num_positions = std::max<uint64_t>(num_positions, 1);
+  s.num_slots = std::min<uint64_t>(s.num_positions, uint64_t(std::max<int64_t>(1, max_elements / cols)));
+  // Primes below 2^32; N < 2^32 is a multiple of at most one of them.
+  for (uint64_t prime : {2654435761ull, 2246822519ull}) {
+    s.multiplier = prime;
+    if (s.num_positions % prime != 0) break;
+  }
+  return s;
+}
+
+Nvfp4Blocks::Nvfp4Blocks(const bf16* rows, const uint8_t* valid, int64_t num_rows, int64_t cols) {
+  std::vector<uint32_t> keys;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    if (valid && !valid[r]) continue;
+    ++rows_;
+    const bf16* x = rows + r * cols;
+    for (int64_t c0 = 0; c0 < cols; c0 += kNvfp4Block) {
+      const int64_t c1 = std::min(cols, c0 + kNvfp4Block);
+      float bmax = 0.0f;  // qdq_ref's block_amax: over the non-NaN elements, +inf counts
+      for (int64_t c = c0; c < c1; ++c) bmax = max_ignore_nan(bmax, abs_f32(to_f32(x[c])));
+      const uint32_t bkey = uint32_t(bf16_round(bmax)) << 16;  // bmax is a bf16 magnitude: exact
+      for (int64_t c = c0; c < c1; ++c) {
+        const uint32_t mag = x[c].bits & 0x7FFFu;
+        if (mag >= uint32_t(AbsHistogram::kBins)) continue;  // NaN or inf
+        keys.push_back(bkey | mag);
+      }
+    }
+  }
+  elements_ = keys.size();
+  std::sort(keys.begin(), keys.end());
+  for (size_t i = 0; i < keys.size();) {
+    size_t j = i;
+    while (j < keys.size() && keys[j] == keys[i]) ++j;
+    keys_.push_back(keys[i]);
+    counts_.push_back(uint64_t(j - i));
+    i = j;
+  }
+}
+
+double Nvfp4Blocks::sum_squares() const {
+  double s = 0;
+  for (size_t i = 0; i < keys_.size(); ++i) {
+    const double v = bf16_to_f32(uint16_t(keys_[i] & 0xFFFFu));
+    s += double(counts_[i]) * v * v;
+  }
+  return s;
+}
+
+double Nvfp4Blocks::qdq_squared_error(float amax) const {
+  const float gs = nvfp4_global_scale(amax);
+  double s = 0;
+  uint32_t block = ~0u;
+  float scale = 0;
+  for (size_t i = 0; i < keys_.size(); ++i) {
+    if (keys_[i] >> 16 != block) {
+      block = keys_[i] >> 16;
+      scale = nvfp4_block_scale(bf16_to_f32(uint16_t(block)), gs);
+    }
+    const float v = bf16_to_f32(uint16_t(keys_[i] & 0xFFFFu));
+    const double d = double(nvfp4_qdq(v, scale)) - double(v);
+    s += double(counts_[i]) * d * d;
+  }
+  return s;
+}
+
+DerivedAmax derive_amax(const AbsHistogram& h, const CalibrationMethod& m, Format f, const std::string& where,
+                        const Nvfp4Blocks* blocks) {
   MOEFQ_ASSERT(h.total() > 0, where, ": no calibration data in the histogram");
   const bool elementwise = format_block_size(f) == 0;
+  const bool sampled = f == Format::kNvfp4 && blocks && blocks->num_elements() > 0;
+  // The QDQ error of a global amax: over the histogram, or over nvfp4's sampled blocks.
+  const auto error = [&](float a) { return elementwise ? h.qdq_squared_error(f, a) : blocks->qdq_squared_error(a); };
   DerivedAmax d;
   switch (m.kind) {
     case CalibrationMethod::Kind::kMax: d.amax = h.max(); break;
@@ -194,16 +278,18 @@ DerivedAmax derive_amax(const AbsHistogram& h, const CalibrationMethod& m, Forma
       break;
     }
     case CalibrationMethod::Kind::kMse: {
-      MOEFQ_CHECK(elementwise, where, ": mse calibration needs an element-wise format (fp8, int8); ", format_name(f),
-                  "'s error depends on its ", format_block_size(f),
-                  "-element blocks, which the calibration statistics do not keep (use max or percentile)");
+      MOEFQ_CHECK(elementwise || f == Format::kNvfp4, where, ": mse calibration needs fp8, int8 or nvfp4, not ",
+                  format_name(f));
+      MOEFQ_CHECK(elementwise || sampled, where, ": mse calibration of nvfp4 needs the blocks of sampled "
+                  "calibration rows", blocks ? ", but none of the sampled rows held data" : "",
+                  " (use max or percentile)");
       const float max = h.max();
       double best = 0;
       bool first = true;
       for (double mult : m.mse_multipliers()) {
         const float a = float(double(max) * mult);
         if (!(a > 0)) continue;
-        const double e = h.qdq_squared_error(f, a);
+        const double e = error(a);
         if (first || e < best) {
           best = e;
           d.amax = a;
@@ -214,9 +300,9 @@ DerivedAmax derive_amax(const AbsHistogram& h, const CalibrationMethod& m, Forma
     }
   }
   d.clipped_fraction = h.clipped_fraction(d.amax);
-  if (elementwise && d.amax > 0) {
-    const double ref = h.sum_squares();
-    d.rel_error = ref > 0 ? std::sqrt(h.qdq_squared_error(f, d.amax) / ref) : 0.0;
+  if ((elementwise || sampled) && d.amax > 0) {
+    const double ref = elementwise ? h.sum_squares() : blocks->sum_squares();
+    d.rel_error = ref > 0 ? std::sqrt(error(d.amax) / ref) : 0.0;
   }
   return d;
 }

@@ -18,7 +18,7 @@
 
 #include "comm/nccl_comm.cuh"
 #include "fakequant/cuda/cuda_fake_quant.cuh"
-#include "cuda/host_api.h"
+#include "moefq/cuda_device.h"
 #include "cuda/cuda_moe_test_util.h"
 #include "moefq/dist_env.h"
 #include "moefq/recipe.h"

@@ -8,10 +8,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "cuda/cuda_check.h"
-#include "cuda/cuda_engine.cuh"
-#include "cuda/device_buffer.h"
-#include "cuda/host_api.h"
+#include "cuda_base/cuda_check.h"
+#include "engine/cuda/cuda_engine.cuh"
+#include "cuda_base/device_buffer.h"
+#include "moefq/qdq.h"
 #include "gpu_test.h"
 #include "moe_test_util.h"
 

@@ -4,14 +4,14 @@
 
 #include <gtest/gtest.h>
 
-#include "cuda/host_api.h"
+#include "moefq/cuda_device.h"
 
 #define SKIP_WITHOUT_GPU() \
   if (::moefq::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device"
 
 #include <cuda_runtime.h>
 
-#include "cuda/cuda_check.h"
+#include "cuda_base/cuda_check.h"
 
 namespace moefq::test {
 

@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "cuda/combine_kernels.cuh"
-#include "cuda/cuda_check.h"
-#include "cuda/device_buffer.h"
-#include "cuda/qdq_rules.cuh"
+#include "engine/cuda/combine_kernels.cuh"
+#include "cuda_base/cuda_check.h"
+#include "cuda_base/device_buffer.h"
+#include "quant/cuda/qdq_rules.cuh"
 #include "engine/expert_cpu.h"
 #include "gpu_test.h"
 #include "moefq/combine_qdq.h"

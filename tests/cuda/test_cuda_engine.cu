@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cuda/host_api.h"
+#include "moefq/qdq.h"
 #include "cuda_moe_test_util.h"
 #include "moefq/cpu_engine.h"
 #include "moefq/metrics.h"

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "fakequant/cuda/cuda_fake_quant.cuh"
-#include "cuda/host_api.h"
+#include "moefq/cuda.h"
 #include "cuda_moe_test_util.h"
 #include "moefq/expert_backend.h"
 #include "moefq/fake_quant_moe.h"

@@ -2,8 +2,8 @@
 // from the host on the same engine (FakeQuantMoe::make(LayerDevice::kCuda): the same weights, the
 // CPU router, so the calibrated amax bit for bit), against itself (a second run gives every figure
 // bit for bit), and against the CPU engine (everything before the expert GEMMs identical: routing,
-// the dispatch amax; the rest within the GEMM tolerance). And the memory plan refusing a run that
-// does not fit the GPU, before any allocation.
+// the dispatch amax and statistics; the rest within the GEMM tolerance). And the memory plan
+// refusing a run that does not fit the GPU, before any allocation.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,14 +13,21 @@
 
 #include "checkpoint_test_util.h"
 #include "cli/cli_test_util.h"
-#include "cuda/device_buffer.h"
-#include "cuda/host_api.h"
+#include "cuda_base/cuda_check.h"
+#include "cuda_base/device_buffer.h"
+#include "engine/cuda/cuda_engine.cuh"
+#include "fakequant/cuda/cuda_fake_quant.cuh"
+#include "moefq/calibration_stats.h"
+#include "moefq/cuda.h"
+#include "moefq/wire_bytes.h"
 #include "eval/layer_runner.h"
 #include "gpu_test.h"
 #include "moefq/errors.h"
 #include "moefq/eval.h"
 #include "moefq/fake_quant_moe.h"
 #include "moefq/router.h"
+#include "moefq/safetensors.h"
+#include "moefq/synthetic.h"
 
 namespace moefq {
 namespace {
@@ -77,10 +84,13 @@ void expect_same_rows(const EvalResult& a_run, const EvalResult& b_run) {
 }
 
 // The calibration of every layer of a device-resident run equals the layer facade's on the same
-// engine driven from the host: every rank's weights and the layer's activations made on the host
-// (rank_weights, layer_activations), routed by the CPU router, uploaded, one forward per
+// engine driven from the host: every rank's weights and the layer's activations made or read on
+// the host (rank_weights, layer_activations), routed by the CPU router, uploaded, one forward per
 // calibration batch. The GPU generates the synthetic weights and activations and routes by itself:
-// the same bits, or the amax would differ.
+// the same bits, or the amax would differ. Where the run kept statistics, the histograms and
+// logfmt10's cast groups are recomputed on the host as the CPU runner's observer does, from what
+// each quantizer saw on the same engine (the tokens with an active slot, the engine's active
+// combine rows), and must equal the device's bit for bit.
 void expect_calibration_equals_the_facade(const EvalOptions& o, const EvalResult& dev) {
   RunnerSetup s;
   s.config = dev.setup.config;
@@ -90,7 +100,13 @@ void expect_calibration_equals_the_facade(const EvalOptions& o, const EvalResult
   s.seed = o.seed;
   s.synthetic = o.synthetic;
   s.checkpoint_dir = o.checkpoint_dir;
-  const int64_t R = s.ranks, T = s.tokens, H = s.config.hidden;
+  std::optional<SafetensorsFile> acts;
+  if (!o.activations_path.empty()) {
+    acts.emplace(SafetensorsFile::open(o.activations_path));
+    s.acts = &*acts;
+    for (int64_t l : dev.setup.layers) s.act_tensor[l] = acts->find("layers." + std::to_string(l)) ? "layers." + std::to_string(l) : "hidden_states";
+  }
+  const int64_t R = s.ranks, T = s.tokens, H = s.config.hidden, K = s.config.top_k;
   EngineOptions eo;
   eo.fuse_shared = false;
   eo.combine_weighting = dev.setup.combine_weighting;
@@ -99,37 +115,77 @@ void expect_calibration_equals_the_facade(const EvalOptions& o, const EvalResult
   for (size_t l = 0; l < dev.setup.layers.size(); ++l) {
     const int64_t layer = dev.setup.layers[l];
     SCOPED_TRACE("layer " + std::to_string(layer));
+    const LayerCalibration& a = dev.calibration.layers[l];
+    const bool stats = a.dispatch_hist != nullptr;
     std::vector<LayerWeights> w = all_rank_weights(s, layer);
     const std::vector<float> gate = w[0].gate, bias = w[0].gate_bias;
-    const std::unique_ptr<FakeQuantMoe> fq =
-        FakeQuantMoe::make(LayerDevice::kCuda, s.config, R, T, std::move(w), eo, layer);
+    // The CUDA face (its engine's combine rows, for the statistics) of the one layer facade.
+    cuda::CudaFakeQuantMoe layer_face(std::make_unique<cuda::CudaEngine>(s.config, R, T, w, eo), layer);
+    FakeQuantMoe& fq = layer_face.layer();
     const std::vector<bf16> x = layer_activations(s, layer, 0, int64_t(s.calib_batches) * R * T);
     cuda::DeviceBuffer<bf16> dx(x), dy(size_t(R * T * H));
     std::vector<cuda::DeviceBuffer<int32_t>> idx;
     std::vector<cuda::DeviceBuffer<float>> wts;
+    AbsHistogram hist[2];
+    CastGroups cast[2];
+    const auto observe = [&](int which, const bf16* row) {
+      hist[which].add(row, H);
+      cast[which].merge(logfmt10_cast_groups(row, 1, H));
+    };
     // As the evaluation calibrates: both quantizers on (fp8, calibrated amax), no QDQ meanwhile.
     QuantizerConfig on;
     on.enable = true;
     on.configured = true;
-    fq->configure({{FakeQuantMoe::dispatch_name(layer), on}, {FakeQuantMoe::combine_name(layer), on}});
-    fq->start_calibration();
+    fq.configure({{FakeQuantMoe::dispatch_name(layer), on}, {FakeQuantMoe::combine_name(layer), on}});
+    fq.start_calibration();
     for (int b = 0; b < s.calib_batches; ++b) {
       std::vector<RankBatch> batches;
+      std::vector<Routing> routing;
       for (int64_t r = 0; r < R; ++r) {
         const int64_t first = (int64_t(b) * R + r) * T;
-        const Routing rt = route(s.config, x.data() + first * H, T, gate, bias);
+        const Routing& rt = routing.emplace_back(route(s.config, x.data() + first * H, T, gate, bias));
         idx.emplace_back(rt.topk_idx);
         wts.emplace_back(rt.topk_weights);
         batches.push_back({dx.get() + first * H, T, idx.back().get(), wts.back().get(), dy.get() + r * T * H});
       }
-      fq->forward(batches, nullptr);
+      fq.forward(batches, nullptr);
+      if (!stats) continue;
+      for (int64_t r = 0; r < R; ++r) {
+        cuda::CudaEngine& e = layer_face.engine();
+        std::vector<bf16> rows(size_t(K * T * H));
+        MOEFQ_CUDA_CHECK(cudaMemcpy(rows.data(), e.buffer(r) + layer_face.combine_offset(), rows.size() * 2,
+                                    cudaMemcpyDeviceToHost));
+        const std::vector<int32_t>& ids = routing[size_t(r)].topk_idx;
+        for (int64_t t = 0; t < T; ++t) {
+          bool active = false;
+          for (int64_t k = 0; k < K; ++k) active = active || ids[size_t(t * K + k)] >= 0;
+          if (active) observe(0, x.data() + ((int64_t(b) * R + r) * T + t) * H);
+        }
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t k = 0; k < K; ++k)
+            if (ids[size_t(t * K + k)] >= 0) observe(1, rows.data() + (k * T + t) * H);
+      }
     }
-    fq->finish_calibration();
-    const LayerCalibration& a = dev.calibration.layers[l];
-    EXPECT_EQ(a.dispatch_amax, *fq->quantizers().dispatch(0).amax());
-    EXPECT_EQ(a.combine_amax, *fq->quantizers().combine(0).amax());
-    EXPECT_EQ(a.dispatch_rank_amax, fq->rank_amax(0));
-    EXPECT_EQ(a.combine_rank_amax, fq->rank_amax(1));
+    fq.finish_calibration();
+    EXPECT_EQ(a.dispatch_amax, *fq.quantizers().dispatch(0).amax());
+    EXPECT_EQ(a.combine_amax, *fq.quantizers().combine(0).amax());
+    EXPECT_EQ(a.dispatch_rank_amax, fq.rank_amax(0));
+    EXPECT_EQ(a.combine_rank_amax, fq.rank_amax(1));
+    if (!stats) continue;
+    for (int which = 0; which < 2; ++which) {
+      SCOPED_TRACE(which == 0 ? "dispatch" : "combine");
+      const AbsHistogram& got = which == 0 ? *a.dispatch_hist : *a.combine_hist;
+      const CastGroups& got_cast = which == 0 ? a.dispatch_logfmt : a.combine_logfmt;
+      EXPECT_GT(hist[which].total(), 0u);
+      EXPECT_EQ(got.total(), hist[which].total());
+      EXPECT_EQ(got.nonfinite(), hist[which].nonfinite());
+      int64_t mismatches = 0, first = -1;
+      for (int bin = 0; bin < AbsHistogram::kBins; ++bin)
+        if (got.count(bin) != hist[which].count(bin) && mismatches++ == 0) first = bin;
+      EXPECT_EQ(mismatches, 0) << "first at bin 0x" << std::hex << first;
+      EXPECT_EQ(got_cast.cast, cast[which].cast);
+      EXPECT_EQ(got_cast.total, cast[which].total);
+    }
   }
 }
 
@@ -244,6 +300,152 @@ TEST(EvalCuda, CheckpointReadTellsTheExpertsRead) {
   for (const std::string& l : lines) told += l.find("/10 experts' weights") != std::string::npos;
   EXPECT_EQ(told, 9) << "1..9 of 10 experts read (10 ends the load)";
   std::filesystem::remove_all(dir);
+}
+
+// The calibration statistics of two runs on the same rows: the histograms bin by bin, logfmt10's
+// cast groups, nvfp4's block pairs (their error at several amax, bit for bit), and every derived
+// amax with its clipped fraction and error. combine_too = false: the dispatch side only (the CPU
+// engine's combine rows differ within the GEMM tolerance), with the combine side's totals.
+void expect_same_statistics(const LayerCalibration& a, const LayerCalibration& b, bool combine_too) {
+  ASSERT_TRUE(a.dispatch_hist && a.combine_hist && b.dispatch_hist && b.combine_hist);
+  for (int which = 0; which < 2; ++which) {
+    SCOPED_TRACE(which == 0 ? "dispatch" : "combine");
+    const AbsHistogram &ha = which == 0 ? *a.dispatch_hist : *a.combine_hist, &hb = which == 0 ? *b.dispatch_hist : *b.combine_hist;
+    const CastGroups &ga = which == 0 ? a.dispatch_logfmt : a.combine_logfmt, &gb = which == 0 ? b.dispatch_logfmt : b.combine_logfmt;
+    const Nvfp4Blocks *na = which == 0 ? a.dispatch_nvfp4.get() : a.combine_nvfp4.get(),
+                      *nb = which == 0 ? b.dispatch_nvfp4.get() : b.combine_nvfp4.get();
+    ASSERT_EQ(na == nullptr, nb == nullptr);
+    EXPECT_GT(ha.total(), 0u);
+    EXPECT_EQ(ha.total(), hb.total());
+    EXPECT_EQ(ha.nonfinite(), hb.nonfinite());
+    EXPECT_EQ(ga.total, gb.total);
+    if (na) EXPECT_EQ(na->num_rows(), nb->num_rows());
+    if (which == 1 && !combine_too) continue;
+    int64_t mismatches = 0, first = -1;
+    for (int bin = 0; bin < AbsHistogram::kBins; ++bin)
+      if (ha.count(bin) != hb.count(bin) && mismatches++ == 0) first = bin;
+    EXPECT_EQ(mismatches, 0) << "first at bin 0x" << std::hex << first << std::dec << ": " << ha.count(int(first))
+                             << " vs " << hb.count(int(first));
+    EXPECT_EQ(ga.cast, gb.cast);
+    if (na) {
+      EXPECT_EQ(na->num_elements(), nb->num_elements());
+      EXPECT_EQ(na->num_pairs(), nb->num_pairs());
+      for (float amax : {1e-3f, 0.5f, 7.0f, ha.max(), 3 * ha.max()})
+        EXPECT_EQ(na->qdq_squared_error(amax), nb->qdq_squared_error(amax)) << "amax " << amax;
+    }
+  }
+  std::vector<const DerivedCalibration*> da, db;
+  for (const DerivedCalibration& d : a.derived)
+    if (combine_too || d.quantizer == "dispatch") da.push_back(&d);
+  for (const DerivedCalibration& d : b.derived)
+    if (combine_too || d.quantizer == "dispatch") db.push_back(&d);
+  ASSERT_EQ(da.size(), db.size());
+  for (size_t i = 0; i < da.size(); ++i) {
+    SCOPED_TRACE(da[i]->quantizer + " " + da[i]->method + " " + da[i]->format);
+    EXPECT_EQ(da[i]->quantizer, db[i]->quantizer);
+    EXPECT_EQ(da[i]->method, db[i]->method);
+    EXPECT_EQ(da[i]->format, db[i]->format);
+    EXPECT_EQ(da[i]->amax.amax, db[i]->amax.amax);
+    EXPECT_EQ(da[i]->amax.clipped_fraction, db[i]->amax.clipped_fraction);
+    EXPECT_EQ(da[i]->amax.rel_error, db[i]->amax.rel_error);
+  }
+}
+
+// Activations whose rows are scaled by 1, 2^-6 and 2^-12 (logfmt10 then casts some groups of the
+// dispatch and not others), for every row small_run uses, written to a file the options name.
+void use_scaled_activations(EvalOptions& o, const std::filesystem::path& file) {
+  const int64_t H = 1024, N = int64_t(o.calib_batches + o.eval_batches) * o.ranks * o.tokens;  // tiny: H 1024
+  const std::vector<float> raw = synthetic_activations(N, H, 11);
+  std::vector<bf16> x(raw.size());
+  for (int64_t i = 0; i < N * H; ++i)
+    x[size_t(i)] = bf16{bf16_round(std::ldexp(raw[size_t(i)], -6 * int((i / H) % 3)))};
+  SafetensorsWriter w;
+  w.add("hidden_states", StDtype::kBF16, {N, H}, {reinterpret_cast<const uint8_t*>(x.data()), x.size() * 2});
+  w.write(file.string());
+  o.activations_path = file.string();
+}
+
+// Calibration beyond max on the device: the histograms accumulated there, logfmt10's cast groups
+// counted there and nvfp4's sampled rows gathered there give what the host path on the same engine
+// gives, bit for bit: every statistic, every derived amax (max, percentile, mse of fp8 and nvfp4),
+// and every row, its cast fraction and wire bytes included. Then with a bound of 7 rows, so the
+// device picks the sampled rows among many.
+TEST(EvalCuda, CalibrationMethodsAndCastGroupsOnTheDeviceEqualTheLayerFacade) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path file = test::unique_temp_path("moefq_acts_cuda_");
+  for (int64_t bound : {kNvfp4SampleElements, int64_t(7 * 1024)}) {
+    SCOPED_TRACE("nvfp4 sample bound " + std::to_string(bound));
+    EvalOptions o = small_run(EvalDevice::kCuda);
+    o.calib_batches = 2;
+    use_scaled_activations(o, file);
+    o.recipes = {"moe_dispatch_fp8", "moe_combine_fp8", "moe_dispatch_nvfp4", "moe_combine_nvfp4",
+                 "moe_combine_logfmt10"};
+    o.calibration = parse_calibration_methods("max,percentile:99.9,mse", "--calibration");
+    o.nvfp4_sample_elements = bound;
+    const EvalResult dev = run_eval(o), again = run_eval(o);
+    ASSERT_EQ(dev.calibration.layers.size(), 2u);
+    // The amax, histograms and cast groups against the facade on the same engine driven from the
+    // host; everything, the sampled nvfp4 blocks and derived amax included, against a second run.
+    expect_calibration_equals_the_facade(o, dev);
+    for (size_t l = 0; l < 2; ++l) {
+      SCOPED_TRACE("layer " + std::to_string(dev.calibration.layers[l].layer));
+      const LayerCalibration &a = dev.calibration.layers[l], &b = again.calibration.layers[l];
+      EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);
+      EXPECT_EQ(a.combine_amax, b.combine_amax);
+      expect_same_statistics(a, b, true);
+      EXPECT_EQ(a.derived.size(), 2u * 3u + 2u * 3u);  // {dispatch, combine} x {fp8, nvfp4} x 3 methods
+      EXPECT_GT(a.dispatch_logfmt.cast, 0u);
+      EXPECT_LT(a.dispatch_logfmt.cast, a.dispatch_logfmt.total);
+      if (bound < kNvfp4SampleElements) {
+        EXPECT_LE(a.combine_nvfp4->num_rows(), 7u);
+        EXPECT_GT(a.combine_nvfp4->num_rows(), 0u);
+      } else {
+        EXPECT_EQ(a.combine_nvfp4->num_elements(), a.combine_hist->total()) << "every row fits the sample";
+      }
+    }
+    expect_same_rows(dev, again);
+    for (const EvalRow& r : dev.rows) {
+      SCOPED_TRACE("layer " + std::to_string(r.layer) + " " + r.recipe);
+      const EvalRow& h = row_of(again, r.layer, r.recipe);
+      EXPECT_EQ(r.calibration, h.calibration);
+      EXPECT_EQ(r.dispatch_cast_fraction, h.dispatch_cast_fraction);
+      EXPECT_EQ(r.combine_cast_fraction, h.combine_cast_fraction);
+      EXPECT_EQ(r.dispatch_wire_bytes_per_token, h.dispatch_wire_bytes_per_token);
+      EXPECT_EQ(r.combine_wire_bytes_per_token, h.combine_wire_bytes_per_token);
+      if (r.recipe == "moe_combine_logfmt10") {
+        EXPECT_TRUE(r.combine_cast_fraction.has_value()) << "the device run reports the cast fraction";
+      }
+    }
+  }
+  std::filesystem::remove_all(file);
+}
+
+// Against the CPU engine: the dispatch side sees the same tokens with the same routing, so its
+// statistics and derived amax are the same bit for bit; the combine side's rows differ within the
+// GEMM tolerance, but not their number.
+TEST(EvalCuda, CalibrationStatisticsOnTheDeviceAgainstTheCpuEngine) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path file = test::unique_temp_path("moefq_acts_cuda_");
+  const auto run = [&](EvalDevice device) {
+    EvalOptions o = small_run(device);
+    use_scaled_activations(o, file);
+    o.recipes = {"moe_dispatch_fp8", "moe_dispatch_nvfp4", "moe_combine_logfmt10"};
+    o.calibration = parse_calibration_methods("percentile:99.99,mse", "--calibration");
+    o.nvfp4_sample_elements = 50 * 1024;
+    return run_eval(o);
+  };
+  const EvalResult dev = run(EvalDevice::kCuda), cpu = run(EvalDevice::kCpu);
+  ASSERT_EQ(dev.calibration.layers.size(), cpu.calibration.layers.size());
+  for (size_t l = 0; l < dev.calibration.layers.size(); ++l) {
+    SCOPED_TRACE("layer " + std::to_string(dev.calibration.layers[l].layer));
+    expect_same_statistics(dev.calibration.layers[l], cpu.calibration.layers[l], false);
+  }
+  for (const EvalRow& r : dev.rows)
+    if (r.dispatch_amax) {
+      SCOPED_TRACE("layer " + std::to_string(r.layer) + " " + r.recipe);
+      EXPECT_EQ(r.dispatch_amax, row_of(cpu, r.layer, r.recipe).dispatch_amax);
+    }
+  std::filesystem::remove_all(file);
 }
 
 TEST(EvalCuda, MemoryPlanRefusesARunThatDoesNotFit) {

@@ -1,4 +1,4 @@
-// The grouped expert GEMMs (cuda/grouped_gemm.cuh) against the CPU engine (engine/expert_cpu.h).
+// The grouped expert GEMMs (engine/cuda/grouped_gemm.cuh) against the CPU engine (engine/expert_cpu.h).
 // Exact suite: inputs whose block dot products are exact in any order (e4m3 small integers,
 // power-of-two scales; down weights with one nonzero per 128-block), so h8, h_scale and the bf16
 // outputs must equal the CPU engine byte for byte, sentinel-filled unused rows included.
@@ -17,9 +17,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "cuda/device_buffer.h"
-#include "cuda/grouped_gemm.cuh"
-#include "cuda/host_api.h"
+#include "cuda_base/device_buffer.h"
+#include "engine/cuda/grouped_gemm.cuh"
+#include "moefq/qdq.h"
 #include "gpu_test.h"
 #include "engine/expert_cpu.h"
 #include "engine/gemm_cpu.h"

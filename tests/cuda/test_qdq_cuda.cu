@@ -6,9 +6,9 @@
 #include <cstring>
 #include <vector>
 
-#include "cuda/cuda_check.h"
-#include "cuda/device_buffer.h"
-#include "cuda/qdq_kernels.cuh"
+#include "cuda_base/cuda_check.h"
+#include "cuda_base/device_buffer.h"
+#include "quant/cuda/qdq_kernels.cuh"
 #include "gpu_test.h"
 #include "moefq/qdq.h"
 #include "test_util.h"

@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_check.h"
-#include "cuda/device_buffer.h"
-#include "cuda/host_api.h"
+#include "cuda_base/cuda_check.h"
+#include "cuda_base/device_buffer.h"
+#include "moefq/qdq.h"
 #include "gpu_test.h"
-#include "cuda/router_kernels.cuh"
+#include "engine/cuda/router_kernels.cuh"
 #include "moefq/errors.h"
 #include "moefq/moe_config.h"
 #include "moefq/router.h"

@@ -3,9 +3,9 @@
 // engine's weight sets, and activations (sink tokens included).
 #include <gtest/gtest.h>
 
-#include "cuda/cuda_check.h"
-#include "cuda/cuda_engine.cuh"
-#include "cuda/synthetic_kernels.cuh"
+#include "cuda_base/cuda_check.h"
+#include "engine/cuda/cuda_engine.cuh"
+#include "engine/cuda/synthetic_kernels.cuh"
 #include "gpu_test.h"
 #include "moefq/synthetic.h"
 #include "test_util.h"

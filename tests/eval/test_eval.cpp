@@ -21,6 +21,8 @@
 #include "moefq/eval.h"
 #include "moefq/errors.h"
 #include "moefq/qdq.h"
+#include "moefq/router.h"
+#include "moefq/safetensors.h"
 #include "moefq/wire_bytes.h"
 #include "test_util.h"
 
@@ -594,8 +596,8 @@ TEST_F(EvalLib, PeersSweepRunsEachPeerInItsWeighting) {
 }
 
 // Calibration methods beyond max: one calibration pass per layer (its histograms hold every
-// dispatch element of the calibration batches), each recipe with a calibrated amax once per
-// method; the max rows are those of a plain run, bit for bit; mse leaves out block formats, said so.
+// dispatch element of the calibration batches, nvfp4's blocks every row when they fit), each recipe
+// with a calibrated amax once per method; the max rows are those of a plain run, bit for bit.
 TEST_F(EvalLib, CalibrationMethodsFromOnePass) {
   o_.layers = {0};
   o_.tokens = 64;
@@ -606,14 +608,12 @@ TEST_F(EvalLib, CalibrationMethodsFromOnePass) {
   EXPECT_EQ(r.setup.calibration, "max, percentile 99.9, mse");
   std::map<std::string, const EvalRow*> rows;
   for (const EvalRow& row : r.rows) rows[row.recipe] = &row;
-  const std::vector<std::string> want = {"moe_combine_nvfp4@max", "moe_combine_nvfp4@p99.9", "moe_dispatch_fp8@max",
-                                         "moe_dispatch_fp8@mse", "moe_dispatch_fp8@p99.9", "moe_dispatch_mxfp8"};
+  const std::vector<std::string> want = {"moe_combine_nvfp4@max", "moe_combine_nvfp4@mse", "moe_combine_nvfp4@p99.9",
+                                         "moe_dispatch_fp8@max",  "moe_dispatch_fp8@mse",  "moe_dispatch_fp8@p99.9",
+                                         "moe_dispatch_mxfp8"};
   std::vector<std::string> have;
   for (const auto& [name, row] : rows) have.push_back(name);
   EXPECT_EQ(have, want);
-  bool said = false;
-  for (const std::string& w : r.warnings) said = said || w.find("no mse rows for moe_combine_nvfp4: nvfp4's error") != std::string::npos;
-  EXPECT_TRUE(said) << ::testing::PrintToString(r.warnings);
 
   ASSERT_EQ(r.calibration.layers.size(), 1u);
   const LayerCalibration& cal = r.calibration.layers[0];
@@ -621,6 +621,11 @@ TEST_F(EvalLib, CalibrationMethodsFromOnePass) {
   EXPECT_EQ(cal.dispatch_hist->total(), uint64_t(o_.calib_batches * o_.ranks * o_.tokens * 256));
   EXPECT_EQ(cal.dispatch_hist->max(), cal.dispatch_amax) << "the histogram and the running max see the same data";
   EXPECT_EQ(cal.combine_hist->max(), cal.combine_amax);
+  // nvfp4's blocks: every calibration row fits the sample, so they hold what the histograms count.
+  ASSERT_TRUE(cal.dispatch_nvfp4 && cal.combine_nvfp4);
+  EXPECT_EQ(cal.dispatch_nvfp4->num_elements(), cal.dispatch_hist->total());
+  EXPECT_EQ(cal.combine_nvfp4->num_elements(), cal.combine_hist->total());
+  EXPECT_NE(*rows["moe_combine_nvfp4@mse"]->combine_amax, cal.combine_amax);
   // Each row's amax is its method's, derived from the histograms.
   for (const auto& [name, side, format] :
        {std::tuple<std::string, int, Format>{"moe_dispatch_fp8@", 0, Format::kFp8}, {"moe_combine_nvfp4@", 1, Format::kNvfp4}})
@@ -632,8 +637,9 @@ TEST_F(EvalLib, CalibrationMethodsFromOnePass) {
       const EvalRow& row = *rows[row_name];
       EXPECT_EQ(row.calibration, method.name());
       const AbsHistogram& h = side == 0 ? *cal.dispatch_hist : *cal.combine_hist;
+      const Nvfp4Blocks* blocks = side == 0 ? cal.dispatch_nvfp4.get() : cal.combine_nvfp4.get();
       const float amax = *(side == 0 ? row.dispatch_amax : row.combine_amax);
-      EXPECT_EQ(amax, derive_amax(h, method, format, "t").amax);
+      EXPECT_EQ(amax, derive_amax(h, method, format, "t", blocks).amax);
     }
   EXPECT_LT(*rows["moe_dispatch_fp8@p99.9"]->dispatch_amax, cal.dispatch_amax);
   EXPECT_GT(*rows["moe_dispatch_fp8@p99.9"]->dispatch_clipped_fraction, 0.0);
@@ -647,13 +653,114 @@ TEST_F(EvalLib, CalibrationMethodsFromOnePass) {
     EXPECT_EQ(rows[name]->combine_amax, p.combine_amax);
   }
   EXPECT_NE(rows["moe_dispatch_fp8@p99.9"]->metrics.rel_l2, rows["moe_dispatch_fp8@max"]->metrics.rel_l2);
-  // The derived list has each (quantizer, method, format) once.
-  EXPECT_EQ(cal.derived.size(), 3u + 2u);
+  // The derived list has each (quantizer, method, format) once; nvfp4's with its error on the rows.
+  EXPECT_EQ(cal.derived.size(), 3u + 3u);
+  for (const DerivedCalibration& d : cal.derived) EXPECT_TRUE(d.amax.rel_error.has_value()) << d.format << " " << d.method;
 
   // What cannot be combined is refused before any work.
   EvalOptions loaded = o_;
   loaded.load_calibration = (root_ / "none.json").string();
   EXPECT_THROW((void)run_eval(loaded), Error);
+}
+
+// The statistics of the calibration pass against the calibration rows counted directly: the dispatch
+// tokens (an activations file whose rows are scaled by 1, 2^-6 and 2^-12, so logfmt10 casts some
+// groups and not others; routed again here) bin by bin, their logfmt10 cast groups group by group,
+// nvfp4's blocks from every row or, with a small bound, from the rows SampleRows keeps; the combine
+// side's totals from the active routed slots.
+TEST_F(EvalLib, CalibrationStatisticsAreTheRowsCountedDirectly) {
+  o_.layers = {0};
+  o_.calib_batches = 2;
+  o_.recipes = {"moe_combine_logfmt10", "moe_dispatch_nvfp4"};
+  o_.calibration = {parse_calibration_method("mse", "t")};
+  RunnerSetup s;
+  s.config = load_hf_config(o_.config_path);
+  s.ranks = o_.ranks;
+  s.tokens = o_.tokens;
+  s.calib_batches = o_.calib_batches;
+  s.eval_batches = o_.eval_batches;
+  s.seed = o_.seed;
+  const int64_t R = s.ranks, T = s.tokens, H = s.config.hidden, K = s.config.top_k;
+  const int64_t N = s.num_tokens();
+  const std::vector<float> raw = synthetic_activations(N, H, 11);
+  std::vector<bf16> x(raw.size());
+  for (int64_t i = 0; i < N * H; ++i)
+    x[size_t(i)] = bf16{bf16_round(std::ldexp(raw[size_t(i)], -6 * int((i / H) % 3)))};
+  SafetensorsWriter acts;
+  acts.add("hidden_states", StDtype::kBF16, {N, H}, {reinterpret_cast<const uint8_t*>(x.data()), x.size() * 2});
+  acts.write((root_ / "acts.safetensors").string());
+  o_.activations_path = (root_ / "acts.safetensors").string();
+  const LayerWeights w = rank_weights(s, 0, 0);
+  AbsHistogram hist;
+  CastGroups cast;
+  std::vector<bf16> sent;          // every dispatch row, in position order
+  std::vector<uint64_t> position;  // [sent rows]
+  uint64_t combine_rows = 0;
+  for (int64_t b = 0; b < s.calib_batches; ++b)
+    for (int64_t r = 0; r < R; ++r) {
+      const bf16* xr = x.data() + (b * R + r) * T * H;
+      const Routing routing = route(s.config, xr, T, w.gate, w.gate_bias);
+      for (int64_t t = 0; t < T; ++t) {
+        int64_t active = 0;
+        for (int64_t k = 0; k < K; ++k) active += routing.topk_idx[size_t(t * K + k)] >= 0 ? 1 : 0;
+        combine_rows += uint64_t(active);
+        if (!active) continue;
+        hist.add(xr + t * H, H);
+        cast.merge(logfmt10_cast_groups(xr + t * H, 1, H));
+        sent.insert(sent.end(), xr + t * H, xr + (t + 1) * H);
+        position.push_back(uint64_t((b * R + r) * T + t));
+      }
+    }
+  const int64_t groups = H % 1024 == 0 ? H / 1024 : (H + 511) / 512;  // logfmt10's cast groups per row
+
+  const EvalResult all = run_eval(o_);
+  ASSERT_EQ(all.calibration.layers.size(), 1u);
+  const LayerCalibration& c = all.calibration.layers[0];
+  ASSERT_TRUE(c.dispatch_hist && c.combine_hist && c.dispatch_nvfp4 && c.combine_nvfp4);
+  EXPECT_EQ(c.dispatch_hist->total(), hist.total());
+  for (int bin = 0; bin < AbsHistogram::kBins; ++bin)
+    ASSERT_EQ(c.dispatch_hist->count(bin), hist.count(bin)) << "bin " << bin;
+  EXPECT_EQ(c.dispatch_logfmt.cast, cast.cast);
+  EXPECT_EQ(c.dispatch_logfmt.total, cast.total);
+  EXPECT_GT(cast.cast, 0u);
+  EXPECT_LT(cast.cast, cast.total) << "the data has groups of both kinds";
+  EXPECT_EQ(c.combine_hist->total(), combine_rows * uint64_t(H));
+  EXPECT_EQ(c.combine_logfmt.total, combine_rows * uint64_t(groups));
+  // The row's figures are the counts'.
+  for (const EvalRow& row : all.rows)
+    if (row.recipe == "moe_combine_logfmt10") {
+      ASSERT_TRUE(row.combine_cast_fraction.has_value());
+      EXPECT_EQ(*row.combine_cast_fraction, c.combine_logfmt.fraction());
+    }
+  const Nvfp4Blocks every(sent.data(), nullptr, int64_t(position.size()), H);
+  EXPECT_EQ(c.dispatch_nvfp4->num_rows(), position.size());
+  EXPECT_EQ(c.combine_nvfp4->num_rows(), combine_rows);
+  for (float a : {0.1f, 1.0f, c.dispatch_amax})
+    EXPECT_EQ(c.dispatch_nvfp4->qdq_squared_error(a), every.qdq_squared_error(a)) << a;
+
+  // A bound of 5 rows: the rows SampleRows keeps of the sent tokens, no others.
+  o_.nvfp4_sample_elements = 5 * H;
+  const EvalResult few = run_eval(o_);
+  const LayerCalibration& f = few.calibration.layers[0];
+  const SampleRows plan = SampleRows::plan(uint64_t(s.calib_batches * R * T), H, 5 * H);
+  std::vector<bf16> kept;
+  for (size_t i = 0; i < position.size(); ++i)
+    if (plan.slot(position[i]) >= 0) kept.insert(kept.end(), sent.begin() + int64_t(i) * H, sent.begin() + int64_t(i + 1) * H);
+  ASSERT_TRUE(f.dispatch_nvfp4 && f.combine_nvfp4);
+  EXPECT_EQ(f.dispatch_nvfp4->num_rows(), kept.size() / size_t(H));
+  EXPECT_GT(f.dispatch_nvfp4->num_rows(), 0u);
+  EXPECT_LE(f.combine_nvfp4->num_rows(), 5u);
+  const Nvfp4Blocks sample(kept.data(), nullptr, int64_t(kept.size()) / H, H);
+  for (float a : {0.1f, 1.0f, f.dispatch_amax}) EXPECT_EQ(f.dispatch_nvfp4->qdq_squared_error(a), sample.qdq_squared_error(a));
+  // The mse row's amax is derived from the sample; the histograms are those of the full run.
+  for (const EvalRow& row : few.rows) {
+    if (row.recipe == "moe_dispatch_nvfp4") {
+      EXPECT_EQ(*row.dispatch_amax, derive_amax(*f.dispatch_hist, o_.calibration[0], Format::kNvfp4, "t", &sample).amax);
+    }
+  }
+  EXPECT_EQ(f.dispatch_hist->total(), hist.total());
+  o_.nvfp4_sample_elements = 0;
+  EXPECT_NE(error_of([&] { run_eval(o_); }).find("nvfp4_sample_elements must be > 0"), std::string::npos);
 }
 
 // moefq calibrate --calibration percentile: the file says so, holds the percentile's amax (no

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "moefq/calibration_stats.h"
@@ -114,14 +115,143 @@ TEST(CalibrationStats, MseIsTheCandidateWithTheLeastQdqErrorOnTheRawData) {
       EXPECT_GT(d.clipped_fraction, 0.0);
     }
   }
-  // nvfp4's error depends on its blocks: refused, naming the alternatives.
-  try {
-    (void)derive_amax(h, m, Format::kNvfp4, "layer 0 combine");
-    FAIL() << "mse on nvfp4 must be refused";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kBadInput);
-    EXPECT_NE(std::string(e.what()).find("use max or percentile"), std::string::npos) << e.what();
+  // nvfp4's error depends on its blocks: without them (or with none holding data) refused, naming
+  // the alternatives.
+  const Nvfp4Blocks empty;
+  for (const Nvfp4Blocks* b : {static_cast<const Nvfp4Blocks*>(nullptr), &empty}) {
+    try {
+      (void)derive_amax(h, m, Format::kNvfp4, "layer 0 combine", b);
+      FAIL() << "mse on nvfp4 without blocks must be refused";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kBadInput);
+      EXPECT_NE(std::string(e.what()).find("use max or percentile"), std::string::npos) << e.what();
+    }
   }
+}
+
+// Rows of nvfp4 blocks at very different scales: most rows Gaussian at 1e-2 .. 1, a few blocks with
+// outliers up to 500, a short last block (H = 200: 12 blocks of 16 and one of 8), zeros.
+std::vector<bf16> block_rows(int64_t rows, int64_t H, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> body(0.0f, 1.0f);
+  std::uniform_real_distribution<float> scale(-2.0f, 0.0f), tail(50.0f, 500.0f);
+  std::vector<bf16> x(size_t(rows * H));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float s = std::pow(10.0f, scale(g));
+    for (int64_t c = 0; c < H; ++c) {
+      float v = body(g) * s;
+      if ((r * H + c) % 1999 == 0) v = tail(g) * (c % 2 ? -1.0f : 1.0f);
+      if ((r * H + c) % 37 == 0) v = 0.0f;
+      x[size_t(r * H + c)] = bf16{bf16_round(v)};
+    }
+  }
+  return x;
+}
+
+// sum (qdq(x) - x)^2 of nvfp4 over rows of H, through qdq_ref on the rows as they are.
+double direct_nvfp4_error(const std::vector<bf16>& x, int64_t H, float amax) {
+  std::vector<float> in(x.size()), out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) in[i] = to_f32(x[i]);
+  qdq_ref(Format::kNvfp4, in.data(), out.data(), int64_t(x.size()) / H, H, amax);
+  double s = 0;
+  for (size_t i = 0; i < in.size(); ++i) s += (double(out[i]) - in[i]) * (double(out[i]) - in[i]);
+  return s;
+}
+
+// nvfp4's mse: the block pairs give qdq_ref's error of every candidate (up to the order of the sums),
+// and the amax is the brute-force search's: every candidate through qdq_ref on the raw rows.
+TEST(CalibrationStats, Nvfp4MseIsTheBruteForceSearchOverTheRowsBlocks) {
+  const int64_t H = 200, rows = 300;
+  const std::vector<bf16> x = block_rows(rows, H, 5);
+  AbsHistogram h;
+  h.add(x.data(), int64_t(x.size()));
+  const Nvfp4Blocks blocks(x.data(), nullptr, rows, H);
+  EXPECT_EQ(blocks.num_rows(), uint64_t(rows));
+  EXPECT_EQ(blocks.num_elements(), x.size());
+  EXPECT_LT(blocks.num_pairs(), x.size()) << "pairs repeat: the reduction counts them";
+  CalibrationMethod m;
+  m.kind = CalibrationMethod::Kind::kMse;
+  float best_amax = 0;
+  double best = INFINITY, ref = 0;
+  for (bf16 v : x) ref += double(to_f32(v)) * to_f32(v);
+  EXPECT_NEAR(blocks.sum_squares(), ref, 1e-12 * ref);
+  for (double k : m.mse_multipliers()) {
+    const float a = float(double(h.max()) * k);
+    const double e = direct_nvfp4_error(x, H, a);
+    EXPECT_NEAR(blocks.qdq_squared_error(a), e, 1e-12 * e) << "amax " << a;
+    if (e < best) {
+      best = e;
+      best_amax = a;
+    }
+  }
+  const DerivedAmax d = derive_amax(h, m, Format::kNvfp4, "t", &blocks);
+  EXPECT_EQ(d.amax, best_amax);
+  EXPECT_NE(d.amax, h.max()) << "this data's outliers make another amax than the max pay";
+  ASSERT_TRUE(d.rel_error.has_value());
+  EXPECT_NEAR(*d.rel_error, std::sqrt(best / ref), 1e-12);
+  EXPECT_EQ(d.clipped_fraction, h.clipped_fraction(d.amax));
+  // max and percentile with the blocks: the same amax as without, and the error on the rows.
+  const DerivedAmax dm = derive_amax(h, CalibrationMethod{}, Format::kNvfp4, "t", &blocks);
+  EXPECT_EQ(dm.amax, h.max());
+  ASSERT_TRUE(dm.rel_error.has_value());
+  EXPECT_NEAR(*dm.rel_error, std::sqrt(direct_nvfp4_error(x, H, h.max()) / ref), 1e-12);
+  EXPECT_FALSE(derive_amax(h, CalibrationMethod{}, Format::kNvfp4, "t").rel_error.has_value());
+}
+
+// Rows marked invalid are left out, and the order the rows come in changes nothing.
+TEST(CalibrationStats, Nvfp4BlocksCountOnlyValidRowsInAnyOrder) {
+  const int64_t H = 64, rows = 40;
+  const std::vector<bf16> x = block_rows(rows, H, 6);
+  std::vector<uint8_t> valid(size_t(rows), 1);
+  std::vector<bf16> kept, reversed(x.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy(x.begin() + r * H, x.begin() + (r + 1) * H, reversed.begin() + (rows - 1 - r) * H);
+    if (r % 3 == 0) {
+      valid[size_t(r)] = 0;
+      continue;
+    }
+    kept.insert(kept.end(), x.begin() + r * H, x.begin() + (r + 1) * H);
+  }
+  const Nvfp4Blocks part(x.data(), valid.data(), rows, H), direct(kept.data(), nullptr, int64_t(kept.size()) / H, H);
+  EXPECT_EQ(part.num_rows(), uint64_t(kept.size() / H));
+  EXPECT_EQ(part.num_elements(), kept.size());
+  const Nvfp4Blocks all(x.data(), nullptr, rows, H), back(reversed.data(), nullptr, rows, H);
+  for (float a : {0.5f, 3.0f, 700.0f}) {
+    EXPECT_EQ(part.qdq_squared_error(a), direct.qdq_squared_error(a));
+    EXPECT_EQ(all.qdq_squared_error(a), back.qdq_squared_error(a)) << "bit for bit, whatever the order";
+    EXPECT_NE(part.qdq_squared_error(a), all.qdq_squared_error(a));
+  }
+}
+
+// The row sample: a bijection of the positions onto the slots, keeping exactly min(N, S) rows, all
+// of them when they fit; a multiplier that divides N is passed over; N >= 2^32 is refused.
+TEST(CalibrationStats, SampleRowsKeepABoundedSpreadOfThePositions) {
+  for (const auto& [n, cols, max_elements] : {std::tuple<uint64_t, int64_t, int64_t>{1000, 10, 1 << 20},
+                                              {1000, 10, 1000}, {4096, 256, 8 * 256}, {7, 100, 1}, {1, 8, 8}}) {
+    SCOPED_TRACE(std::to_string(n) + " positions, " + std::to_string(max_elements / cols) + " rows");
+    const SampleRows s = SampleRows::plan(n, cols, max_elements);
+    EXPECT_EQ(s.num_slots, std::min<uint64_t>(n, std::max<int64_t>(1, max_elements / cols)));
+    std::vector<int> hits(size_t(s.num_slots), 0);
+    uint64_t kept = 0, first_half = 0;
+    for (uint64_t p = 0; p < n; ++p) {
+      const int64_t j = s.slot(p);
+      if (j < 0) continue;
+      ASSERT_LT(uint64_t(j), s.num_slots);
+      ++hits[size_t(j)];
+      ++kept;
+      first_half += p < n / 2 ? 1u : 0u;
+    }
+    EXPECT_EQ(kept, s.num_slots);
+    EXPECT_EQ(std::count(hits.begin(), hits.end(), 1), int64_t(s.num_slots));
+    // Spread: a sample of 8 of 4096 rows is not the first 8.
+    if (s.num_slots >= 8 && s.num_slots < n) {
+      EXPECT_GT(first_half, 0u);
+      EXPECT_LT(first_half, kept);
+    }
+  }
+  EXPECT_NE(SampleRows::plan(2654435761ull, 16).multiplier, 2654435761ull);
+  EXPECT_NE(SampleRows::plan(2654435761ull, 16).multiplier % 2654435761ull, 0u);
+  EXPECT_THROW((void)SampleRows::plan(uint64_t(1) << 32, 16), Error);
 }
 
 TEST(CalibrationStats, Fp32DataIsCountedAsBf16AndNonFiniteApart) {

@@ -9,12 +9,13 @@
 #include <cstring>
 #include <future>
 
-#include "cuda/cuda_check.h"
-#include "cuda/host_api.h"
-#include "cuda/cuda_engine.cuh"
-#include "cuda/device_buffer.h"
-#include "cuda/router_kernels.cuh"
-#include "cuda/synthetic_kernels.cuh"
+#include "cuda_base/cuda_check.h"
+#include "moefq/cuda_device.h"
+#include "engine/cuda/cuda_engine.cuh"
+#include "cuda_base/device_buffer.h"
+#include "engine/cuda/router_kernels.cuh"
+#include "engine/cuda/synthetic_kernels.cuh"
+#include "eval/cuda/calibration_kernels.cuh"
 #include "eval/cuda/eval_kernels.cuh"
 #include "eval/layer_runner.h"
 #include "fakequant/cuda/cuda_fake_quant.cuh"
@@ -130,7 +131,8 @@ class DeviceRunner final : public LayerRunner {
   void load(int64_t layer, bool need_calibration) override {
     const MoeConfig& c = s_.config;
     const int64_t R = s_.ranks, T = s_.tokens, H = c.hidden, K = c.top_k;
-    fq_.reset();  // the previous layer's engine goes before this one's is made
+    fq_ = nullptr;
+    cuda_fq_.reset();  // the previous layer's engine goes before this one's is made
     std::unique_ptr<LayerEngine> le = next_ && next_->layer == layer ? std::move(next_) : make_engine(layer, stream_);
     next_.reset();
     MOEFQ_CUDA_CHECK(cudaStreamWaitEvent(stream_, le->ready, 0));
@@ -151,7 +153,8 @@ class DeviceRunner final : public LayerRunner {
         launch_route(c, x_of(b, r), T, gate_.get(), c.noaux_tc ? bias_.get() : nullptr, nullptr, route_ws_.get(),
                      idx_.get() + slot(b, r) * T * K, wts_.get() + slot(b, r) * T * K, stream_);
     model_ = std::move(le->model);
-    fq_ = make_fake_quant_moe(std::move(le->engine), layer);
+    cuda_fq_ = std::make_unique<CudaFakeQuantMoe>(std::move(le->engine), layer);
+    fq_ = &cuda_fq_->layer();
     // The shared expert on the unquantized x of the evaluation batches, as the model runs it.
     if (c.num_shared > 0)
       for (int i = 0; i < s_.eval_batches; ++i)
@@ -178,7 +181,71 @@ class DeviceRunner final : public LayerRunner {
   bool layout_checked(int64_t r) const override { return fq_->layout_checked(r); }
 
   LayerCalibration calibrate() override {
-    return calibrate_with(*fq_, s_.calib_batches, [&](int b) { fq_->forward(views(b), stream_); });
+    const bool stats = s_.calibration_stats, sample = s_.nvfp4_sample_elements > 0;
+    if (!stats && !sample)
+      return calibrate_with(*fq_, s_.calib_batches, [&](int b) { fq_->forward(views(b), stream_); });
+    // The statistics the CPU runner derives from its observer, collected here on the device after
+    // each forward, from the same rows (the tokens and routing held, the engine's combine rows), and
+    // brought back once at the end.
+    const int64_t H = s_.config.hidden;
+    constexpr size_t kHist = size_t(AbsHistogram::kBins) + 1;  // the bins, then the non-finite count
+    DeviceBuffer<unsigned long long> hist, cast;                // [2][kHist], [2][cast, total]
+    if (stats) {
+      hist = DeviceBuffer<unsigned long long>(2 * kHist);
+      cast = DeviceBuffer<unsigned long long>(4);
+      MOEFQ_CUDA_CHECK(cudaMemsetAsync(hist.get(), 0, hist.bytes(), stream_));
+      MOEFQ_CUDA_CHECK(cudaMemsetAsync(cast.get(), 0, cast.bytes(), stream_));
+    }
+    SampleRows plan[2];
+    DeviceBuffer<bf16> rows[2];
+    DeviceBuffer<uint8_t> valid[2];
+    if (sample)
+      for (int which = 0; which < 2; ++which) {
+        plan[which] = nvfp4_sample_rows(s_, which);
+        rows[which] = DeviceBuffer<bf16>(size_t(plan[which].num_slots) * size_t(H));
+        valid[which] = DeviceBuffer<uint8_t>(size_t(plan[which].num_slots));
+        MOEFQ_CUDA_CHECK(cudaMemsetAsync(valid[which].get(), 0, valid[which].bytes(), stream_));
+      }
+    LayerCalibration c = calibrate_with(*fq_, s_.calib_batches, [&](int b) {
+      fq_->forward(views(b), stream_);
+      for (int64_t r = 0; r < s_.ranks; ++r)
+        for (int which = 0; which < 2; ++which) {
+          const CalibrationRows in = calibration_rows(b, r, which);
+          if (stats) {
+            launch_abs_histogram(in, hist.get() + which * kHist, hist.get() + which * kHist + AbsHistogram::kBins,
+                                 stream_);
+            launch_logfmt10_cast_groups(in, cast.get() + 2 * which, stream_);
+          }
+          if (sample)
+            launch_sample_rows(in, uint64_t((int64_t(b) * s_.ranks + r) * s_.tokens), plan[which], rows[which].get(),
+                               valid[which].get(), stream_);
+        }
+    });
+    MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (stats) {
+      const std::vector<unsigned long long> h = hist.download(), g = cast.download();
+      std::shared_ptr<AbsHistogram> side[2];
+      for (int which = 0; which < 2; ++which) {
+        side[which] = std::make_shared<AbsHistogram>();
+        const std::vector<uint64_t> counts(h.begin() + which * kHist, h.begin() + (which + 1) * kHist);
+        side[which]->add_counts(counts.data(), counts[AbsHistogram::kBins]);
+      }
+      c.dispatch_hist = side[0];
+      c.combine_hist = side[1];
+      c.dispatch_logfmt = CastGroups{g[0], g[1]};
+      c.combine_logfmt = CastGroups{g[2], g[3]};
+    }
+    if (sample) {
+      std::shared_ptr<const Nvfp4Blocks> blocks[2];
+      for (int which = 0; which < 2; ++which) {
+        const std::vector<bf16> x = rows[which].download();
+        const std::vector<uint8_t> v = valid[which].download();
+        blocks[which] = std::make_shared<Nvfp4Blocks>(x.data(), v.data(), int64_t(plan[which].num_slots), H);
+      }
+      c.dispatch_nvfp4 = blocks[0];
+      c.combine_nvfp4 = blocks[1];
+    }
+    return c;
   }
 
   EvalPassStats evaluate(const std::vector<RecipeStep>& steps, float dispatch_amax, float combine_amax,
@@ -242,6 +309,25 @@ class DeviceRunner final : public LayerRunner {
   // Batch b's rank r: its index among the batches held, its tokens.
   int64_t slot(int b, int64_t r) const { return int64_t(b - b0_) * s_.ranks + r; }
   const bf16* x_of(int b, int64_t r) const { return acts_.get() + slot(b, r) * s_.tokens * s_.config.hidden; }
+
+  // The rows quantizer `which` (0 dispatch, 1 combine) of rank r saw in calibration batch b's
+  // forward: the batch's tokens, or the combine rows the engine left in the rank's buffer.
+  CalibrationRows calibration_rows(int b, int64_t r, int which) {
+    const int64_t T = s_.tokens, H = s_.config.hidden, K = s_.config.top_k;
+    CalibrationRows in;
+    in.topk_idx = idx_.get() + slot(b, r) * T * K;
+    in.num_tokens = T;
+    in.top_k = K;
+    in.hidden = H;
+    if (which == 0) {
+      in.rows = x_of(b, r);
+    } else {
+      CudaEngine& e = cuda_fq_->engine();
+      in.rows = reinterpret_cast<const bf16*>(e.buffer(e.first_rank() + r) + cuda_fq_->combine_offset());
+      in.slot_stride = e.max_tokens() * H;
+    }
+    return in;
+  }
 
   std::vector<DeviceBatch> views(int b) {
     const int64_t T = s_.tokens, H = s_.config.hidden, K = s_.config.top_k;
@@ -313,7 +399,10 @@ class DeviceRunner final : public LayerRunner {
   std::future<std::vector<LayerWeights>> next_host_;
   int64_t next_host_layer_ = -1;
   int b0_ = 0;  // the first batch held (0, or the first evaluation batch with a loaded calibration)
-  std::unique_ptr<FakeQuantMoe> fq_;
+  // The layer: its CUDA face (the engine and its combine rows, for the calibration statistics),
+  // and the facade every call goes through.
+  std::unique_ptr<CudaFakeQuantMoe> cuda_fq_;
+  FakeQuantMoe* fq_ = nullptr;
   std::unique_ptr<DeviceSyntheticLayer> model_;
   std::unique_ptr<LayerEngine> next_;
   DeviceBuffer<bf16> acts_;       // [batches held][R][T][H]

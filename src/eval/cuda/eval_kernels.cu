@@ -1,6 +1,6 @@
 #include "eval/cuda/eval_kernels.cuh"
 
-#include "cuda/cuda_check.h"
+#include "cuda_base/cuda_check.h"
 
 namespace moefq::cuda {
 namespace {

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "cuda/cuda_check.h"
+#include "cuda_base/cuda_check.h"
 
 namespace moefq::cuda {
 namespace {

@@ -1,17 +1,17 @@
 // The CUDA implementation of FakeQuantMoe: the shared fake-quantization driver over device
 // primitives (kernels and their launches on the caller's stream), the CudaFakeQuantMoe face on it,
-// and its registration as FakeQuantMoe::make's CUDA factory.
+// and its registration as FakeQuantMoe::make's CUDA factory (cuda.h's register_cuda_backends).
 #include "fakequant/cuda/cuda_fake_quant.cuh"
 
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 
-#include "cuda/combine_kernels.cuh"
-#include "cuda/cuda_check.h"
-#include "cuda/host_api.h"
-#include "cuda/qdq_kernels.cuh"
+#include "cuda_base/cuda_check.h"
+#include "engine/cuda/combine_kernels.cuh"
 #include "fakequant/cuda/add_shared_kernels.cuh"
+#include "moefq/cuda.h"
+#include "quant/cuda/qdq_kernels.cuh"
 #include "fakequant/fake_quant_driver.h"
 #include "moefq/errors.h"
 

@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_engine.cuh"
-#include "cuda/device_buffer.h"
+#include "cuda_base/device_buffer.h"
+#include "engine/cuda/cuda_engine.cuh"
 #include "moefq/fake_quant_moe.h"
 #include "moefq/moe_quantizers.h"
 

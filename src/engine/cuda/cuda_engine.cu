@@ -1,16 +1,16 @@
-#include "cuda/cuda_engine.cuh"
+#include "engine/cuda/cuda_engine.cuh"
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
-#include "cuda/combine_kernels.cuh"
-#include "cuda/cuda_check.h"
-#include "cuda/device_buffer.h"
-#include "cuda/grouped_gemm.cuh"
-#include "cuda/pdl.cuh"
-#include "cuda/qdq_kernels.cuh"
-#include "cuda/warp_scan.cuh"
+#include "engine/cuda/combine_kernels.cuh"
+#include "cuda_base/cuda_check.h"
+#include "cuda_base/device_buffer.h"
+#include "engine/cuda/grouped_gemm.cuh"
+#include "cuda_base/pdl.cuh"
+#include "quant/cuda/qdq_kernels.cuh"
+#include "cuda_base/warp_scan.cuh"
 #include "moefq/errors.h"
 
 namespace moefq::cuda {
@@ -324,7 +324,7 @@ GroupedGemmArgs gemm_args(const ExpertPass& p, Staging st, WeightFormat f, int64
   return g;
 }
 
-// pdl: the stream's previous operation is a kernel (cuda/pdl.cuh); so is each GEMM for the next.
+// pdl: the stream's previous operation is a kernel (cuda_base/pdl.cuh); so is each GEMM for the next.
 void run_pass(const ExpertPass& p, int64_t H, std::optional<float> clamp, WeightFormat f, Staging st,
               cudaStream_t stream, bool pdl) {
   const int64_t I = p.set->inter;

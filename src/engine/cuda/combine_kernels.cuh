@@ -37,7 +37,7 @@ struct CombineRows {
 // docs/engine.md's combine: y[t] = bf16(fp32 sum from +0 of the active routed rows (each times its
 // router weight when topk_weights is set) in ascending slot order, then the fused shared row,
 // never weighted). y: [num_tokens, H] bf16, 16-byte aligned. Rows of inactive slots are never read.
-// pdl: launched as a programmatic dependent of the stream's previous kernel (cuda/pdl.cuh).
+// pdl: launched as a programmatic dependent of the stream's previous kernel (cuda_base/pdl.cuh).
 void launch_combine(const CombineRows& rows, bf16* y, cudaStream_t stream, bool pdl = false);
 
 // Device-side record of the layout check (one per buffer/rank); reset_check_record sets it to

@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/cuda_check.h"
+#include "cuda_base/cuda_check.h"
 
 namespace moefq::cuda {
 

@@ -4,7 +4,6 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/host_api.h"
 #include "moefq/errors.h"
 
 #define MOEFQ_CUDA_CHECK(call)                                                                  \

@@ -1,6 +1,6 @@
-#include "cuda/synthetic_kernels.cuh"
+#include "engine/cuda/synthetic_kernels.cuh"
 
-#include "cuda/cuda_check.h"
+#include "cuda_base/cuda_check.h"
 #include "engine/synthetic_rules.h"
 
 namespace moefq::cuda {

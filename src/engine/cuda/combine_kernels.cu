@@ -1,11 +1,11 @@
-#include "cuda/combine_kernels.cuh"
+#include "engine/cuda/combine_kernels.cuh"
 
 #include <algorithm>
 #include <type_traits>
 
-#include "cuda/cuda_check.h"
-#include "cuda/pdl.cuh"
-#include "cuda/qdq_rules.cuh"
+#include "cuda_base/cuda_check.h"
+#include "cuda_base/pdl.cuh"
+#include "quant/cuda/qdq_rules.cuh"
 
 namespace moefq::cuda {
 namespace {

@@ -20,7 +20,7 @@
 #include <cstring>
 #include <utility>
 
-#include "cuda/cuda_check.h"
+#include "cuda_base/cuda_check.h"
 
 namespace moefq::cuda {
 

@@ -1,9 +1,9 @@
-#include "cuda/qdq_kernels.cuh"
+#include "quant/cuda/qdq_kernels.cuh"
 
 #include <algorithm>
 
-#include "cuda/cuda_check.h"
-#include "cuda/qdq_rules.cuh"
+#include "cuda_base/cuda_check.h"
+#include "quant/cuda/qdq_rules.cuh"
 #include "moefq/numerics.h"
 
 namespace moefq::cuda {

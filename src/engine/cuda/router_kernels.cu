@@ -7,9 +7,9 @@
 //     and stores the scores token-minor, [E][n_pad].
 //  2. router_select_kernel: one thread per token runs router_rules::route_scores, the very code
 //     the CPU router runs (softmax, groups, top-k, weights).
-#include "cuda/router_kernels.cuh"
+#include "engine/cuda/router_kernels.cuh"
 
-#include "cuda/cuda_check.h"
+#include "cuda_base/cuda_check.h"
 #include "engine/router_rules.h"
 
 namespace moefq::cuda {

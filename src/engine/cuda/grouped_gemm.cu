@@ -59,7 +59,7 @@
 //   same portable binary32 operations, so the same bits as calling it here). Computing it (an exp
 //   and an IEEE division whose slow-path branch per value keeps the compiler from interleaving a
 //   thread's values) would be most of the epilogue's cost.
-#include "cuda/grouped_gemm.cuh"
+#include "engine/cuda/grouped_gemm.cuh"
 
 #include <cuda.h>  // CUtensorMap and its encoder's types only: the encoder comes from the runtime
 
@@ -67,10 +67,10 @@
 #include <mutex>
 #include <vector>
 
-#include "cuda/cuda_check.h"
-#include "cuda/gemm_sm90.cuh"
-#include "cuda/pdl.cuh"
-#include "cuda/warp_scan.cuh"
+#include "cuda_base/cuda_check.h"
+#include "engine/cuda/gemm_sm90.cuh"
+#include "cuda_base/pdl.cuh"
+#include "cuda_base/warp_scan.cuh"
 #include "moefq/errors.h"
 
 namespace moefq::cuda {

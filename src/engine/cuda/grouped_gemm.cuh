@@ -48,7 +48,7 @@ struct GroupedGemmArgs {
   const void* b_all = nullptr;
   const float* b_scale_all = nullptr;
   int64_t a_rows = 0;
-  // Launched as a programmatic dependent of the stream's previous kernel (cuda/pdl.cuh): set it
+  // Launched as a programmatic dependent of the stream's previous kernel (cuda_base/pdl.cuh): set it
   // only where that operation is a kernel.
   bool pdl = false;
 };

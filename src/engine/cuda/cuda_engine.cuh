@@ -21,8 +21,8 @@
 #include <span>
 #include <vector>
 
-#include "cuda/device_buffer.h"
-#include "cuda/rank_link.h"
+#include "cuda_base/device_buffer.h"
+#include "engine/cuda/rank_link.h"
 #include "moefq/buffer_layout.h"
 #include "moefq/cpu_engine.h"
 

@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "cuda/cuda_engine.cuh"
-#include "cuda/device_buffer.h"
+#include "engine/cuda/cuda_engine.cuh"
+#include "cuda_base/device_buffer.h"
 #include "moefq/synthetic.h"
 
 namespace moefq::cuda {

@@ -150,15 +150,17 @@ inline const char* kSmallConfigJson = R"({"hidden_size": 256, "moe_intermediate_
   "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
   "scoring_func": "sigmoid", "norm_topk_prob": true, "topk_method": "noaux_tc"})";
 
-// small_config()'s checkpoint: config.json and one model.safetensors with the e4m3 synthetic
-// weights of each layer (layer -> weight seed).
-inline void write_checkpoint(const std::filesystem::path& dir, const std::map<int64_t, uint64_t>& layer_seeds) {
+// small_config()'s checkpoint: config.json and one model.safetensors with the synthetic weights of
+// each layer (layer -> weight seed), e4m3 with block scales (as DeepSeek-V3 ships them) or bf16 (as
+// Qwen3-MoE and most MoE models do).
+inline void write_checkpoint(const std::filesystem::path& dir, const std::map<int64_t, uint64_t>& layer_seeds,
+                             WeightFormat format = WeightFormat::kE4m3) {
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "config.json") << kSmallConfigJson;
   const MoeConfig cfg = small_config();
   FakeCheckpoint ckpt;
   for (const auto& [layer, seed] : layer_seeds)
-    ckpt.add_layer(cfg, synthetic_weights(cfg, WeightFormat::kE4m3, seed, 0, cfg.num_experts), layer);
+    ckpt.add_layer(cfg, synthetic_weights(cfg, format, seed, 0, cfg.num_experts), layer);
   ckpt.write(dir.string(), /*with_index=*/false);
 }
 

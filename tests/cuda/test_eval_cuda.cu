@@ -183,6 +183,68 @@ TEST(EvalCuda, CheckpointLayersThroughPinnedStagingEqualTheHostPath) {
   std::filesystem::remove_all(dir);
 }
 
+// A bf16 checkpoint (as Qwen3-MoE, Mixtral, OLMoE and GLM-4.5 ship their experts) evaluated on the
+// GPU, device-resident, under `staging`: bf16 weight sets filled through the pinned staging
+// buffers. Against the host pipeline on the same CUDA engine (the same weights and kernels): every
+// figure within fp64 reduction order; against the CPU engine: the routing and the dispatch amax
+// identical, the rest within the GEMM tolerance of expect_close_to_the_cpu_engine.
+void expect_bf16_checkpoint_on_the_device(Staging staging) {
+  const std::filesystem::path dir = test::unique_temp_path("moefq_ckpt_bf16_cuda_");
+  test::write_checkpoint(dir, {{1, 7}, {2, 8}}, WeightFormat::kBf16);
+  const auto run = [&](EvalDevice device, const std::string& backend) {
+    EvalOptions o = small_run(device, backend);
+    o.checkpoint_dir = dir.string();
+    o.layers = {1, 2};
+    o.ranks = 2;
+    o.tokens = 32;
+    o.staging = staging;
+    return run_eval(o);
+  };
+  const EvalResult dev = run(EvalDevice::kCuda, "mega_moe");
+  const EvalResult same = run(EvalDevice::kCpu, "mega_moe_cuda");
+  const EvalResult cpu = run(EvalDevice::kCpu, "mega_moe");
+  EXPECT_NE(dev.setup.weights_source.find("(bf16)"), std::string::npos) << dev.setup.weights_source;
+  EXPECT_EQ(dev.setup.staging, staging);
+  EXPECT_NE(dev.memory.describe().find("expert weights (bf16"), std::string::npos) << dev.memory.describe();
+  ASSERT_EQ(dev.calibration.layers.size(), 2u);
+  ASSERT_EQ(cpu.calibration.layers.size(), 2u);
+  for (size_t l = 0; l < 2; ++l) {
+    const LayerCalibration &a = dev.calibration.layers[l], &b = same.calibration.layers[l], &c = cpu.calibration.layers[l];
+    EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);
+    EXPECT_EQ(a.combine_amax, b.combine_amax);
+    EXPECT_EQ(a.dispatch_amax, c.dispatch_amax);
+    EXPECT_EQ(a.dispatch_rank_amax, c.dispatch_rank_amax);
+    EXPECT_TRUE(close(a.combine_amax, c.combine_amax, 2e-2)) << a.combine_amax << " vs " << c.combine_amax;
+  }
+  expect_same_rows(dev, same);
+  ASSERT_EQ(dev.rows.size(), cpu.rows.size());
+  for (const EvalRow& a : dev.rows) {
+    SCOPED_TRACE("layer " + std::to_string(a.layer) + " " + a.recipe);
+    const EvalRow& c = row_of(cpu, a.layer, a.recipe);
+    EXPECT_EQ(a.layout_check, c.layout_check);
+    if (a.recipe == "none") {
+      EXPECT_EQ(a.metrics.rel_l2, 0.0);
+      continue;
+    }
+    EXPECT_GT(a.metrics.rel_l2, 0.0);  // a recipe that quantizes changes the output
+    EXPECT_TRUE(close(a.metrics.rel_l2, c.metrics.rel_l2, 0.1)) << a.metrics.rel_l2 << " vs " << c.metrics.rel_l2;
+    EXPECT_TRUE(close(a.rel_l2_token_p50, c.rel_l2_token_p50, 0.1));
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// Staging none, the default for a bf16 checkpoint: bf16 x bf16 GEMMs.
+TEST(EvalCuda, Bf16CheckpointStagingNoneOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  expect_bf16_checkpoint_on_the_device(Staging::kNone);
+}
+
+// The FP8 Mega-MoE staging over bf16 weights: e4m3 activations x bf16 weights.
+TEST(EvalCuda, Bf16CheckpointStagingE4m3OnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  expect_bf16_checkpoint_on_the_device(Staging::kE4m3);
+}
+
 // A checkpoint layer read for the GPU on the calling thread tells its progress like the host
 // runner's: the experts read so far of the 2 ranks x (4 routed + the shared one).
 TEST(EvalCuda, CheckpointReadTellsTheExpertsRead) {

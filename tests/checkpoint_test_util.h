@@ -1,16 +1,19 @@
 // Checkpoints written by the tests: one MoE layer of a Hugging Face checkpoint (model.safetensors,
 // or two shards and model.safetensors.index.json) from LayerWeights, under either tensor naming
 // the loader reads (spelled out here, independently of src/engine/checkpoint.cpp), editable before
-// it is written to produce each kind of bad checkpoint; and a small DeepSeek-V3-format checkpoint
-// directory (config.json and one model.safetensors) holding the synthetic weights of the layers
-// asked for.
+// it is written to produce each kind of bad checkpoint; MXFP4 experts with their own decode; and a
+// small DeepSeek-V3-format checkpoint directory (config.json and one model.safetensors) holding the
+// synthetic weights of the layers asked for.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -29,6 +32,11 @@ struct TensorNaming {
   // Mixtral: w1 is the gate, w3 the up and w2 the down projection.
   static TensorNaming block_sparse_moe() { return {"block_sparse_moe", "w1", "w3", "w2"}; }
 };
+
+// "<weight name minus .weight>" + suffix: the name of a tensor beside a weight (its scales).
+inline std::string beside(const std::string& weight_name, const std::string& suffix) {
+  return weight_name.substr(0, weight_name.size() - std::string(".weight").size()) + suffix;
+}
 
 struct Tensor {
   StDtype dtype;
@@ -130,6 +138,93 @@ struct FakeCheckpoint {
     std::ofstream(dir + "/model.safetensors.index.json") << index;
   }
 };
+
+// MXFP4 test data: a [rows, cols] weight as a checkpoint stores it (packed e2m1 pairs, element 2j
+// of a row in the low nibble of byte j; one ue8m0 scale per 32 elements of a row) and its values,
+// decoded here independently of src/engine/weights.cpp: the eight e2m1 magnitudes and ldexp.
+struct Mxfp4Matrix {
+  int64_t rows = 0, cols = 0;
+  std::vector<uint8_t> packed, scales;
+
+  // Random nibbles (every code, +-0 included) and scale codes in [118, 130] (2^-9 .. 2^3).
+  static Mxfp4Matrix random(int64_t rows, int64_t cols, uint64_t seed) {
+    Mxfp4Matrix m;
+    m.rows = rows;
+    m.cols = cols;
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+    const auto next = [&x] {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      return x;
+    };
+    m.packed.resize(size_t(rows * cols / 2));
+    m.scales.resize(size_t(rows * cols / 32));
+    for (uint8_t& b : m.packed) b = uint8_t(next());
+    for (uint8_t& s : m.scales) s = uint8_t(118 + next() % 13);
+    return m;
+  }
+
+  static float e2m1_value(uint8_t nibble) {
+    static const float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float v = kMagnitude[nibble & 7];
+    return (nibble & 8) ? -v : v;
+  }
+
+  // The values in bf16: exact by construction (2 significant bits), checked.
+  std::vector<bf16> decoded() const {
+    std::vector<bf16> out(size_t(rows * cols));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t byte = packed[size_t(r * cols / 2 + c / 2)];
+        const uint8_t nibble = c % 2 == 0 ? uint8_t(byte & 0x0F) : uint8_t(byte >> 4);
+        const float v = std::ldexp(e2m1_value(nibble), int(scales[size_t(r * cols / 32 + c / 32)]) - 127);
+        uint32_t bits;
+        std::memcpy(&bits, &v, 4);
+        if ((bits & 0xFFFFu) != 0) throw std::logic_error("Mxfp4Matrix: a value not exact in bf16");
+        out[size_t(r * cols + c)].bits = uint16_t(bits >> 16);
+      }
+    return out;
+  }
+};
+
+// One layer of MXFP4 experts (routed and shared) under `naming`, as DeepSeek-V4 stores them:
+// `<proj>.weight` packed values and `<proj>.scale` ue8m0 scales; the gate weights U8 with F8_E8M0
+// scales, the up weights I8 with F8_E8M0 scales, the down weights U8 with U8 scales (every dtype
+// the loader accepts). The router is synthetic_weights(cfg, kBf16, seed)'s. Returns the checkpoint
+// and, in `expected`, the layer as the loader must give it (bf16, the values decoded here).
+inline FakeCheckpoint mxfp4_checkpoint(const MoeConfig& cfg, uint64_t seed, int64_t layer, LayerWeights& expected,
+                                       TensorNaming naming = TensorNaming::mlp()) {
+  FakeCheckpoint c;
+  c.naming = naming;
+  expected = synthetic_weights(cfg, WeightFormat::kBf16, seed, 0, cfg.num_experts);
+  c.add_layer(cfg, expected, layer);  // the router and the bias; the experts are replaced below
+  const int64_t H = cfg.hidden;
+  uint64_t salt = seed * 1000;
+  const auto add_expert = [&](const std::string& prefix, int64_t I, ExpertWeights& w, int shard) {
+    const Mxfp4Matrix gate = Mxfp4Matrix::random(I, H, ++salt), up = Mxfp4Matrix::random(I, H, ++salt),
+                      down = Mxfp4Matrix::random(H, I, ++salt);
+    const auto put = [&](const std::string& proj, const Mxfp4Matrix& m, StDtype wd, StDtype sd) {
+      c.erase(prefix + proj + ".weight_scale_inv");
+      c.add(prefix + proj + ".weight", wd, {m.rows, m.cols / 2}, m.packed, shard);
+      c.add(prefix + proj + ".scale", sd, {m.rows, m.cols / 32}, m.scales, shard);
+    };
+    put(c.naming.gate, gate, StDtype::kU8, StDtype::kF8E8M0);
+    put(c.naming.up, up, StDtype::kI8, StDtype::kF8E8M0);
+    put(c.naming.down, down, StDtype::kU8, StDtype::kU8);
+    w.format = WeightFormat::kBf16;
+    w.gate_up_bf16 = gate.decoded();
+    const std::vector<bf16> u = up.decoded();
+    w.gate_up_bf16.insert(w.gate_up_bf16.end(), u.begin(), u.end());
+    w.down_bf16 = down.decoded();
+  };
+  const std::string m = c.moe();
+  for (int64_t e = 0; e < cfg.num_experts; ++e)
+    add_expert(m + "experts." + std::to_string(e) + ".", cfg.intermediate, expected.experts[size_t(e)],
+               e < cfg.num_experts / 2 ? 1 : 2);
+  if (cfg.num_shared > 0) add_expert(m + "shared_experts.", cfg.intermediate * cfg.num_shared, expected.shared[0], 2);
+  return c;
+}
 
 inline MoeConfig small_config() {
   MoeConfig c;

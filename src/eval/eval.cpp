@@ -249,12 +249,13 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
     // device takes either format.
     WeightFormat f = WeightFormat::kE4m3;
     try {
-      f = check_checkpoint_layers(p.runner.checkpoint_dir, s.layers, s.config);
+      f = check_checkpoint_layers(p.runner.checkpoint_dir, s.layers, s.config, &p.runner.stored_format);
     } catch (const Error& e) {
       throw Error(e.kind(), "--checkpoint " + p.runner.checkpoint_dir + ": " + e.what());
     }
     p.runner.weight_format = f;
-    s.weights_source += std::string(" (") + weight_format_name(f) + ")";
+    s.weights_source += std::string(" (") + stored_weight_format_name(p.runner.stored_format) +
+                        (p.runner.stored_format == StoredWeightFormat::kMxfp4 ? ", decoded to bf16 at load)" : ")");
   }
 
   p.runner.config = s.config;
@@ -356,8 +357,10 @@ void prepare(const EvalOptions& o, bool with_recipes, Prepared& p) {
   s.combine_weighting = weighting.value_or(CombineWeighting::kBefore);
   p.runner.combine_weighting = s.combine_weighting;
   // The baseline: as the model is served unless --staging says otherwise.
-  s.staging = o.staging.value_or(default_staging(
-      s.config, p.runner.checkpoint_dir.empty() ? std::nullopt : std::optional(p.runner.weight_format)));
+  // An MXFP4 checkpoint's staging follows its architecture (DeepSeek-V4: e4m3), not its bf16 decode.
+  const bool own_format = !p.runner.checkpoint_dir.empty() && p.runner.stored_format != StoredWeightFormat::kMxfp4;
+  s.staging = o.staging.value_or(
+      default_staging(s.config, own_format ? std::optional(p.runner.weight_format) : std::nullopt));
   p.runner.staging = s.staging;
 }
 

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include <filesystem>
+#include <fstream>
 
 #include "checkpoint_test_util.h"
 #include "cli/cli_test_util.h"
@@ -243,6 +244,51 @@ TEST(EvalCuda, Bf16CheckpointStagingNoneOnTheDevice) {
 TEST(EvalCuda, Bf16CheckpointStagingE4m3OnTheDevice) {
   SKIP_WITHOUT_GPU();
   expect_bf16_checkpoint_on_the_device(Staging::kE4m3);
+}
+
+// An MXFP4 checkpoint on the GPU: decoded to bf16 on the host at load and copied in as bf16 weight
+// sets, under either staging it gives exactly what the bf16 checkpoint of its decoded values gives
+// there (the decode is exact: the same weights, the same engine), and what the host pipeline on
+// the same CUDA engine gives.
+TEST(EvalCuda, Mxfp4CheckpointOnTheDeviceEqualsItsDecodedBf16) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path mx = test::unique_temp_path("moefq_ckpt_mxfp4_cuda_"),
+                              bf = test::unique_temp_path("moefq_ckpt_mxfp4_bf16_cuda_");
+  const MoeConfig cfg = test::small_config();
+  LayerWeights decoded;
+  for (const std::filesystem::path& d : {mx, bf}) {
+    std::filesystem::create_directories(d);
+    std::ofstream(d / "config.json") << test::kSmallConfigJson;
+  }
+  test::mxfp4_checkpoint(cfg, 21, 1, decoded).write(mx.string());
+  test::FakeCheckpoint::from(cfg, decoded, false, test::TensorNaming::mlp(), 1).write(bf.string());
+  for (const Staging staging : {Staging::kNone, Staging::kE4m3}) {
+    SCOPED_TRACE(staging_name(staging));
+    const auto run = [&](const std::filesystem::path& dir, EvalDevice device, const std::string& backend) {
+      EvalOptions o = small_run(device, backend);
+      o.checkpoint_dir = dir.string();
+      o.layers = {1};
+      o.ranks = 2;
+      o.tokens = 32;
+      o.staging = staging;
+      return run_eval(o);
+    };
+    const EvalResult a = run(mx, EvalDevice::kCuda, "mega_moe"), b = run(bf, EvalDevice::kCuda, "mega_moe"),
+                     host = run(mx, EvalDevice::kCpu, "mega_moe_cuda");
+    EXPECT_NE(a.setup.weights_source.find("(mxfp4, decoded to bf16 at load)"), std::string::npos)
+        << a.setup.weights_source;
+    ASSERT_EQ(a.rows.size(), b.rows.size());
+    for (size_t i = 0; i < a.rows.size(); ++i) {
+      SCOPED_TRACE(a.rows[i].recipe);
+      EXPECT_EQ(a.rows[i].metrics.rel_l2, b.rows[i].metrics.rel_l2);
+      EXPECT_EQ(a.rows[i].metrics.max_abs, b.rows[i].metrics.max_abs);
+      EXPECT_EQ(a.rows[i].combine_amax, b.rows[i].combine_amax);
+      EXPECT_EQ(a.rows[i].dispatch_amax, b.rows[i].dispatch_amax);
+    }
+    expect_same_rows(a, host);
+  }
+  std::filesystem::remove_all(mx);
+  std::filesystem::remove_all(bf);
 }
 
 // A checkpoint layer read for the GPU on the calling thread tells its progress like the host

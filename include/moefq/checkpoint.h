@@ -18,7 +18,8 @@ namespace moefq {
 //   mlp.gate.weight and mlp.gate.e_score_correction_bias.
 // - Mixtral: model.layers.{L}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight (w1 the gate, w3 the
 //   up and w2 the down projection) and block_sparse_moe.gate.weight.
-// An e4m3 weight has its fp32 128x128 block scales in `<weight name minus ".weight">.weight_scale_inv`;
+// An e4m3 weight has its fp32 128x128 block scales in `<weight name minus ".weight">.weight_scale_inv`
+// (or, DeepSeek-V4's, ue8m0 ones, F8_E8M0, in `<weight name minus ".weight">.scale`);
 // an MXFP4 weight (U8 or I8, [rows, cols / 2] packed e2m1 pairs) its ue8m0 scales, [rows, cols / 32]
 // F8_E8M0 or U8, in `<weight name minus ".weight">.scale` (DeepSeek-V4's per-expert layout).
 struct LayerTensorNames {
@@ -32,6 +33,11 @@ struct LayerTensorNames {
   std::string expert_weight(int64_t e, const std::string& proj) const;
 };
 LayerTensorNames layer_tensor_names(const MoeConfig& cfg, int64_t layer);
+// DeepSeek-V4's own names, which its checkpoints use (read for model_type deepseek_v4 where the
+// Hugging Face router name above is absent): layers.{L}.ffn.experts.{e}.{w1,w3,w2}.weight (w1 the
+// gate, w3 the up, w2 the down projection) with `.scale` beside each, layers.{L}.ffn.shared_experts.*,
+// layers.{L}.ffn.gate.weight and layers.{L}.ffn.gate.bias (the correction bias).
+LayerTensorNames deepseek_v4_own_tensor_names(int64_t layer);
 
 // The files of the checkpoint's weights: its index and every shard the index names, or its one
 // model.safetensors (what an output must not replace). Reads the index only; errors as
@@ -59,7 +65,10 @@ WeightFormat check_checkpoint_layers(const std::string& dir, const std::vector<i
 // Loads experts [first_expert, first_expert + num_local) of layer `layer`, opening each shard
 // once. The format is the checkpoint's: kE4m3 when the expert weights are F8_E4M3 (scale_inv
 // required), kBf16 when they are BF16, and kBf16 for MXFP4 weights too, decoded at load
-// (decode_mxfp4: exact); the router weight may be BF16 or F32; the correction bias is
+// (decode_mxfp4: exact). The shared expert is in the routed experts' format, except beside MXFP4
+// routed experts, where it may be in any supported format and is held as bf16 too (DeepSeek-V4's
+// e4m3 one with ue8m0 scales: exact). A layer with a gate.tid2eid table (routed by token id) is
+// refused. The router weight may be BF16 or F32, the correction bias F32 or BF16; the bias is
 // required (and loaded) only with cfg.noaux_tc. Missing tensors or shard files, wrong shapes or
 // dtypes, a malformed index and an expert range outside [0, E) are moefq::Error (bad input)
 // naming the tensor and the file.

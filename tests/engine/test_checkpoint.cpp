@@ -548,5 +548,52 @@ TEST(Mxfp4, BadScalesAreNamed) {
   EXPECT_HAS(msg, "shape [64, 256], expected [128, 128]");
 }
 
+// DeepSeek-V4 as its checkpoints store it: its own names, MXFP4 routed experts (I8 values, F8_E8M0
+// scales per 32) and an e4m3 shared expert with F8_E8M0 block scales, all held as bf16, every value
+// as the test decodes it on its own.
+TEST(DeepseekV4, OwnNamesMxfp4RoutedAndE4m3SharedLoadAsBf16) {
+  MoeConfig cfg = small_config();
+  cfg.model_type = "deepseek_v4";
+  LayerWeights expected;
+  const FakeCheckpoint ckpt = test::deepseek_v4_checkpoint(cfg, 17, 4, expected);
+  TempDir dir;
+  ckpt.write(dir.str());
+  EXPECT_EQ(deepseek_v4_own_tensor_names(4).expert_weight(2, "w3"), "layers.4.ffn.experts.2.w3.weight");
+  EXPECT_EQ(checkpoint_stored_format(dir.str(), 4, cfg), StoredWeightFormat::kMxfp4);
+  StoredWeightFormat stored = StoredWeightFormat::kE4m3;
+  EXPECT_EQ(check_checkpoint_layers(dir.str(), {4}, cfg, &stored), WeightFormat::kBf16);
+  EXPECT_EQ(stored, StoredWeightFormat::kMxfp4);
+  const LayerWeights got = load_checkpoint_layer(dir.str(), 4, cfg, 0, cfg.num_experts);
+  ASSERT_EQ(got.shared.size(), 1u);
+  EXPECT_EQ(got.shared[0].format, WeightFormat::kBf16);
+  EXPECT_TRUE(got.shared[0].gate_up_e4m3.empty());
+  expect_layers_equal(expected, got);
+  // A rank without routed experts of its own still holds the shared expert as bf16.
+  EXPECT_EQ(load_checkpoint_layer(dir.str(), 4, cfg, 1, 0).shared[0].format, WeightFormat::kBf16);
+  // Under another model_type the Hugging Face names are looked for, and named as missing.
+  MoeConfig v3 = cfg;
+  v3.model_type = "deepseek_v3";
+  EXPECT_HAS(error_of([&] { load_checkpoint_layer(dir.str(), 4, v3, 0, 1); }),
+             "missing tensor model.layers.4.mlp.experts.0.gate_proj.weight");
+}
+
+// A hash-routed layer (DeepSeek-V4's first layers: a gate.tid2eid table) is refused by name.
+TEST(DeepseekV4, HashRoutedLayerIsRefused) {
+  MoeConfig cfg = small_config();
+  cfg.model_type = "deepseek_v4";
+  LayerWeights expected;
+  FakeCheckpoint ckpt = test::deepseek_v4_checkpoint(cfg, 3, 0, expected);
+  const std::vector<int32_t> table(64 * 2, 1);
+  ckpt.add("layers.0.ffn.gate.tid2eid", StDtype::kI32, {64, 2}, test::span_of(table), 1);
+  TempDir dir;
+  ckpt.write(dir.str());
+  for (const auto& f : {std::function<void()>([&] { load_checkpoint_layer(dir.str(), 0, cfg, 0, 1); }),
+                        std::function<void()>([&] { check_checkpoint_layers(dir.str(), {0}, cfg); })}) {
+    const std::string msg = error_of(f);
+    EXPECT_HAS(msg, "tensor layers.0.ffn.gate.tid2eid");
+    EXPECT_HAS(msg, "routes its tokens by token id");
+  }
+}
+
 }  // namespace
 }  // namespace moefq

@@ -228,6 +228,40 @@ TEST_F(EvalLib, Mxfp4CheckpointRunsAsItsDecodedBf16) {
   EXPECT_EQ(run_eval(o_).setup.staging, Staging::kNone);
 }
 
+// A DeepSeek-V4 checkpoint under its own names (MXFP4 routed experts, e4m3 shared expert) runs
+// through the CPU engine as the Hugging Face-named bf16 checkpoint of its decoded values does.
+TEST_F(EvalLib, DeepseekV4OwnCheckpointRunsAsItsDecodedBf16) {
+  const fs::path own = root_ / "v4", bf16 = root_ / "v4_bf16";
+  for (const fs::path& d : {own, bf16}) {
+    fs::create_directories(d);
+    std::ofstream(d / "config.json") << test::kSmallDeepseekV4ConfigJson;
+  }
+  const MoeConfig cfg = load_hf_config((own / "config.json").string());
+  ASSERT_EQ(cfg.model_type, "deepseek_v4");
+  LayerWeights decoded;
+  test::deepseek_v4_checkpoint(cfg, 5, 2, decoded).write(own.string());
+  test::FakeCheckpoint::from(cfg, decoded, false, test::TensorNaming::mlp(), 2).write(bf16.string());
+  o_.config_path.clear();
+  o_.layers = {2};
+  o_.recipes = {"moe_combine_fp8", "moe_dispatch_nvfp4"};
+  o_.checkpoint_dir = own.string();
+  const EvalResult a = run_eval(o_);
+  o_.checkpoint_dir = bf16.string();
+  o_.staging = a.setup.staging;  // deepseek_v4: e4m3 (a bf16 checkpoint's own default is none)
+  const EvalResult b = run_eval(o_);
+  EXPECT_EQ(a.setup.staging, Staging::kE4m3);
+  EXPECT_EQ(a.setup.weights_source, "checkpoint " + own.string() + " (mxfp4, decoded to bf16 at load)");
+  ASSERT_EQ(a.rows.size(), 2u);
+  ASSERT_EQ(b.rows.size(), 2u);
+  for (size_t i = 0; i < a.rows.size(); ++i) {
+    SCOPED_TRACE(a.rows[i].recipe);
+    EXPECT_GT(a.rows[i].metrics.rel_l2, 0.0);
+    EXPECT_EQ(a.rows[i].metrics.rel_l2, b.rows[i].metrics.rel_l2);
+    EXPECT_EQ(a.rows[i].metrics.max_abs, b.rows[i].metrics.max_abs);
+    EXPECT_EQ(a.rows[i].combine_amax, b.rows[i].combine_amax);
+  }
+}
+
 TEST_F(EvalLib, CalibrationIsSharedAndTheFileRoundTrips) {
   const EvalResult r = run_eval(o_);
   ASSERT_EQ(r.rows.size(), 26u);

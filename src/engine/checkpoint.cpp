@@ -212,8 +212,9 @@ std::string beside(const std::string& weight_name, const char* suffix) {
 
 // The supported formats, for the refusals.
 constexpr const char* kSupportedFormats =
-    "the supported expert weight formats are e4m3 (F8_E4M3 with fp32 weight_scale_inv 128x128 block scales), bf16 "
-    "(BF16) and mxfp4 (U8 or I8 packed e2m1 pairs with an F8_E8M0 or U8 .scale per 32 elements)";
+    "the supported expert weight formats are e4m3 (F8_E4M3 with 128x128 block scales, fp32 in weight_scale_inv or "
+    "F8_E8M0 in .scale), bf16 (BF16) and mxfp4 (U8 or I8 packed e2m1 pairs with an F8_E8M0 or U8 .scale per 32 "
+    "elements)";
 
 // The format an expert weight is stored in, from its dtype and the tensors beside it; a format
 // moefq does not read is refused with its name.

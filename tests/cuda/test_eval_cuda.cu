@@ -18,6 +18,7 @@
 #include "gpu_test.h"
 #include "moefq/errors.h"
 #include "moefq/eval.h"
+#include "moefq/moe_config.h"
 
 namespace moefq {
 namespace {
@@ -289,6 +290,33 @@ TEST(EvalCuda, Mxfp4CheckpointOnTheDeviceEqualsItsDecodedBf16) {
   }
   std::filesystem::remove_all(mx);
   std::filesystem::remove_all(bf);
+}
+
+// A DeepSeek-V4 checkpoint under its own names (MXFP4 routed experts, e4m3 shared expert, both held
+// as bf16) on the GPU with its default staging (e4m3): the device-resident run equals the host
+// pipeline on the same CUDA engine.
+TEST(EvalCuda, DeepseekV4OwnCheckpointOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path dir = test::unique_temp_path("moefq_ckpt_v4_cuda_");
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << test::kSmallDeepseekV4ConfigJson;
+  const MoeConfig cfg = load_hf_config((dir / "config.json").string());
+  LayerWeights decoded;
+  test::deepseek_v4_checkpoint(cfg, 8, 3, decoded).write(dir.string());
+  const auto run = [&](EvalDevice device, const std::string& backend) {
+    EvalOptions o = small_run(device, backend);
+    o.checkpoint_dir = dir.string();
+    o.layers = {3};
+    o.ranks = 2;
+    o.tokens = 32;
+    return run_eval(o);
+  };
+  const EvalResult dev = run(EvalDevice::kCuda, "mega_moe"), host = run(EvalDevice::kCpu, "mega_moe_cuda");
+  EXPECT_EQ(dev.setup.staging, Staging::kE4m3);
+  EXPECT_NE(dev.setup.weights_source.find("(mxfp4, decoded to bf16 at load)"), std::string::npos)
+      << dev.setup.weights_source;
+  expect_same_rows(dev, host);
+  std::filesystem::remove_all(dir);
 }
 
 // A checkpoint layer read for the GPU on the calling thread tells its progress like the host

@@ -23,7 +23,7 @@ MOEFQ_HD uint16_t bf16_round_sw(float x) {
   return uint16_t(u >> 16);
 }
 // The same conversion; in kernels the hardware's cvt.rn.bf16.f32, proven equal to bf16_round_sw
-// on all 2^32 inputs by tests/cuda/test_numerics_cuda.cu.
+// on all 2^32 inputs by tests/cuda/test_qdq_cuda.cu.
 MOEFQ_HD uint16_t bf16_round(float x) {
 #if defined(__CUDA_ARCH__)
   uint16_t r;
@@ -98,7 +98,7 @@ MOEFQ_HD uint8_t e4m3_encode_sat_sw(float x) {
   return sign | uint8_t(c > 0x7Eu ? 0x7Eu : c);
 }
 // The same conversion; in kernels the hardware's cvt.rn.satfinite.e4m3x2.f32, proven equal to
-// e4m3_encode_sat_sw on all 2^32 inputs by tests/cuda/test_numerics_cuda.cu.
+// e4m3_encode_sat_sw on all 2^32 inputs by tests/cuda/test_qdq_cuda.cu.
 MOEFQ_HD uint8_t e4m3_encode_sat(float x) {
 #if defined(__CUDA_ARCH__)
   uint16_t r;

@@ -19,7 +19,7 @@ namespace moefq {
 // formulas (its CPU and GPU agree bit for bit), and keeps NaN as NaN where DeepEP codes it as zero.
 inline constexpr int kLogFmtBlock = 128;
 inline constexpr int kLogFmtMaxCode = 511;       // 9-bit magnitude codes, 1..511 on the grid
-inline constexpr float kLogFmtSteps = 510.0f;    // kNumValues - 2: grid steps from amin to amax
+inline constexpr float kLogFmtSteps = 510.0f;    // DeepEP's kNumValues - 2: steps from amin to amax
 inline constexpr float kLogFmtMinClip = 32.0f;   // log_amin >= log_amax - 32
 // Blocks per cast group for a row of `cols` elements (the last group may be short).
 MOEFQ_HD int logfmt_group_blocks(int64_t cols) { return cols % 1024 == 0 ? 8 : 4; }

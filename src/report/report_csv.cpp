@@ -1,8 +1,9 @@
 // report.csv of `moefq eval` (report.h): one line per layer and recipe, numbers to 17 digits.
+#include "moefq/report.h"
+
 #include <optional>
 #include <string>
 
-#include "moefq/report.h"
 #include "report/report_text.h"
 
 namespace moefq {

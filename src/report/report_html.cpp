@@ -1,5 +1,7 @@
 // report.html of `moefq eval` (report.h): one self-contained page, its charts inline SVG
 // (svg_charts.h), so it needs no script, font or file besides itself.
+#include "moefq/report.h"
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -7,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "moefq/report.h"
 #include "report/report_text.h"
 #include "report/svg_charts.h"
 

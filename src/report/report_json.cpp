@@ -1,11 +1,12 @@
 // report.json of `moefq eval` (report.h): every figure, the configuration, version and device.
+#include "moefq/report.h"
+
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "moefq/report.h"
 #include "report/report_text.h"
 
 namespace moefq {

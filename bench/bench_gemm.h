@@ -17,6 +17,7 @@ struct GemmBenchOptions {
   int reps = 20;                // timed graph replays; the median is reported
   int launches_per_graph = 4;
   uint64_t seed = 1;
+  std::string weights = "e4m3";  // "e4m3" (run_bench_gemm) or "bf16" (run_bench_gemm_bf16)
   std::string json;             // write the results here too
 };
 
@@ -26,5 +27,11 @@ struct GemmBenchOptions {
 // experts' weight bytes over the measured device copy bandwidth; one correctness check per case
 // against the CPU reference (engine/gemm_cpu.h). Returns 0, or 1 when a check failed.
 int run_bench_gemm(const GemmBenchOptions& options);
+
+// The same two GEMMs with bf16 weights and bf16 activations (staging none), against cuBLASLt's
+// bf16 GEMM on the same operands (one strided-batched call, each expert's own weights), the
+// ratio printed beside its target (>= 0.85); one check of the last row against fp64 sums of the
+// same operands. Returns 0, or 1 when a check failed.
+int run_bench_gemm_bf16(const GemmBenchOptions& options);
 
 }  // namespace moefq::bench

@@ -129,10 +129,11 @@ int64_t CublasltCeilingSizes::device_bytes() const {
          device_allocation_bytes(workspace);
 }
 
-CublasltCeilingSizes cublaslt_ceiling_sizes(int64_t m, int64_t n, int64_t k, bool a_given, bool b_given, int batch) {
+CublasltCeilingSizes cublaslt_ceiling_sizes(int64_t m, int64_t n, int64_t k, bool a_given, bool b_given, int batch,
+                                            int elem_bytes) {
   CublasltCeilingSizes s;
-  s.a_const = a_given ? 0 : int64_t(batch) * m * k;
-  s.b_const = b_given ? 0 : int64_t(batch) * n * k;
+  s.a_const = a_given ? 0 : int64_t(batch) * m * k * elem_bytes;
+  s.b_const = b_given ? 0 : int64_t(batch) * n * k * elem_bytes;
   s.d = int64_t(batch) * m * n;
   return s;
 }
@@ -193,6 +194,20 @@ MemoryPlan plan_gemm_bench_memory(const GemmBenchOptions& o) {
   const GemmBenchSizes s = gemm_bench_sizes(o);
   const int64_t H = o.hidden, I = o.inter, G = o.experts;
   PlanBuilder b;
+  if (o.weights == "bf16") {  // run_bench_gemm_bf16: bf16 weights and activations, no scales
+    b.add(with_count("expert weights, bf16", G, "expert"), 0, dev(s.gate_up, 2) + dev(s.down, 2));
+    b.add(with_count("activations, h, bf16", s.op_rows, "row"), 0, dev(s.x8, 2) + dev(s.h8, 2) + dev(s.row_weights, 4));
+    b.add("output rows, bf16, and pointers", double(s.row_out) * 8, dev(s.out, 2) + dev(s.row_out, 8));
+    b.add("counts, offsets", double(s.groups) * 8, 2 * dev(s.groups, 4));
+    int64_t ceiling = 0;
+    for (int64_t t : o.tokens)
+      for (const auto& [n, k] : {std::pair<int64_t, int64_t>{2 * I, H}, {H, I}})
+        ceiling = std::max(ceiling, cublaslt_ceiling_sizes(cublaslt_group_rows(t * o.top_k, G), n, k, true, true,
+                                                           int(G)).device_bytes());
+    b.add("ceiling: cuBLASLt bf16, largest", 0, double(ceiling));
+    b.add("reference check: one expert's weights", double(2 * std::max(2 * I * H, H * I) + 16 * (2 * I + H)), 0);
+    return b.finish();
+  }
   b.add(with_count("expert weights, e4m3", G, "expert"), 0,
         dev(s.gate_up, 1) + dev(s.down, 1) + dev(s.gate_up_scales, 4) + dev(s.down_scales, 4));
   b.add(with_count("activations, h, scales", s.op_rows, "row"), 0,
@@ -284,7 +299,8 @@ MemoryPlan plan_moe_bench_memory(const MoeBenchOptions& o, const std::string& na
   double layer = 0;
   for (const MemoryItem& m : b.items()) layer += m.device_bytes;
   const double ceiling = double(std::max(copy_ceiling_device_bytes(int64_t(1) << 30),
-                                         cublaslt_ceiling_sizes(T * K, 2 * I, H, false, false, 1).device_bytes()));
+                                         cublaslt_ceiling_sizes(T * K, 2 * I, H, false, false, 1,
+                                                                st == Staging::kNone ? 2 : 1).device_bytes()));
   b.add("ceilings (run first) beyond the layer", 0, std::max(0.0, ceiling - layer));
   return b.finish();
 }

@@ -29,13 +29,15 @@ int64_t copy_ceiling_device_bytes(int64_t bytes);
 // The buffers of one cuBLASLt FP8 ceiling (cublaslt_fp8_gemm_us, ceilings.cuh), which allocates
 // from these and frees them before it returns.
 struct CublasltCeilingSizes {
-  int64_t a_const = 0;  // e4m3 [batch * m, k] constant operand; 0 where the caller gives A
-  int64_t b_const = 0;  // e4m3 [batch * n, k] constant operand; 0 where the caller gives B
+  int64_t a_const = 0;  // bytes of the [batch * m, k] constant operand; 0 where the caller gives A
+  int64_t b_const = 0;  // bytes of the [batch * n, k] constant operand; 0 where the caller gives B
   int64_t d = 0;        // bf16 [batch * m, n] output
   int64_t workspace = int64_t(32) << 20;  // bytes
   int64_t device_bytes() const;
 };
-CublasltCeilingSizes cublaslt_ceiling_sizes(int64_t m, int64_t n, int64_t k, bool a_given, bool b_given, int batch);
+// elem_bytes: of the operands, 1 (e4m3) or 2 (bf16); a_const and b_const are then bytes.
+CublasltCeilingSizes cublaslt_ceiling_sizes(int64_t m, int64_t n, int64_t k, bool a_given, bool b_given, int batch,
+                                            int elem_bytes = 1);
 
 // `moefq bench gemm`: cuBLASLt multiplies M padded to 16 rows; the grouped ceiling gives each of
 // `groups` experts ceil(rows / groups) rows, padded so.

@@ -106,19 +106,24 @@ int run_bench_moe(const MoeBenchOptions& o) {
     const MoeConfig c = moe_rank_config(name, o.ep);
     const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.num_experts, Is = I * c.num_shared;
     const Staging staging = moe_bench_staging(o, c);
-    // The compute ceiling: cuBLASLt FP8 on the layer's largest GEMM at the largest token count.
-    const double peak_tflops = 2.0 * double(tmax * K) * double(2 * I) * double(H) /
-                               cublaslt_fp8_gemm_us(tmax * K, 2 * I, H) * 1e-6;
+    // The compute ceiling: cuBLASLt on the layer's largest GEMM at the largest token count, in the
+    // layer's operand type: FP8 with staging e4m3, bf16 with staging none (bf16 weights and
+    // activations, whose tensor-core rate is half FP8's).
+    const bool bf16_layer = staging == Staging::kNone;
+    const double peak_us = bf16_layer ? cublaslt_bf16_gemm_us(tmax * K, 2 * I, H, nullptr, nullptr)
+                                      : cublaslt_fp8_gemm_us(tmax * K, 2 * I, H);
+    const double peak_tflops = 2.0 * double(tmax * K) * double(2 * I) * double(H) / peak_us * 1e-6;
     std::printf("\n%s, one rank of EP%lld: H %lld, I %lld, %lld local experts, K %lld, shared %lld, staging %s; "
-                "cuBLASLt FP8 %.0f TFLOPS at %lld x %lld x %lld\n",
+                "cuBLASLt %s %.0f TFLOPS at %lld x %lld x %lld\n",
                 name.c_str(), (long long)o.ep, (long long)H, (long long)I, (long long)E, (long long)K,
-                (long long)c.num_shared, staging_name(staging), peak_tflops, (long long)(tmax * K), (long long)(2 * I),
-                (long long)H);
+                (long long)c.num_shared, staging_name(staging), bf16_layer ? "bf16" : "FP8", peak_tflops,
+                (long long)(tmax * K), (long long)(2 * I), (long long)H);
     std::printf("%6s  %-13s  %10s  %8s  %8s  %8s  %9s  %7s  %8s  %9s  %9s  %7s  %8s  %7s\n", "tokens", "config",
                 "time_us", "TFLOPS", "dg_TFLOP", "wt_GB/s", "floor_us", "of_floor", "overhead", "quant_us", "skip_us",
                 "q_share", "publ_us", "target");
     nlohmann::json pj = {{"preset", name}, {"hidden", H}, {"intermediate", I}, {"local_experts", E}, {"top_k", K},
-                         {"cublaslt_fp8_tflops", peak_tflops}, {"staging", staging_name(staging)}};
+                         {bf16_layer ? "cublaslt_bf16_tflops" : "cublaslt_fp8_tflops", peak_tflops},
+                         {"staging", staging_name(staging)}};
     // The host weights are freed once uploaded.
     cuda::CudaFakeQuantMoe fq(
         [&] {

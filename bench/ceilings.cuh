@@ -1,5 +1,6 @@
-// The compute ceiling the GPU benchmarks report their figures against: cuBLASLt's FP8 GEMM
-// (e4m3 x e4m3, fp32 accumulation, bf16 out, the TN layout FP8 needs), measured in the same run.
+// The compute ceilings the GPU benchmarks report their figures against: cuBLASLt's FP8 GEMM
+// (e4m3 x e4m3, fp32 accumulation, bf16 out, the TN layout FP8 needs) and its bf16 GEMM, measured
+// in the same run.
 #pragma once
 
 #include <cstdint>
@@ -17,5 +18,9 @@ namespace moefq::bench {
 // algorithm for the batch.
 double cublaslt_fp8_gemm_us(int64_t m, int64_t n, int64_t k, const uint8_t* a = nullptr, const uint8_t* b = nullptr,
                             int batch = 1);
+// The same with bf16 operands (bf16 x bf16, fp32 accumulation, bf16 out): the ceiling of the
+// bf16-weight grouped GEMMs and layers with staging none. `a` and `b` (device, bf16) or null:
+// constant operands (every element 0x3F3F, 0.746).
+double cublaslt_bf16_gemm_us(int64_t m, int64_t n, int64_t k, const void* a, const void* b, int batch = 1);
 
 }  // namespace moefq::bench

@@ -23,6 +23,7 @@ int run_bench_moe(const MoeBenchOptions& o) {
 int run_bench_moe_ranks(const MoeBenchOptions&) { no_cuda("moe"); }
 int run_bench_combine(const CombineBenchOptions&) { no_cuda("combine"); }
 int run_bench_gemm(const GemmBenchOptions&) { no_cuda("gemm"); }
+int run_bench_gemm_bf16(const GemmBenchOptions&) { no_cuda("gemm"); }
 
 }  // namespace moefq::bench
 #endif

@@ -7,7 +7,8 @@ cycle and exit 1.
     scripts/check_layers.py [REPO]      (default: the repository holding this script)
 
 A file's folder: src/<folder>/... (its cuda/ sub-folder included), bench/, python/src/, or, for a
-public header include/moefq/<name>.h, the folder that implements it (PUBLIC_HEADERS). A file may
+public header include/moefq/<name>.h (or include/moefq/numerics/*.h), the folder that implements
+it (PUBLIC_HEADERS). A file may
 include its own folder and any folder on a lower floor; a folder beside it on the same floor, or
 above it, is an error. Third-party and system headers (<...>) and the binding's own files are
 not checked.
@@ -19,8 +20,8 @@ import sys
 
 # Floors, lowest first. A folder may include only its own files and those of lower floors.
 FLOORS = [
-    ["numerics"],             # errors, metrics, the formats' scalar rules (numerics.h)
-    ["io", "cuda_base"],      # files and host memory; the CUDA helpers every kernel uses
+    ["numerics", "errors"],   # the formats' scalar rules (numerics.h, numerics/*.h); the error type
+    ["metrics", "io", "cuda_base"],  # error metrics; files and host memory; the CUDA helpers every kernel uses
     ["quant", "dist"],        # QDQ, quantizers, recipes (+ their kernels); the ranks' environment
     ["engine"],               # the MoE layer on CPU and GPU: config, router, GEMMs, buffers, weights
     ["comm"],                 # real ranks over NCCL (implements the engine's RankLink)
@@ -34,7 +35,9 @@ FLOORS = [
 
 # Each public header (include/moefq/) belongs to the folder that implements it.
 PUBLIC_HEADERS = {
-    "numerics": ["errors.h", "metrics.h", "numerics.h"],
+    "numerics": ["numerics.h", "numerics"],  # numerics/: the umbrella's headers, one per job
+    "errors": ["errors.h"],
+    "metrics": ["metrics.h"],
     "io": ["fileio.h", "host_memory.h", "safetensors.h"],
     "cuda_base": ["cuda_device.h"],
     "quant": ["calibration_file.h", "calibration_stats.h", "qdq.h", "quant_spec.h", "quantizer.h", "recipe.h",

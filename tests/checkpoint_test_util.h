@@ -1,17 +1,22 @@
 // Checkpoints written by the tests: one MoE layer of a Hugging Face checkpoint (model.safetensors,
 // or two shards and model.safetensors.index.json) from LayerWeights, under either tensor naming
 // the loader reads (spelled out here, independently of src/engine/checkpoint.cpp), editable before
-// it is written to produce each kind of bad checkpoint; and a small DeepSeek-V3-format checkpoint
-// directory (config.json and one model.safetensors) holding the synthetic weights of the layers
-// asked for.
+// it is written to produce each kind of bad checkpoint; MXFP4 experts with their own decode; and a
+// small DeepSeek-V3-format checkpoint directory (config.json and one model.safetensors) holding the
+// synthetic weights of the layers asked for.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <span>
+#include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "moefq/moe_config.h"
@@ -29,6 +34,11 @@ struct TensorNaming {
   // Mixtral: w1 is the gate, w3 the up and w2 the down projection.
   static TensorNaming block_sparse_moe() { return {"block_sparse_moe", "w1", "w3", "w2"}; }
 };
+
+// "<weight name minus .weight>" + suffix: the name of a tensor beside a weight (its scales).
+inline std::string beside(const std::string& weight_name, const std::string& suffix) {
+  return weight_name.substr(0, weight_name.size() - std::string(".weight").size()) + suffix;
+}
 
 struct Tensor {
   StDtype dtype;
@@ -131,6 +141,174 @@ struct FakeCheckpoint {
   }
 };
 
+// MXFP4 test data: a [rows, cols] weight as a checkpoint stores it (packed e2m1 pairs, element 2j
+// of a row in the low nibble of byte j; one ue8m0 scale per 32 elements of a row) and its values,
+// decoded here independently of src/engine/weights.cpp: the eight e2m1 magnitudes and ldexp.
+struct Mxfp4Matrix {
+  int64_t rows = 0, cols = 0;
+  std::vector<uint8_t> packed, scales;
+
+  // Random nibbles (every code, +-0 included) and scale codes in [118, 130] (2^-9 .. 2^3).
+  static Mxfp4Matrix random(int64_t rows, int64_t cols, uint64_t seed) {
+    Mxfp4Matrix m;
+    m.rows = rows;
+    m.cols = cols;
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+    const auto next = [&x] {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      return x;
+    };
+    m.packed.resize(size_t(rows * cols / 2));
+    m.scales.resize(size_t(rows * cols / 32));
+    for (uint8_t& b : m.packed) b = uint8_t(next());
+    for (uint8_t& s : m.scales) s = uint8_t(118 + next() % 13);
+    return m;
+  }
+
+  static float e2m1_value(uint8_t nibble) {
+    static const float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float v = kMagnitude[nibble & 7];
+    return (nibble & 8) ? -v : v;
+  }
+
+  // The values in bf16: exact by construction (2 significant bits), checked.
+  std::vector<bf16> decoded() const {
+    std::vector<bf16> out(size_t(rows * cols));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t byte = packed[size_t(r * cols / 2 + c / 2)];
+        const uint8_t nibble = c % 2 == 0 ? uint8_t(byte & 0x0F) : uint8_t(byte >> 4);
+        const float v = std::ldexp(e2m1_value(nibble), int(scales[size_t(r * cols / 32 + c / 32)]) - 127);
+        uint32_t bits;
+        std::memcpy(&bits, &v, 4);
+        if ((bits & 0xFFFFu) != 0) throw std::logic_error("Mxfp4Matrix: a value not exact in bf16");
+        out[size_t(r * cols + c)].bits = uint16_t(bits >> 16);
+      }
+    return out;
+  }
+};
+
+// One layer of MXFP4 experts (routed and shared) under `naming`, as DeepSeek-V4 stores them:
+// `<proj>.weight` packed values and `<proj>.scale` ue8m0 scales; the gate weights U8 with F8_E8M0
+// scales, the up weights I8 with F8_E8M0 scales, the down weights U8 with U8 scales (every dtype
+// the loader accepts). The router is synthetic_weights(cfg, kBf16, seed)'s. Returns the checkpoint
+// and, in `expected`, the layer as the loader must give it (bf16, the values decoded here).
+inline FakeCheckpoint mxfp4_checkpoint(const MoeConfig& cfg, uint64_t seed, int64_t layer, LayerWeights& expected,
+                                       TensorNaming naming = TensorNaming::mlp()) {
+  FakeCheckpoint c;
+  c.naming = naming;
+  expected = synthetic_weights(cfg, WeightFormat::kBf16, seed, 0, cfg.num_experts);
+  c.add_layer(cfg, expected, layer);  // the router and the bias; the experts are replaced below
+  const int64_t H = cfg.hidden;
+  uint64_t salt = seed * 1000;
+  const auto add_expert = [&](const std::string& prefix, int64_t I, ExpertWeights& w, int shard) {
+    const Mxfp4Matrix gate = Mxfp4Matrix::random(I, H, ++salt), up = Mxfp4Matrix::random(I, H, ++salt),
+                      down = Mxfp4Matrix::random(H, I, ++salt);
+    const auto put = [&](const std::string& proj, const Mxfp4Matrix& m, StDtype wd, StDtype sd) {
+      c.erase(prefix + proj + ".weight_scale_inv");
+      c.add(prefix + proj + ".weight", wd, {m.rows, m.cols / 2}, m.packed, shard);
+      c.add(prefix + proj + ".scale", sd, {m.rows, m.cols / 32}, m.scales, shard);
+    };
+    put(c.naming.gate, gate, StDtype::kU8, StDtype::kF8E8M0);
+    put(c.naming.up, up, StDtype::kI8, StDtype::kF8E8M0);
+    put(c.naming.down, down, StDtype::kU8, StDtype::kU8);
+    w.format = WeightFormat::kBf16;
+    w.gate_up_bf16 = gate.decoded();
+    const std::vector<bf16> u = up.decoded();
+    w.gate_up_bf16.insert(w.gate_up_bf16.end(), u.begin(), u.end());
+    w.down_bf16 = down.decoded();
+  };
+  const std::string m = c.moe();
+  for (int64_t e = 0; e < cfg.num_experts; ++e)
+    add_expert(m + "experts." + std::to_string(e) + ".", cfg.intermediate, expected.experts[size_t(e)],
+               e < cfg.num_experts / 2 ? 1 : 2);
+  if (cfg.num_shared > 0) add_expert(m + "shared_experts.", cfg.intermediate * cfg.num_shared, expected.shared[0], 2);
+  return c;
+}
+
+// e4m3 decoded here independently of src/: sign, 4 exponent bits (bias 7), 3 mantissa bits,
+// subnormals below exponent 1; 0x7F / 0xFF are NaN (never generated by the tests).
+inline float e4m3_value_ref(uint8_t c) {
+  const int e = (c >> 3) & 0xF, m = c & 7;
+  const float v = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + float(m) / 8.0f, e - 7);
+  return (c & 0x80) ? -v : v;
+}
+
+// One layer of DeepSeek-V4 as its checkpoints store it, under its own names
+// (deepseek_v4_own_tensor_names): routed experts MXFP4 (I8 packed values, F8_E8M0 scales per 32),
+// the shared expert e4m3 with F8_E8M0 128 x 128 block scales, the router BF16 and its correction
+// bias F32 (synthetic_weights(cfg, kBf16, seed)'s). `expected`: the layer as the loader must give
+// it, every expert bf16, decoded here.
+inline FakeCheckpoint deepseek_v4_checkpoint(const MoeConfig& cfg, uint64_t seed, int64_t layer,
+                                             LayerWeights& expected) {
+  FakeCheckpoint c;
+  expected = synthetic_weights(cfg, WeightFormat::kBf16, seed, 0, cfg.num_experts);
+  const std::string ffn = "layers." + std::to_string(layer) + ".ffn.";
+  const int64_t H = cfg.hidden;
+  uint64_t salt = seed * 1000 + 7;
+  for (int64_t e = 0; e < cfg.num_experts; ++e) {
+    const std::string prefix = ffn + "experts." + std::to_string(e) + ".";
+    const int64_t I = cfg.intermediate;
+    const Mxfp4Matrix gate = Mxfp4Matrix::random(I, H, ++salt), up = Mxfp4Matrix::random(I, H, ++salt),
+                      down = Mxfp4Matrix::random(H, I, ++salt);
+    for (const auto& [proj, m] : {std::pair<const char*, const Mxfp4Matrix*>{"w1", &gate}, {"w3", &up}, {"w2", &down}}) {
+      c.add(prefix + proj + ".weight", StDtype::kI8, {m->rows, m->cols / 2}, m->packed, 1);
+      c.add(prefix + proj + ".scale", StDtype::kF8E8M0, {m->rows, m->cols / 32}, m->scales, 1);
+    }
+    ExpertWeights& w = expected.experts[size_t(e)];
+    w.gate_up_bf16 = gate.decoded();
+    const std::vector<bf16> u = up.decoded();
+    w.gate_up_bf16.insert(w.gate_up_bf16.end(), u.begin(), u.end());
+    w.down_bf16 = down.decoded();
+  }
+  if (cfg.num_shared > 0) {
+    const int64_t Is = cfg.intermediate * cfg.num_shared;
+    ExpertWeights& w = expected.shared[0];
+    w.gate_up_bf16.clear();
+    w.down_bf16.clear();
+    uint64_t x = seed * 0x2545F4914F6CDD1Dull + 3;
+    const auto next = [&x] {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      return x;
+    };
+    for (const auto& [proj, rows, cols] : {std::tuple<const char*, int64_t, int64_t>{"w1", Is, H}, {"w3", Is, H},
+                                           {"w2", H, Is}}) {
+      std::vector<uint8_t> codes(size_t(rows * cols)), scales(size_t((rows / 128) * (cols / 128)));
+      for (uint8_t& v : codes) {
+        v = uint8_t(next());
+        if ((v & 0x7F) == 0x7F) v ^= 1;  // no NaN
+      }
+      for (uint8_t& v : scales) v = uint8_t(118 + next() % 13);
+      c.add(ffn + "shared_experts." + proj + ".weight", StDtype::kF8E4M3, {rows, cols}, codes, 2);
+      c.add(ffn + "shared_experts." + proj + ".scale", StDtype::kF8E8M0, {rows / 128, cols / 128}, scales, 2);
+      std::vector<bf16>& out = std::string(proj) == "w2" ? w.down_bf16 : w.gate_up_bf16;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < cols; ++k) {
+          const float v = std::ldexp(e4m3_value_ref(codes[size_t(r * cols + k)]),
+                                     int(scales[size_t((r / 128) * (cols / 128) + k / 128)]) - 127);
+          uint32_t bits;
+          std::memcpy(&bits, &v, 4);
+          if ((bits & 0xFFFFu) != 0) throw std::logic_error("deepseek_v4_checkpoint: a value not exact in bf16");
+          out.push_back(bf16{uint16_t(bits >> 16)});
+        }
+    }
+  }
+  const auto g = to_bf16(expected.gate);
+  c.add(ffn + "gate.weight", StDtype::kBF16, {cfg.num_experts, H}, span_of(g), 1);
+  if (!expected.gate_bias.empty())
+    c.add(ffn + "gate.bias", StDtype::kF32, {cfg.num_experts}, span_of(expected.gate_bias), 2);
+  return c;
+}
+
+// A small DeepSeek-V4 config.json (H 256, I 128, 8 experts, top-2, one shared expert).
+inline const char* kSmallDeepseekV4ConfigJson = R"({"model_type": "deepseek_v4", "hidden_size": 256,
+  "moe_intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+  "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.5, "norm_topk_prob": true, "swiglu_limit": 10.0})";
+
 inline MoeConfig small_config() {
   MoeConfig c;
   c.name = "ckpt";
@@ -150,15 +328,17 @@ inline const char* kSmallConfigJson = R"({"hidden_size": 256, "moe_intermediate_
   "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
   "scoring_func": "sigmoid", "norm_topk_prob": true, "topk_method": "noaux_tc"})";
 
-// small_config()'s checkpoint: config.json and one model.safetensors with the e4m3 synthetic
-// weights of each layer (layer -> weight seed).
-inline void write_checkpoint(const std::filesystem::path& dir, const std::map<int64_t, uint64_t>& layer_seeds) {
+// small_config()'s checkpoint: config.json and one model.safetensors with the synthetic weights of
+// each layer (layer -> weight seed), e4m3 with block scales (as DeepSeek-V3 ships them) or bf16 (as
+// Qwen3-MoE and most MoE models do).
+inline void write_checkpoint(const std::filesystem::path& dir, const std::map<int64_t, uint64_t>& layer_seeds,
+                             WeightFormat format = WeightFormat::kE4m3) {
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "config.json") << kSmallConfigJson;
   const MoeConfig cfg = small_config();
   FakeCheckpoint ckpt;
   for (const auto& [layer, seed] : layer_seeds)
-    ckpt.add_layer(cfg, synthetic_weights(cfg, WeightFormat::kE4m3, seed, 0, cfg.num_experts), layer);
+    ckpt.add_layer(cfg, synthetic_weights(cfg, format, seed, 0, cfg.num_experts), layer);
   ckpt.write(dir.string(), /*with_index=*/false);
 }
 

@@ -1,6 +1,6 @@
 // Error handling for the whole project: one exception type and check macros that name the failed
 // statement, file and line, plus a message the user can act on.
-// CUDA and NCCL checks live in errors_cuda.h so this header stays free of CUDA types.
+// CUDA and NCCL checks live in cuda_check.h and nccl_check.h: this header has no CUDA types.
 #pragma once
 
 #include <charconv>

@@ -18,6 +18,23 @@ namespace moefq {
 enum class WeightFormat { kE4m3, kBf16 };
 const char* weight_format_name(WeightFormat f);
 
+// How a checkpoint stores its expert weights (checkpoint.h); the engines hold them as loaded:
+// kE4m3 and kBf16 as they are, kMxfp4 decoded to bf16 once, at load (every MXFP4 value is exact
+// in bf16). Bytes per parameter: e4m3 1 + 4/16384 (fp32 128x128 block scales), bf16 2, MXFP4 as
+// stored 17/32 (a 4-bit value, one ue8m0 byte per 32), as loaded 2.
+enum class StoredWeightFormat { kE4m3, kBf16, kMxfp4 };
+const char* stored_weight_format_name(StoredWeightFormat f);  // "e4m3", "bf16", "mxfp4"
+WeightFormat loaded_weight_format(StoredWeightFormat f);     // kMxfp4 -> kBf16
+// Bytes of `num_params` expert weights (the [rows, cols] matrices of whole 128 x 128 blocks) in f.
+double stored_weight_bytes(StoredWeightFormat f, double num_params);
+
+// MXFP4 (OCP MX: e2m1 values, one ue8m0 scale per 32 consecutive elements of a row) to bf16, as
+// GPT-OSS and DeepSeek-V4 store their experts: packed [rows, cols / 2] bytes, element 2j of a row
+// in the low nibble of its byte j and 2j + 1 in the high nibble; scales [rows, cols / 32], value
+// 2^(code - 127) (0xFF is NaN). Value = e2m1 * scale, exact in bf16 unless it overflows (inf).
+// cols must be a multiple of 32.
+std::vector<bf16> decode_mxfp4(const uint8_t* packed, const uint8_t* scales, int64_t rows, int64_t cols);
+
 // How the expert GEMMs take their activations (docs/engine.md, "Staging"):
 // - kE4m3: x and the SwiGLU output h are cast to e4m3 with one fp32 scale per 128 elements before
 //   the gate/up and the down GEMM (the FP8 Mega-MoE / DeepGEMM way);

@@ -287,7 +287,8 @@ def load_calibration(path, quantizers):
 class MoeLayer:
     """One fake-quantized MoE layer on R simulated expert-parallel ranks, with the weights `moefq eval`
     uses for the same model, layer and seed (a preset, a Hugging Face config.json, or a
-    DeepSeek-V3-format checkpoint directory), on the CPU engine or the CUDA engine.
+    checkpoint directory with e4m3, bf16 or MXFP4 expert weights), on the CPU engine or the CUDA
+    engine.
 
     The quantizers are `quantizer_names` (layers.{i}.mlp.experts.dispatch_quantizer and
     .combine_quantizer); both are disabled until configure(recipe). forward takes tokens [N, H]
@@ -295,7 +296,8 @@ class MoeLayer:
     routed output plus the shared expert's (run on the unquantized x), as `moefq eval` adds them.
     staging: the activations into the expert GEMMs, "e4m3" (1x128 scales, the FP8 Mega-MoE engine)
     or "none" (bf16); None: as the model is served (e4m3 for e4m3 checkpoints, DeepSeek-V3/V4 and
-    Kimi; none for bf16 checkpoints, Qwen3, Mixtral, OLMoE and GLM).
+    Kimi; none for bf16 checkpoints, Qwen3, Mixtral, OLMoE and GLM; an MXFP4 checkpoint's follows its
+    architecture).
     """
 
     def __init__(self, preset=None, *, config=None, checkpoint=None, layer=0, ranks=1, max_tokens=256,

@@ -119,9 +119,14 @@ class MoeLayer {
     s.synthetic = *kind;
     s.checkpoint_dir = o.checkpoint;
     s.num_threads = o.num_threads;
-    s.staging = staging.value_or(default_staging(
-        s.config, o.checkpoint.empty() ? std::nullopt
-                                       : std::optional(checkpoint_weight_format(o.checkpoint, o.layer, s.config))));
+    if (!o.checkpoint.empty()) {
+      s.stored_format = checkpoint_stored_format(o.checkpoint, o.layer, s.config);
+      s.weight_format = loaded_weight_format(s.stored_format);
+    }
+    // As the eval resolves it: a checkpoint's own format, except MXFP4 (decoded to bf16 at load),
+    // whose staging follows the architecture.
+    const bool own_format = !o.checkpoint.empty() && s.stored_format != StoredWeightFormat::kMxfp4;
+    s.staging = staging.value_or(default_staging(s.config, own_format ? std::optional(s.weight_format) : std::nullopt));
     check_layer_memory(s, cuda_);
     cfg_ = s.config;
     ranks_ = o.ranks;

@@ -151,7 +151,8 @@ std::function<int()> add_bench_command(CLI::App& app) {
   CLI::App* gemm = bench->add_subcommand(
       "gemm", "Grouped expert GEMMs (gate/up + SwiGLU, down + store) with e4m3 weights: time, TFLOPS, the ratio to "
               "cuBLASLt FP8 on the same operands (batched over the experts, each with its own weights; and on one "
-              "expert's weights) and to reading the touched experts' weights once.");
+              "expert's weights) and to reading the touched experts' weights once; --weights bf16: bf16 weights "
+              "and activations against cuBLASLt bf16.");
   gemm->add_option("--tokens", go->tokens, "tokens per rank; rows = tokens * top-k (default 1 128 512 4096)")
       ->check(rows_range());
   gemm->add_option("--hidden", go->hidden, "H, a multiple of 128 (default 7168)")->check(block_multiple(kMaxHidden));
@@ -159,9 +160,16 @@ std::function<int()> add_bench_command(CLI::App& app) {
   gemm->add_option("--experts", go->experts, "local experts = groups (default 32)")->check(CLI::Range(1, 4096));
   gemm->add_option("--top-k", go->top_k, "rows per token (default 8)")->check(CLI::Range(1, 64));
   gemm->add_option("--reps", go->reps, "timed graph replays; the median is reported (default 20)")->check(CLI::Range(1, 10000));
+  gemm->add_option("--weights", go->weights,
+                   "e4m3 (default: e4m3 weights and activations, against cuBLASLt FP8) or bf16 (bf16 weights and "
+                   "activations, staging none, against cuBLASLt bf16)")
+      ->check(CLI::IsMember({"e4m3", "bf16"}));
   gemm->add_option("--json", go->json, "also write the results as JSON to this file");
-  gemm->footer("Example:\n  moefq bench gemm --tokens 1 4096 --json bench_gemm.json");
-  actions->push_back({gemm, &go->json, [go] { return bench::run_bench_gemm(*go); }});
+  gemm->footer("Examples:\n  moefq bench gemm --tokens 1 4096 --json bench_gemm.json\n"
+               "  moefq bench gemm --weights bf16 --hidden 4096 --inter 1536 --experts 16 --tokens 4096");
+  actions->push_back({gemm, &go->json, [go] {
+    return go->weights == "bf16" ? bench::run_bench_gemm_bf16(*go) : bench::run_bench_gemm(*go);
+  }});
 
   auto co = std::make_shared<bench::CombineBenchOptions>();
   CLI::App* comb = bench->add_subcommand(

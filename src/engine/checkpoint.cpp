@@ -15,6 +15,7 @@
 #include <optional>
 #include <set>
 #include <span>
+#include <string_view>
 
 #include "moefq/errors.h"
 #include "moefq/fileio.h"
@@ -204,36 +205,84 @@ void check_finite(const Checkpoint::Found& t, const std::vector<T>& values, size
   }
 }
 
-// The format an expert weight's dtype stands for.
-WeightFormat format_of(const Checkpoint::Found& t, const std::string& name) {
-  MOEFQ_CHECK(t.info->dtype == StDtype::kF8E4M3 || t.info->dtype == StDtype::kBF16, "tensor ", name, " in ",
-              t.file->path(), ": dtype ", st_dtype_name(t.info->dtype),
-              ", expected F8_E4M3 (with weight_scale_inv) or BF16");
-  return t.info->dtype == StDtype::kF8E4M3 ? WeightFormat::kE4m3 : WeightFormat::kBf16;
+// "<name minus .weight>" + suffix: where a weight's scales are.
+std::string beside(const std::string& weight_name, const char* suffix) {
+  return weight_name.substr(0, weight_name.size() - std::string_view(".weight").size()) + suffix;
+}
+
+// The supported formats, for the refusals.
+constexpr const char* kSupportedFormats =
+    "the supported expert weight formats are e4m3 (F8_E4M3 with 128x128 block scales, fp32 in weight_scale_inv or "
+    "F8_E8M0 in .scale), bf16 (BF16) and mxfp4 (U8 or I8 packed e2m1 pairs with an F8_E8M0 or U8 .scale per 32 "
+    "elements)";
+
+// The format an expert weight is stored in, from its dtype and the tensors beside it; a format
+// moefq does not read is refused with its name.
+StoredWeightFormat format_of(Checkpoint& ckpt, const Checkpoint::Found& t, const std::string& name) {
+  const StDtype d = t.info->dtype;
+  if (d == StDtype::kF8E4M3) return StoredWeightFormat::kE4m3;
+  if (d == StDtype::kBF16) return StoredWeightFormat::kBf16;
+  const std::string where = "tensor " + name + " in " + t.file->path();
+  if (d == StDtype::kU8 || d == StDtype::kI8) {
+    if (ckpt.find(beside(name, ".scale"))) return StoredWeightFormat::kMxfp4;
+    const auto ws = ckpt.find(beside(name, ".weight_scale"));
+    MOEFQ_CHECK(!(ws && ws->info->dtype == StDtype::kF8E4M3), where, ": NVFP4 expert weights (e2m1 with F8_E4M3 ",
+                "scales per 16 in weight_scale and a global weight_scale_2, as NVIDIA ModelOpt writes them) are not ",
+                "supported; ", kSupportedFormats);
+    MOEFQ_FAIL(ErrorKind::kBadInput, where, ": dtype ", st_dtype_name(d), " with no ", beside(name, ".scale"),
+               " beside it: a packed format moefq does not read; ", kSupportedFormats);
+  }
+  MOEFQ_FAIL(ErrorKind::kBadInput, where, ": expert weights of dtype ", st_dtype_name(d), " (",
+             d == StDtype::kF16 ? "fp16" : d == StDtype::kF32 ? "fp32" : d == StDtype::kF8E5M2 ? "fp8 e5m2" : "not a weight format",
+             ") are not supported; ", kSupportedFormats);
+}
+
+// The expert weight `name`, which must exist; a quantized format whose tensors are named otherwise
+// (GPTQ/AWQ qweight, compressed-tensors weight_packed) is refused with its name.
+Checkpoint::Found require_weight(Checkpoint& ckpt, const std::string& name) {
+  if (!ckpt.find(name)) {
+    const std::string base = beside(name, "");
+    MOEFQ_CHECK(!ckpt.find(base + ".qweight"), "tensor ", base, ".qweight: GPTQ/AWQ int4 expert weights (qweight, ",
+                "scales, qzeros) are not supported; ", kSupportedFormats);
+    MOEFQ_CHECK(!ckpt.find(base + ".weight_packed"), "tensor ", base, ".weight_packed: compressed-tensors packed ",
+                "int4 expert weights are not supported; ", kSupportedFormats);
+  }
+  return ckpt.require(name, "expert weight");
 }
 
 // One expert's tensors (routed or shared, under `prefix`, e.g. "model.layers.3.mlp.experts.7."),
 // found and checked for dtype and shape from the headers: gate, up and down weights and, for
-// e4m3, their block scales.
+// e4m3 and mxfp4, their scales.
 struct ExpertTensors {
   std::vector<Checkpoint::Found> weights, scales;  // [gate, up, down]; scales empty for bf16
 };
 
 ExpertTensors find_expert(Checkpoint& ckpt, const LayerTensorNames& names, const std::string& prefix, int64_t hidden,
-                          int64_t inter, std::optional<WeightFormat>& format) {
+                          int64_t inter, std::optional<StoredWeightFormat>& format) {
   ExpertTensors t;
   for (const std::string* proj : {&names.gate_proj, &names.up_proj, &names.down_proj}) {
     const bool down = proj == &names.down_proj;
     const int64_t rows = down ? hidden : inter, cols = down ? inter : hidden;
     const std::string name = prefix + *proj + ".weight";
-    const auto w = ckpt.require(name, "expert weight");
+    const auto w = require_weight(ckpt, name);
     // The first expert weight decides the format; every other one must agree.
-    if (!format.has_value()) format = format_of(w, name);
-    if (*format == WeightFormat::kE4m3) {
+    if (!format.has_value()) format = format_of(ckpt, w, name);
+    if (*format == StoredWeightFormat::kE4m3) {
       check_tensor(w, name, {StDtype::kF8E4M3}, {rows, cols});
-      const std::string sname = prefix + *proj + ".weight_scale_inv";
+      // fp32 scales in weight_scale_inv (DeepSeek-V3's Hugging Face names), or ue8m0 ones in .scale
+      // (DeepSeek-V4's own names).
+      const std::string inv = beside(name, ".weight_scale_inv"), ue = beside(name, ".scale");
+      const bool own = !ckpt.find(inv) && ckpt.find(ue);
+      const std::string sname = own ? ue : inv;
       const auto s = ckpt.require(sname, "block scales of an e4m3 expert weight");
-      check_tensor(s, sname, {StDtype::kF32}, {ceil_div(rows, kBlock), ceil_div(cols, kBlock)});
+      check_tensor(s, sname, {own ? StDtype::kF8E8M0 : StDtype::kF32}, {ceil_div(rows, kBlock), ceil_div(cols, kBlock)});
+      t.scales.push_back(s);
+    } else if (*format == StoredWeightFormat::kMxfp4) {
+      // cols is a multiple of 128: whole bytes, whole 32-element blocks.
+      check_tensor(w, name, {StDtype::kU8, StDtype::kI8}, {rows, cols / 2});
+      const std::string sname = beside(name, ".scale");
+      const auto s = ckpt.require(sname, "ue8m0 scales of an mxfp4 expert weight");
+      check_tensor(s, sname, {StDtype::kF8E8M0, StDtype::kU8}, {rows, cols / 32});
       t.scales.push_back(s);
     } else {
       check_tensor(w, name, {StDtype::kBF16}, {rows, cols});
@@ -244,46 +293,96 @@ ExpertTensors find_expert(Checkpoint& ckpt, const LayerTensorNames& names, const
 }
 
 // The expert's weights read: gate and up concatenated into gate_up, their scales likewise (I is a
-// multiple of 128, so the up rows start a new row of blocks).
+// multiple of 128, so the up rows start a new row of blocks). MXFP4 is decoded to bf16 here, one
+// tensor at a time (the packed bytes of one tensor are the only transient copy).
 ExpertWeights load_expert(Checkpoint& ckpt, const LayerTensorNames& names, const std::string& prefix, int64_t hidden,
-                          int64_t inter, std::optional<WeightFormat>& format) {
+                          int64_t inter, std::optional<StoredWeightFormat>& format) {
   const ExpertTensors t = find_expert(ckpt, names, prefix, hidden, inter, format);
   ExpertWeights w;
   w.hidden = hidden;
   w.intermediate = inter;
-  w.format = *format;
+  w.format = loaded_weight_format(*format);
   for (size_t i = 0; i < 3; ++i) {
     const bool down = i == 2;
-    if (w.format == WeightFormat::kE4m3) {
+    if (*format == StoredWeightFormat::kE4m3) {
       auto& codes = down ? w.down_e4m3 : w.gate_up_e4m3;
       auto& scales = down ? w.down_scale : w.gate_up_scale;
       const size_t codes_before = codes.size(), scales_before = scales.size();
       append_tensor(codes, t.weights[i]);
-      append_tensor(scales, t.scales[i]);
+      if (t.scales[i].info->dtype == StDtype::kF8E8M0) {
+        std::vector<uint8_t> ue;
+        append_tensor(ue, t.scales[i]);
+        for (const uint8_t c : ue) scales.push_back(ue8m0_decode(c));  // 2^(c - 127), exact in fp32
+      } else {
+        append_tensor(scales, t.scales[i]);
+      }
       check_finite(t.weights[i], codes, codes_before);
       check_finite(t.scales[i], scales, scales_before);
-    } else {
-      auto& values = down ? w.down_bf16 : w.gate_up_bf16;
-      const size_t before = values.size();
-      append_tensor(values, t.weights[i]);
-      check_finite(t.weights[i], values, before);
+      continue;
     }
+    auto& values = down ? w.down_bf16 : w.gate_up_bf16;
+    const size_t before = values.size();
+    if (*format == StoredWeightFormat::kBf16) {
+      append_tensor(values, t.weights[i]);
+    } else {
+      const int64_t rows = down ? hidden : inter, cols = down ? inter : hidden;
+      std::vector<uint8_t> packed, scales;
+      append_tensor(packed, t.weights[i]);
+      append_tensor(scales, t.scales[i]);
+      const std::vector<bf16> decoded = decode_mxfp4(packed.data(), scales.data(), rows, cols);
+      values.insert(values.end(), decoded.begin(), decoded.end());
+    }
+    // MXFP4: a NaN scale (0xFF) or a value beyond bf16's range is named here, by its decoded index.
+    check_finite(t.weights[i], values, before);
   }
   return w;
 }
 
+// An expert held as bf16 where it was loaded in e4m3: the shared expert of a layer whose routed
+// experts are MXFP4 (DeepSeek-V4 ships it in e4m3 with ue8m0 block scales), so that the layer holds
+// one format. Each value is float(e4m3) * scale rounded to bf16: exact with power-of-two (ue8m0)
+// scales down to bf16's subnormals, rounded to nearest with fp32 ones.
+ExpertWeights as_bf16(ExpertWeights w) {
+  if (w.format == WeightFormat::kBf16) return w;
+  const auto round = [](const std::vector<float>& f) {
+    std::vector<bf16> b(f.size());
+    for (size_t i = 0; i < f.size(); ++i) b[i].bits = bf16_round(f[i]);
+    return b;
+  };
+  w.gate_up_bf16 = round(w.gate_up_f32());
+  w.down_bf16 = round(w.down_f32());
+  w.gate_up_e4m3 = {};
+  w.down_e4m3 = {};
+  w.gate_up_scale = {};
+  w.down_scale = {};
+  w.format = WeightFormat::kBf16;
+  return w;
+}
+
+// The format the shared expert is read in: the routed experts' (one layer, one format), except
+// beside MXFP4 routed experts, where it is found from its own tensors (and held as bf16 like them).
+std::optional<StoredWeightFormat> shared_format_given(const std::optional<StoredWeightFormat>& routed) {
+  if (routed == StoredWeightFormat::kMxfp4) return std::nullopt;
+  return routed;
+}
+
 // The router weight and, under noaux_tc, its correction bias, checked (no bias without noaux_tc:
-// the router ignores it there).
+// the router ignores it there). A layer that routes by token id (DeepSeek-V4's hash-routed layers,
+// with a gate.tid2eid table) is refused: the engine routes by the router's scores.
 std::pair<Checkpoint::Found, std::optional<Checkpoint::Found>> find_router(Checkpoint& ckpt,
                                                                           const LayerTensorNames& names,
                                                                           const MoeConfig& cfg) {
+  const std::string tid2eid = beside(names.router, ".tid2eid");
+  MOEFQ_CHECK(!ckpt.find(tid2eid), "tensor ", tid2eid, ": this layer routes its tokens by token id (a hash-routed ",
+              "layer, as DeepSeek-V4's first layers are), which the engine does not express; evaluate the layers "
+              "routed by the router's scores");
   const auto g = ckpt.require(names.router, "router weight");
   check_tensor(g, names.router, {StDtype::kBF16, StDtype::kF32}, {cfg.num_experts, cfg.hidden});
   if (!cfg.noaux_tc) return {g, std::nullopt};
   const auto b = ckpt.find(names.bias);
   MOEFQ_CHECK(b.has_value(), "missing tensor ", names.bias, " in checkpoint ", ckpt.where(),
               ": the config uses noaux_tc routing, which needs the correction bias");
-  check_tensor(*b, names.bias, {StDtype::kF32}, {cfg.num_experts});
+  check_tensor(*b, names.bias, {StDtype::kF32, StDtype::kBF16}, {cfg.num_experts});
   return {g, b};
 }
 
@@ -318,35 +417,69 @@ LayerTensorNames layer_tensor_names(const MoeConfig& cfg, int64_t layer) {
   return n;
 }
 
-std::vector<std::string> checkpoint_files(const std::string& dir) { return Checkpoint(dir).files(); }
-
-WeightFormat checkpoint_weight_format(const std::string& dir, int64_t layer, const MoeConfig& cfg) {
-  MOEFQ_CHECK(layer >= 0, dir, ": layer ", layer, " must be >= 0");
-  Checkpoint ckpt(dir);
-  const LayerTensorNames names = layer_tensor_names(cfg, layer);
-  const std::string name = names.expert_weight(0, names.gate_proj);
-  return format_of(ckpt.require(name, "expert weight"), name);
+LayerTensorNames deepseek_v4_own_tensor_names(int64_t layer) {
+  const std::string ffn = "layers." + std::to_string(layer) + ".ffn.";
+  LayerTensorNames n;
+  n.experts = ffn + "experts.";
+  n.shared = ffn + "shared_experts.";
+  n.gate_proj = "w1";
+  n.up_proj = "w3";
+  n.down_proj = "w2";
+  n.router = ffn + "gate.weight";
+  n.bias = ffn + "gate.bias";
+  return n;
 }
 
-WeightFormat check_checkpoint_layers(const std::string& dir, const std::vector<int64_t>& layers, const MoeConfig& cfg) {
+namespace {
+
+// The names the checkpoint uses for the layer: layer_tensor_names', or for DeepSeek-V4 its own
+// names where the Hugging Face ones are absent and its own router is there.
+LayerTensorNames names_in(Checkpoint& ckpt, const MoeConfig& cfg, int64_t layer) {
+  LayerTensorNames n = layer_tensor_names(cfg, layer);
+  if (cfg.model_type != "deepseek_v4" || ckpt.find(n.router)) return n;
+  LayerTensorNames own = deepseek_v4_own_tensor_names(layer);
+  if (ckpt.find(own.router) || ckpt.find(beside(own.router, ".tid2eid"))) return own;
+  return n;
+}
+
+}  // namespace
+
+std::vector<std::string> checkpoint_files(const std::string& dir) { return Checkpoint(dir).files(); }
+
+StoredWeightFormat checkpoint_stored_format(const std::string& dir, int64_t layer, const MoeConfig& cfg) {
+  MOEFQ_CHECK(layer >= 0, dir, ": layer ", layer, " must be >= 0");
+  Checkpoint ckpt(dir);
+  const LayerTensorNames names = names_in(ckpt, cfg, layer);
+  const std::string name = names.expert_weight(0, names.gate_proj);
+  return format_of(ckpt, require_weight(ckpt, name), name);
+}
+
+WeightFormat checkpoint_weight_format(const std::string& dir, int64_t layer, const MoeConfig& cfg) {
+  return loaded_weight_format(checkpoint_stored_format(dir, layer, cfg));
+}
+
+WeightFormat check_checkpoint_layers(const std::string& dir, const std::vector<int64_t>& layers, const MoeConfig& cfg,
+                                     StoredWeightFormat* stored) {
   check_shapes_and_range(cfg, 0, cfg.num_experts, dir);
   MOEFQ_CHECK(!layers.empty(), dir, ": no layers to check");
   Checkpoint ckpt(dir);
-  std::optional<WeightFormat> format;
+  std::optional<StoredWeightFormat> format;
   for (const int64_t layer : layers) {
     MOEFQ_CHECK(layer >= 0, dir, ": layer ", layer, " must be >= 0");
     try {
-      const LayerTensorNames names = layer_tensor_names(cfg, layer);
+      const LayerTensorNames names = names_in(ckpt, cfg, layer);
       for (int64_t e = 0; e < cfg.num_experts; ++e)
         (void)find_expert(ckpt, names, names.experts + std::to_string(e) + ".", cfg.hidden, cfg.intermediate, format);
+      std::optional<StoredWeightFormat> shared_format = shared_format_given(format);
       if (cfg.num_shared > 0)
-        (void)find_expert(ckpt, names, names.shared, cfg.hidden, cfg.intermediate * cfg.num_shared, format);
+        (void)find_expert(ckpt, names, names.shared, cfg.hidden, cfg.intermediate * cfg.num_shared, shared_format);
       (void)find_router(ckpt, names, cfg);
     } catch (const Error& e) {
       throw Error(e.kind(), "layer " + std::to_string(layer) + ": " + e.what());
     }
   }
-  return *format;
+  if (stored) *stored = *format;
+  return loaded_weight_format(*format);
 }
 
 LayerWeights load_checkpoint_layer(const std::string& dir, int64_t layer, const MoeConfig& cfg,
@@ -354,11 +487,11 @@ LayerWeights load_checkpoint_layer(const std::string& dir, int64_t layer, const 
   check_shapes_and_range(cfg, first_expert, num_local, dir);
   MOEFQ_CHECK(layer >= 0, dir, ": layer ", layer, " must be >= 0");
   Checkpoint ckpt(dir);
-  const LayerTensorNames names = layer_tensor_names(cfg, layer);
+  const LayerTensorNames names = names_in(ckpt, cfg, layer);
 
   LayerWeights lw;
   lw.first_expert = first_expert;
-  std::optional<WeightFormat> format;
+  std::optional<StoredWeightFormat> format;
   lw.experts.reserve(size_t(num_local));
   for (int64_t e = first_expert; e < first_expert + num_local; ++e) {
     lw.experts.push_back(load_expert(ckpt, names, names.experts + std::to_string(e) + ".", cfg.hidden,
@@ -366,7 +499,16 @@ LayerWeights load_checkpoint_layer(const std::string& dir, int64_t layer, const 
     if (on_progress) on_progress(e - first_expert + 1);
   }
   if (cfg.num_shared > 0) {
-    lw.shared.push_back(load_expert(ckpt, names, names.shared, cfg.hidden, cfg.intermediate * cfg.num_shared, format));
+    // The routed experts' format decides (read from expert 0's header when this rank loads none).
+    if (!format.has_value()) {
+      const std::string first = names.expert_weight(0, names.gate_proj);
+      format = format_of(ckpt, require_weight(ckpt, first), first);
+    }
+    std::optional<StoredWeightFormat> shared_format = shared_format_given(format);
+    ExpertWeights shared =
+        load_expert(ckpt, names, names.shared, cfg.hidden, cfg.intermediate * cfg.num_shared, shared_format);
+    lw.shared.push_back(loaded_weight_format(*format) == WeightFormat::kBf16 ? as_bf16(std::move(shared))
+                                                                              : std::move(shared));
     if (on_progress) on_progress(num_local + 1);
   }
 
@@ -380,10 +522,14 @@ LayerWeights load_checkpoint_layer(const std::string& dir, int64_t layer, const 
     for (size_t i = 0; i < raw.size(); ++i) lw.gate[i] = to_f32(raw[i]);
   }
   check_finite(g, lw.gate, 0);
-  if (b) {
+  if (b && b->info->dtype == StDtype::kF32) {
     append_tensor(lw.gate_bias, *b);
-    check_finite(*b, lw.gate_bias, 0);
+  } else if (b) {
+    std::vector<bf16> raw;
+    append_tensor(raw, *b);
+    for (const bf16 v : raw) lw.gate_bias.push_back(to_f32(v));
   }
+  if (b) check_finite(*b, lw.gate_bias, 0);
   return lw;
 }
 

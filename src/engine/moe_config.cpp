@@ -162,6 +162,18 @@ constexpr Architecture kArchitectures[] = {
     {"olmoe", "num_experts", "intermediate_size", false, ScoringFunc::kSoftmax, "greedy", true, false},
     {"qwen3_moe", "num_experts", "moe_intermediate_size", false, ScoringFunc::kSoftmax, "greedy", true, false},
 };
+// What the engine lacks for GPT-OSS's MoE layer (docs/models.md), in the refusal of its config.
+constexpr const char* kGptOssMissing =
+    "(1) a router bias added to the logits before the top-k (mlp.router.bias; the engine's only bias, "
+    "e_score_correction_bias, changes the selection, never the weights), (2) per-expert biases on the "
+    "gate/up and down projections (gate_up_proj_bias, down_proj_bias), (3) its SwiGLU variant "
+    "(gate clamped above and up clamped on both sides at swiglu_limit 7, out = (up + 1) * gate * "
+    "sigmoid(1.702 * gate); the engine's SwiGLU is silu(gate) * up with a symmetric clamp), (4) reading "
+    "its fused expert tensors (experts.gate_up_proj_blocks/_scales with interleaved gate and up rows, "
+    "experts.down_proj_blocks/_scales; moefq decodes the same MXFP4 encoding from per-expert tensors), "
+    "and (5) hidden and intermediate sizes of 2880, which are not multiples of the engine's 128-element "
+    "weight block";
+
 // A config without model_type: DeepSeek's field names with the generic defaults.
 constexpr Architecture kNoModelType = {"", "n_routed_experts", "moe_intermediate_size", true, ScoringFunc::kSoftmax,
                                        "greedy", true, false};
@@ -282,6 +294,9 @@ MoeConfig load_hf_config(const std::string& path) {
   if (!model_type && root != &doc) model_type = read_string(doc, "model_type", path);
 
   const Architecture* arch = &kNoModelType;
+  // GPT-OSS is a MoE the engine cannot express yet: refused with what is missing, not as unknown.
+  MOEFQ_CHECK(model_type != "gpt_oss", path, ": model_type 'gpt_oss' (GPT-OSS) is not supported: its MoE layer needs ",
+              kGptOssMissing);
   if (model_type) {
     arch = nullptr;
     for (const Architecture& a : kArchitectures)

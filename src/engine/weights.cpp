@@ -67,6 +67,55 @@ const char* weight_format_name(WeightFormat f) {
   return "unknown";
 }
 
+const char* stored_weight_format_name(StoredWeightFormat f) {
+  switch (f) {
+    case StoredWeightFormat::kE4m3:
+      return "e4m3";
+    case StoredWeightFormat::kBf16:
+      return "bf16";
+    case StoredWeightFormat::kMxfp4:
+      return "mxfp4";
+  }
+  return "unknown";
+}
+
+WeightFormat loaded_weight_format(StoredWeightFormat f) {
+  return f == StoredWeightFormat::kE4m3 ? WeightFormat::kE4m3 : WeightFormat::kBf16;
+}
+
+double stored_weight_bytes(StoredWeightFormat f, double n) {
+  switch (f) {
+    case StoredWeightFormat::kE4m3:
+      return n + n / (128.0 * 128.0) * 4.0;  // codes and fp32 128 x 128 block scales
+    case StoredWeightFormat::kBf16:
+      return 2.0 * n;
+    case StoredWeightFormat::kMxfp4:
+      return n / 2.0 + n / 32.0;  // two values a byte, one ue8m0 scale per 32
+  }
+  return 0.0;
+}
+
+std::vector<bf16> decode_mxfp4(const uint8_t* packed, const uint8_t* scales, int64_t rows, int64_t cols) {
+  MOEFQ_ASSERT(rows >= 0 && cols >= 0 && cols % 32 == 0, "decode_mxfp4: [", rows, ", ", cols,
+               "] is not a matrix of whole 32-element blocks");
+  // e2m1_decode(c) * 2^(s - 127) rounded to bf16: an e2m1 value has at most 2 significant bits, so
+  // the product is exact in fp32 (a subnormal down to 2^-128) and in bf16 (which has the same
+  // exponent range) unless it overflows, which gives inf. A NaN scale gives NaN.
+  std::vector<bf16> out(size_t(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* prow = packed + r * (cols / 2);
+    const uint8_t* srow = scales + r * (cols / 32);
+    bf16* orow = out.data() + r * cols;
+    for (int64_t c = 0; c < cols; c += 2) {
+      const float s = ue8m0_decode(srow[c / 32]);
+      const uint8_t byte = prow[c / 2];
+      orow[c].bits = bf16_round(mul_rn(e2m1_decode(uint8_t(byte & 0x0F)), s));
+      orow[c + 1].bits = bf16_round(mul_rn(e2m1_decode(uint8_t(byte >> 4)), s));
+    }
+  }
+  return out;
+}
+
 const char* staging_name(Staging s) { return s == Staging::kNone ? "none" : "e4m3"; }
 
 std::optional<Staging> parse_staging(std::string_view name) {

@@ -235,19 +235,17 @@ void resolve_layers(const EvalOptions& o, Prepared& p) {
   for (int64_t l : s.layers) MOEFQ_CHECK(l >= 0, "--layers: layer ", l, " must be >= 0");
   if (!p.runner.checkpoint_dir.empty()) {
     // Every layer's tensors from the headers, before any work (a missing one would otherwise stop
-    // the run at its layer). The format decides the memory plan, and whether the GPU evaluation can
-    // take the weights at all.
+    // the run at its layer). The format decides the memory plan and the default staging; either
+    // device takes either format.
     WeightFormat f = WeightFormat::kE4m3;
     try {
-      f = check_checkpoint_layers(p.runner.checkpoint_dir, s.layers, s.config);
+      f = check_checkpoint_layers(p.runner.checkpoint_dir, s.layers, s.config, &p.runner.stored_format);
     } catch (const Error& e) {
       throw Error(e.kind(), "--checkpoint " + p.runner.checkpoint_dir + ": " + e.what());
     }
-    MOEFQ_CHECK(o.device != EvalDevice::kCuda || f == WeightFormat::kE4m3, "--checkpoint ", p.runner.checkpoint_dir,
-                ": the expert weights are bf16; the GPU evaluation holds e4m3 weights with 128x128 block scales (the "
-                "DeepSeek-V3 checkpoint format), so a bf16 checkpoint runs with --device cpu");
     p.runner.weight_format = f;
-    s.weights_source += std::string(" (") + weight_format_name(f) + ")";
+    s.weights_source += std::string(" (") + stored_weight_format_name(p.runner.stored_format) +
+                        (p.runner.stored_format == StoredWeightFormat::kMxfp4 ? ", decoded to bf16 at load)" : ")");
   }
 }
 
@@ -368,8 +366,10 @@ void resolve_modes(const EvalOptions& o, Prepared& p) {
   s.combine_weighting = weighting.value_or(CombineWeighting::kBefore);
   p.runner.combine_weighting = s.combine_weighting;
   // The baseline: as the model is served unless --staging says otherwise.
-  s.staging = o.staging.value_or(default_staging(
-      s.config, p.runner.checkpoint_dir.empty() ? std::nullopt : std::optional(p.runner.weight_format)));
+  // An MXFP4 checkpoint's staging follows its architecture (DeepSeek-V4: e4m3), not its bf16 decode.
+  const bool own_format = !p.runner.checkpoint_dir.empty() && p.runner.stored_format != StoredWeightFormat::kMxfp4;
+  s.staging = o.staging.value_or(
+      default_staging(s.config, own_format ? std::optional(p.runner.weight_format) : std::nullopt));
   p.runner.staging = s.staging;
 }
 
@@ -390,10 +390,10 @@ MemoryPlan check_memory(const Prepared& p, const std::string& command) {
   MemoryPlan plan = plan_run_memory(p.runner, p.device);  // a CPU run's has no device figure
   if (memory_fits(plan)) return plan;
   // --device cuda only where it would help: a GPU evaluation in this build (its memory query
-  // registered), e4m3 weights, and a run that fits that GPU. Asked only for a refused run (the
-  // query starts the GPU).
+  // registered) and a run that fits that GPU. Asked only for a refused run (the query starts the
+  // GPU).
   bool gpu_fits = false;
-  if (p.device == EvalDevice::kCpu && p.runner.weight_format == WeightFormat::kE4m3) {
+  if (p.device == EvalDevice::kCpu) {
     const MemoryPlan gpu = plan_run_memory(p.runner, EvalDevice::kCuda);
     gpu_fits = gpu.device_available > 0 && gpu.device_bytes <= kUsableFraction * gpu.device_available &&
                gpu.host_bytes <= kUsableFraction * plan.host_available;

@@ -32,7 +32,8 @@ struct RunnerSetup {
   uint64_t seed = 0;
   SyntheticKind synthetic = SyntheticKind::kModel;
   std::string checkpoint_dir;                  // empty: synthetic weights
-  WeightFormat weight_format = WeightFormat::kE4m3;  // the checkpoint's (synthetic weights: e4m3)
+  WeightFormat weight_format = WeightFormat::kE4m3;  // the checkpoint's as loaded (synthetic weights: e4m3)
+  StoredWeightFormat stored_format = StoredWeightFormat::kE4m3;  // the checkpoint's as stored
   const SafetensorsFile* acts = nullptr;       // null: synthetic activations
   std::map<int64_t, std::string> act_tensor;   // layer -> tensor name in acts
   int num_threads = 0;

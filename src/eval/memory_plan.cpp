@@ -24,10 +24,14 @@ std::function<std::pair<double, double>()>& device_query() {
   return q;
 }
 
-double expert_bytes(int64_t H, int64_t I, WeightFormat f) {
-  const double params = 3.0 * double(H) * double(I);
-  if (f == WeightFormat::kBf16) return 2.0 * params;
-  return params + params / (128.0 * 128.0) * 4.0;  // e4m3 codes and fp32 128 x 128 block scales
+// One expert's three [I, H] / [H, I] matrices in f (weights.h's bytes per parameter).
+double expert_bytes(int64_t H, int64_t I, StoredWeightFormat f) {
+  return stored_weight_bytes(f, 3.0 * double(H) * double(I));
+}
+
+// The stored format of the weights the engines hold (synthetic: e4m3).
+StoredWeightFormat held_format(WeightFormat f) {
+  return f == WeightFormat::kBf16 ? StoredWeightFormat::kBf16 : StoredWeightFormat::kE4m3;
 }
 
 }  // namespace
@@ -97,9 +101,13 @@ MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
   const MoeConfig& c = s.config;
   const int64_t R = s.ranks, T = s.tokens, H = c.hidden, I = c.intermediate, E = c.num_experts, K = c.top_k;
   const double rows = double(s.num_tokens()), eval_rows = double(s.eval_batches) * double(R * T);
+  // The layer as the engines hold it (an MXFP4 checkpoint: decoded to bf16, 2 bytes a parameter,
+  // on the host as it is read and on the GPU); the stored bytes are read a tensor at a time.
   const WeightFormat wf = s.weight_format;
-  const double weights = double(E) * expert_bytes(H, I, wf) +
-                         double(R) * (c.num_shared > 0 ? expert_bytes(H, I * c.num_shared, wf) : 0.0);
+  const bool mxfp4 = !s.checkpoint_dir.empty() && s.stored_format == StoredWeightFormat::kMxfp4;
+  const StoredWeightFormat held = held_format(wf);
+  const double weights = double(E) * expert_bytes(H, I, held) +
+                         double(R) * (c.num_shared > 0 ? expert_bytes(H, I * c.num_shared, held) : 0.0);
   const double router = double(R) * double(E) * double(H + 1) * 4.0;
   BufferShape shape;
   shape.num_ranks = R;
@@ -120,9 +128,16 @@ MemoryPlan plan_run_memory(const RunnerSetup& s, EvalDevice device) {
   const auto add = [&](const std::string& what, double bytes, bool on_device) {
     p.items.push_back({what, on_device ? 0.0 : bytes, on_device ? bytes : 0.0});
   };
-  add(std::string("expert weights (") + weight_format_name(wf) + ", 1 layer)", weights, cuda);
+  add(std::string("expert weights (") + (mxfp4 ? "mxfp4 as bf16" : weight_format_name(wf)) + ", 1 layer)", weights,
+      cuda);
   // A checkpoint layer passes through the host on its way to the GPU.
   if (cuda && !s.checkpoint_dir.empty()) add("checkpoint layer read on the host", weights, false);
+  // MXFP4: one tensor's packed values and scales at a time, before their decode (the largest
+  // projection: the shared expert's when there is one).
+  if (mxfp4)
+    add("mxfp4 tensor being decoded", stored_weight_bytes(StoredWeightFormat::kMxfp4,
+                                                         double(H) * double(I * std::max<int64_t>(1, c.num_shared))),
+        false);
   add("router weights", router, false);
   add("engine buffers (" + std::to_string(R) + " ranks)", buffers, cuda);
   add("activations", acts, cuda);

@@ -116,6 +116,23 @@ TEST_F(BenchMemory, GemmPlanByHand) {
   EXPECT_EQ(gemm_bench_sizes(o).max_rows, 100);
 }
 
+// --weights bf16, the same shape: bf16 weights and activations (2 bytes each, no scales), and the
+// cuBLASLt bf16 grouped ceiling on those operands (the down GEMM's output, 32 x 1024 x 7168 bf16,
+// and the workspace) as the largest ceiling.
+TEST_F(BenchMemory, GemmPlanBf16ByHand) {
+  GemmBenchOptions o;
+  o.tokens = {1, 4096, 128};
+  o.weights = "bf16";
+  const MemoryPlan p = plan_gemm_bench_memory(o);
+  EXPECT_NE(item(p, "expert weights").what.find("bf16"), std::string::npos) << item(p, "expert weights").what;
+  EXPECT_EQ(item(p, "expert weights").device_bytes, double(2 * (896 + 448) * kMiB));
+  EXPECT_EQ(item(p, "activations").device_bytes, double((448 + 128) * kMiB + kPage));
+  EXPECT_EQ(item(p, "output rows").device_bytes, double(448 * kMiB + kPage));
+  EXPECT_EQ(item(p, "counts").device_bytes, double(2 * kPage));
+  EXPECT_EQ(item(p, "ceiling").device_bytes, double((448 + 32) * kMiB));
+  EXPECT_EQ(item(p, "reference check").host_bytes, double(2 * int64_t(4096) * 7168 + 16 * (4096 + 7168)));
+}
+
 // qdq: the row count whose buffers are largest is planned; the sets rotate over 3 x L2.
 TEST_F(BenchMemory, QdqPlanByHand) {
   QdqBenchOptions o;

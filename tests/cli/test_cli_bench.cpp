@@ -64,6 +64,17 @@ TEST_F(CliBench, HelpShowsTheDefaults) {
       << help_line("combine", "--launches");
 }
 
+// bench gemm's --weights names both choices and refuses another one before any work (exit 2),
+// in every build (no GPU is needed to be refused).
+TEST_F(CliBench, GemmWeightsChoices) {
+  const std::string help = help_line("gemm", "--weights");
+  for (const char* w : {"e4m3", "bf16", "cuBLASLt bf16"}) EXPECT_NE(help.find(w), std::string::npos) << w << "\n" << help;
+  const RunResult r = moefq("bench gemm --weights fp16 --tokens 1");
+  EXPECT_EQ(r.status, 2) << describe(r);
+  EXPECT_NE(r.err.find("--weights"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("fp16"), std::string::npos) << r.err;
+}
+
 // Today's date (UTC) as the JSON writes it; `before` guards a run across midnight.
 std::string utc_date() {
   const std::time_t now = std::time(nullptr);

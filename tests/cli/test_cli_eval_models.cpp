@@ -121,6 +121,50 @@ TEST_F(EvalModels, CheckpointOfEachNamingRuns) {
   EXPECT_FALSE(fs::exists(path("rep_bad")));
 }
 
+// A checkpoint whose expert weights are in a format moefq does not read is refused before the run
+// (exit 2, no report) with the format named, on either device; an MXFP4 one runs on the CPU.
+TEST_F(EvalModels, CheckpointFormatsRefusedByNameOrRun) {
+  const Arch& qwen = kArchs[0];
+  const MoeConfig cfg = load_hf_config(path(write_small_config(qwen, "f16")).string());
+  test::FakeCheckpoint ckpt =
+      test::FakeCheckpoint::from(cfg, synthetic_weights(cfg, WeightFormat::kBf16, 5, 0, 8), false, qwen.naming, 0);
+  for (auto& [name, t] : ckpt.tensors)
+    if (name.find(".experts.") != std::string::npos) t.dtype = StDtype::kF16;  // the same bytes, as fp16
+  ckpt.write(path("f16").string());
+  for (const char* device : {"cpu", "cuda"}) {
+    SCOPED_TRACE(device);
+    const RunResult r = moefq(std::string("eval --checkpoint f16 --layers 0 --device ") + device +
+                              " --ranks 2 --tokens 32 --calib-batches 1 --eval-batches 1 --out rep_f16");
+    EXPECT_EQ(r.status, 2) << describe(r);
+    // No GPU here: --device cuda is refused first, for that (exit 2 too).
+    if (std::string(device) == "cuda" && r.err.find("no CUDA device") != std::string::npos) continue;
+    for (const char* needle : {"model.layers.0.mlp.experts.0.gate_proj.weight", "dtype F16 (fp16) are not supported",
+                               "mxfp4"})
+      EXPECT_NE(r.err.find(needle), std::string::npos) << needle << "\n" << r.err;
+    EXPECT_FALSE(fs::exists(path("rep_f16")));
+  }
+  LayerWeights decoded;
+  write_small_config(qwen, "mx");
+  test::mxfp4_checkpoint(cfg, 4, 0, decoded, qwen.naming).write(path("mx").string());
+  const RunResult ok = moefq("eval --checkpoint mx --layers 0 " + kSmall + " --recipe moe_dispatch_fp8 --out rep_mx");
+  ASSERT_EQ(ok.status, 0) << describe(ok);
+  const json j = report("rep_mx");
+  EXPECT_EQ(j.at("config").at("weights"), "checkpoint mx (mxfp4, decoded to bf16 at load)");
+  EXPECT_GT(j.at("results")[0].at("rel_l2").get<double>(), 0.0);
+}
+
+// GPT-OSS's config is refused with what the engine lacks for its MoE layer, not as unknown.
+TEST_F(EvalModels, GptOssIsRefusedWithWhatIsMissing) {
+  std::ofstream(path("gpt_oss.json")) << R"({"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "swiglu_limit": 7.0})";
+  const RunResult r = moefq("eval --config gpt_oss.json " + kSmall + " --out rep");
+  EXPECT_EQ(r.status, 2) << describe(r);
+  for (const char* needle : {"model_type 'gpt_oss' (GPT-OSS) is not supported", "router bias", "gate_up_proj_bias",
+                             "(up + 1) * gate * sigmoid(1.702 * gate)", "gate_up_proj_blocks", "2880"})
+    EXPECT_NE(r.err.find(needle), std::string::npos) << needle << "\n" << r.err;
+  EXPECT_FALSE(fs::exists(path("rep")));
+}
+
 TEST_F(EvalModels, UnknownModelTypeIsBadInput) {
   std::ofstream(path("qwen2.json")) << R"({"model_type": "qwen2_moe", "hidden_size": 256})";
   const RunResult r = moefq("eval --config qwen2.json " + kSmall + " --out rep");

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include <filesystem>
+#include <fstream>
 
 #include "checkpoint_test_util.h"
 #include "cli/cli_test_util.h"
@@ -25,6 +26,7 @@
 #include "moefq/errors.h"
 #include "moefq/eval.h"
 #include "moefq/fake_quant_moe.h"
+#include "moefq/moe_config.h"
 #include "moefq/router.h"
 #include "moefq/safetensors.h"
 #include "moefq/synthetic.h"
@@ -277,6 +279,142 @@ TEST(EvalCuda, CheckpointLayersThroughPinnedStagingEqualTheLayerFacade) {
   EXPECT_TRUE(dev.memory.streaming) << dev.memory.describe();
   expect_calibration_equals_the_facade(o, dev);
   expect_same_rows(dev, run_eval(o));
+  std::filesystem::remove_all(dir);
+}
+
+// A bf16 checkpoint (as Qwen3-MoE, Mixtral, OLMoE and GLM-4.5 ship their experts) evaluated on the
+// GPU, device-resident, under `staging`: bf16 weight sets filled through the pinned staging
+// buffers. Against the layer facade on the same CUDA engine driven from the host (the same weights
+// and kernels): the calibration bit for bit; against a second run: every figure; against the CPU
+// engine: the routing and the dispatch amax
+// identical, the rest within the GEMM tolerance of expect_close_to_the_cpu_engine.
+void expect_bf16_checkpoint_on_the_device(Staging staging) {
+  const std::filesystem::path dir = test::unique_temp_path("moefq_ckpt_bf16_cuda_");
+  test::write_checkpoint(dir, {{1, 7}, {2, 8}}, WeightFormat::kBf16);
+  const auto options = [&](EvalDevice device) {
+    EvalOptions o = small_run(device);
+    o.checkpoint_dir = dir.string();
+    o.layers = {1, 2};
+    o.ranks = 2;
+    o.tokens = 32;
+    o.staging = staging;
+    return o;
+  };
+  const auto run = [&](EvalDevice device) { return run_eval(options(device)); };
+  const EvalResult dev = run(EvalDevice::kCuda);
+  const EvalResult same = run(EvalDevice::kCuda);  // a second run: every figure bit for bit
+  const EvalResult cpu = run(EvalDevice::kCpu);
+  expect_calibration_equals_the_facade(options(EvalDevice::kCuda), dev);
+  EXPECT_NE(dev.setup.weights_source.find("(bf16)"), std::string::npos) << dev.setup.weights_source;
+  EXPECT_EQ(dev.setup.staging, staging);
+  EXPECT_NE(dev.memory.describe().find("expert weights (bf16"), std::string::npos) << dev.memory.describe();
+  ASSERT_EQ(dev.calibration.layers.size(), 2u);
+  ASSERT_EQ(cpu.calibration.layers.size(), 2u);
+  for (size_t l = 0; l < 2; ++l) {
+    const LayerCalibration &a = dev.calibration.layers[l], &b = same.calibration.layers[l], &c = cpu.calibration.layers[l];
+    EXPECT_EQ(a.dispatch_amax, b.dispatch_amax);
+    EXPECT_EQ(a.combine_amax, b.combine_amax);
+    EXPECT_EQ(a.dispatch_amax, c.dispatch_amax);
+    EXPECT_EQ(a.dispatch_rank_amax, c.dispatch_rank_amax);
+    EXPECT_TRUE(close(a.combine_amax, c.combine_amax, 2e-2)) << a.combine_amax << " vs " << c.combine_amax;
+  }
+  expect_same_rows(dev, same);
+  ASSERT_EQ(dev.rows.size(), cpu.rows.size());
+  for (const EvalRow& a : dev.rows) {
+    SCOPED_TRACE("layer " + std::to_string(a.layer) + " " + a.recipe);
+    const EvalRow& c = row_of(cpu, a.layer, a.recipe);
+    EXPECT_EQ(a.layout_check, c.layout_check);
+    if (a.recipe == "none") {
+      EXPECT_EQ(a.metrics.rel_l2, 0.0);
+      continue;
+    }
+    EXPECT_GT(a.metrics.rel_l2, 0.0);  // a recipe that quantizes changes the output
+    EXPECT_TRUE(close(a.metrics.rel_l2, c.metrics.rel_l2, 0.1)) << a.metrics.rel_l2 << " vs " << c.metrics.rel_l2;
+    EXPECT_TRUE(close(a.rel_l2_token_p50, c.rel_l2_token_p50, 0.1));
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// Staging none, the default for a bf16 checkpoint: bf16 x bf16 GEMMs.
+TEST(EvalCuda, Bf16CheckpointStagingNoneOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  expect_bf16_checkpoint_on_the_device(Staging::kNone);
+}
+
+// The FP8 Mega-MoE staging over bf16 weights: e4m3 activations x bf16 weights.
+TEST(EvalCuda, Bf16CheckpointStagingE4m3OnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  expect_bf16_checkpoint_on_the_device(Staging::kE4m3);
+}
+
+// An MXFP4 checkpoint on the GPU: decoded to bf16 on the host at load and copied in as bf16 weight
+// sets, under either staging it gives exactly what the bf16 checkpoint of its decoded values gives
+// there (the decode is exact: the same weights, the same engine); its calibration is the layer
+// facade's on the same CUDA engine driven from the host, and a second run gives every figure.
+TEST(EvalCuda, Mxfp4CheckpointOnTheDeviceEqualsItsDecodedBf16) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path mx = test::unique_temp_path("moefq_ckpt_mxfp4_cuda_"),
+                              bf = test::unique_temp_path("moefq_ckpt_mxfp4_bf16_cuda_");
+  const MoeConfig cfg = test::small_config();
+  LayerWeights decoded;
+  for (const std::filesystem::path& d : {mx, bf}) {
+    std::filesystem::create_directories(d);
+    std::ofstream(d / "config.json") << test::kSmallConfigJson;
+  }
+  test::mxfp4_checkpoint(cfg, 21, 1, decoded).write(mx.string());
+  test::FakeCheckpoint::from(cfg, decoded, false, test::TensorNaming::mlp(), 1).write(bf.string());
+  for (const Staging staging : {Staging::kNone, Staging::kE4m3}) {
+    SCOPED_TRACE(staging_name(staging));
+    const auto options = [&](const std::filesystem::path& dir) {
+      EvalOptions o = small_run(EvalDevice::kCuda);
+      o.checkpoint_dir = dir.string();
+      o.layers = {1};
+      o.ranks = 2;
+      o.tokens = 32;
+      o.staging = staging;
+      return o;
+    };
+    const EvalResult a = run_eval(options(mx)), b = run_eval(options(bf)), again = run_eval(options(mx));
+    expect_calibration_equals_the_facade(options(mx), a);
+    EXPECT_NE(a.setup.weights_source.find("(mxfp4, decoded to bf16 at load)"), std::string::npos)
+        << a.setup.weights_source;
+    ASSERT_EQ(a.rows.size(), b.rows.size());
+    for (size_t i = 0; i < a.rows.size(); ++i) {
+      SCOPED_TRACE(a.rows[i].recipe);
+      EXPECT_EQ(a.rows[i].metrics.rel_l2, b.rows[i].metrics.rel_l2);
+      EXPECT_EQ(a.rows[i].metrics.max_abs, b.rows[i].metrics.max_abs);
+      EXPECT_EQ(a.rows[i].combine_amax, b.rows[i].combine_amax);
+      EXPECT_EQ(a.rows[i].dispatch_amax, b.rows[i].dispatch_amax);
+    }
+    expect_same_rows(a, again);
+  }
+  std::filesystem::remove_all(mx);
+  std::filesystem::remove_all(bf);
+}
+
+// A DeepSeek-V4 checkpoint under its own names (MXFP4 routed experts, e4m3 shared expert, both held
+// as bf16) on the GPU with its default staging (e4m3): the device-resident run's calibration equals
+// the layer facade's on the same CUDA engine driven from the host, and a second run gives every
+// figure.
+TEST(EvalCuda, DeepseekV4OwnCheckpointOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path dir = test::unique_temp_path("moefq_ckpt_v4_cuda_");
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << test::kSmallDeepseekV4ConfigJson;
+  const MoeConfig cfg = load_hf_config((dir / "config.json").string());
+  LayerWeights decoded;
+  test::deepseek_v4_checkpoint(cfg, 8, 3, decoded).write(dir.string());
+  EvalOptions o = small_run(EvalDevice::kCuda);
+  o.checkpoint_dir = dir.string();
+  o.layers = {3};
+  o.ranks = 2;
+  o.tokens = 32;
+  const EvalResult dev = run_eval(o), again = run_eval(o);
+  expect_calibration_equals_the_facade(o, dev);
+  EXPECT_EQ(dev.setup.staging, Staging::kE4m3);
+  EXPECT_NE(dev.setup.weights_source.find("(mxfp4, decoded to bf16 at load)"), std::string::npos)
+      << dev.setup.weights_source;
+  expect_same_rows(dev, again);
   std::filesystem::remove_all(dir);
 }
 

@@ -201,15 +201,16 @@ TEST_F(Loader, ErrorWrongDtype) {
   }
   SetUp();
   auto& first = ckpt_.tensors.at(ckpt_.moe() + "experts.2.gate_proj.weight");
-  first.dtype = StDtype::kU8;
-  EXPECT_HAS(load_error(), "dtype U8, expected F8_E4M3 (with weight_scale_inv) or BF16");
+  first.dtype = StDtype::kU8;  // packed bytes with no .scale beside them: not MXFP4
+  EXPECT_HAS(load_error(), "dtype U8 with no model.layers.3.mlp.experts.2.gate_proj.scale beside it");
+  EXPECT_HAS(load_error(), "the supported expert weight formats are e4m3");
   auto& zero = ckpt_.tensors.at(ckpt_.moe() + "experts.0.gate_proj.weight");
   zero.dtype = StDtype::kU8;
   ckpt_.write(dir_.str());
   {
     const std::string msg = error_of([&] { checkpoint_weight_format(dir_.str(), ckpt_.layer, cfg_); });
     EXPECT_HAS(msg, "tensor model.layers.3.mlp.experts.0.gate_proj.weight in ");
-    EXPECT_HAS(msg, "dtype U8, expected F8_E4M3 (with weight_scale_inv) or BF16");
+    EXPECT_HAS(msg, "dtype U8 with no model.layers.3.mlp.experts.0.gate_proj.scale beside it");
   }
   SetUp();
   auto& bias = ckpt_.tensors.at(ckpt_.moe() + "gate.e_score_correction_bias");
@@ -219,6 +220,55 @@ TEST_F(Loader, ErrorWrongDtype) {
     EXPECT_HAS(msg, "tensor model.layers.3.mlp.gate.e_score_correction_bias");
     EXPECT_HAS(msg, "dtype I32, expected F32");
   }
+}
+
+// A format moefq does not read is refused before any data is read, named: by its dtype (F16, F32,
+// F8_E5M2), or by the tensors beside the weight (NVFP4's F8_E4M3 weight_scale, GPTQ/AWQ's qweight,
+// compressed-tensors' weight_packed).
+TEST_F(Loader, UnsupportedFormatsAreRefusedByName) {
+  const std::string w = ckpt_.moe() + "experts.0.gate_proj.weight";
+  const auto refused = [&](const std::function<void()>& edit, const std::vector<std::string>& says) {
+    SetUp();
+    edit();
+    ckpt_.write(dir_.str());
+    for (const auto& f : {std::function<void()>([&] { checkpoint_stored_format(dir_.str(), ckpt_.layer, cfg_); }),
+                          std::function<void()>([&] { check_checkpoint_layers(dir_.str(), {ckpt_.layer}, cfg_); })}) {
+      const std::string msg = error_of(f);
+      for (const std::string& s : says) EXPECT_HAS(msg, s);
+      EXPECT_HAS(msg, "the supported expert weight formats are e4m3");
+    }
+  };
+  // The same bytes reread: [128, 256] e4m3 codes are [128, 128] fp16 values or [128, 64] fp32 ones.
+  const auto retype = [&](StDtype d, std::vector<int64_t> shape) {
+    return [this, w, d, shape] {
+      ckpt_.tensors.at(w).dtype = d;
+      ckpt_.tensors.at(w).shape = shape;
+    };
+  };
+  refused(retype(StDtype::kF16, {128, 128}), {w, "expert weights of dtype F16 (fp16) are not supported"});
+  refused(retype(StDtype::kF32, {128, 64}), {"dtype F32 (fp32) are not supported"});
+  refused(retype(StDtype::kF8E5M2, {128, 256}), {"dtype F8_E5M2 (fp8 e5m2) are not supported"});
+  refused(
+      [&] {
+        ckpt_.tensors.at(w).dtype = StDtype::kU8;
+        const std::vector<uint8_t> sc(size_t(128 * 256 / 16), 0x38);
+        ckpt_.add(test::beside(w, ".weight_scale"), StDtype::kF8E4M3, {128, 256 / 16}, sc, 1);
+      },
+      {w, "NVFP4 expert weights"});
+  refused(
+      [&] {
+        const std::vector<uint8_t> q(size_t(128 * 256 / 2), 0);
+        ckpt_.erase(w);
+        ckpt_.add(test::beside(w, ".qweight"), StDtype::kI32, {256 / 8, 128}, q, 1);
+      },
+      {"GPTQ/AWQ int4 expert weights (qweight, scales, qzeros) are not supported"});
+  refused(
+      [&] {
+        const std::vector<uint8_t> q(size_t(128 * 256 / 2), 0);
+        ckpt_.erase(w);
+        ckpt_.add(test::beside(w, ".weight_packed"), StDtype::kI32, {128, 256 / 8}, q, 1);
+      },
+      {"compressed-tensors packed int4 expert weights are not supported"});
 }
 
 TEST_F(Loader, ErrorMixedFormats) {
@@ -392,6 +442,157 @@ TEST(CheckpointNames, TheNamesOfEachModelType) {
   EXPECT_EQ(m.expert_weight(7, m.up_proj), "model.layers.31.block_sparse_moe.experts.7.w3.weight");
   EXPECT_EQ(m.expert_weight(7, m.down_proj), "model.layers.31.block_sparse_moe.experts.7.w2.weight");
   EXPECT_EQ(m.router, "model.layers.31.block_sparse_moe.gate.weight");
+}
+
+// ---------------------------------------------------------------------------------------------
+// MXFP4 experts (DeepSeek-V4's per-expert layout): decoded to bf16 at load
+
+// decode_mxfp4 on values chosen by hand: the low nibble is the even element, the sign is the
+// nibble's high bit, the scale is 2^(code - 127), the smallest scale gives bf16 subnormals, the
+// largest overflows to inf and 0xFF is NaN.
+TEST(Mxfp4, DecodeNibbleOrderSignAndScale) {
+  std::vector<uint8_t> packed(16 * 2, 0), scales = {128, 0, 254, 0xFF};
+  packed[0] = 0x71;   // low 1: +0.5, high 7: +6 (row 0, scale 2)
+  packed[1] = 0x9A;   // low 0xA: -1, high 0x9: -0.5
+  packed[16] = 0x01;  // row 0, block 1 (scale 2^-127): 0.5 * 2^-127 = 2^-128
+  const std::vector<bf16> a = decode_mxfp4(packed.data(), scales.data(), 1, 64);
+  EXPECT_EQ(to_f32(a[0]), 1.0f);
+  EXPECT_EQ(to_f32(a[1]), 12.0f);
+  EXPECT_EQ(to_f32(a[2]), -2.0f);
+  EXPECT_EQ(to_f32(a[3]), -1.0f);
+  EXPECT_EQ(a[4].bits, 0x0000);
+  EXPECT_EQ(a[32].bits, 0x0020);  // 2^-128: bf16 subnormal 32 * 2^-133
+  EXPECT_EQ(a[33].bits, 0x0000);
+  std::vector<uint8_t> big(16, 0x07);  // +6 everywhere
+  std::vector<uint8_t> sc = {254};
+  EXPECT_EQ(decode_mxfp4(big.data(), sc.data(), 1, 32)[0].bits, 0x7F80);  // 6 * 2^127: inf
+  sc = {253};
+  EXPECT_EQ(to_f32(decode_mxfp4(big.data(), sc.data(), 1, 32)[0]), std::ldexp(6.0f, 126));
+  sc = {0xFF};
+  EXPECT_TRUE(std::isnan(to_f32(decode_mxfp4(big.data(), sc.data(), 1, 32)[0])));
+  EXPECT_EQ(stored_weight_bytes(StoredWeightFormat::kMxfp4, 1024.0), 512.0 + 32.0);
+  EXPECT_EQ(stored_weight_bytes(StoredWeightFormat::kBf16, 1024.0), 2048.0);
+  EXPECT_EQ(stored_weight_bytes(StoredWeightFormat::kE4m3, 16384.0), 16384.0 + 4.0);
+}
+
+// A layer of random MXFP4 experts (every code, U8/I8 weights, F8_E8M0/U8 scales) loads as the
+// bf16 values the test decodes on its own, in both namings, sharded or not.
+TEST(Mxfp4, CheckpointDecodesToTheExpectedBf16) {
+  const MoeConfig cfg = small_config();
+  for (const TensorNaming& naming : {TensorNaming::mlp(), TensorNaming::block_sparse_moe()}) {
+    for (const bool with_index : {true, false}) {
+      SCOPED_TRACE(naming.module + (with_index ? " sharded" : " single file"));
+      MoeConfig c = cfg;
+      if (naming.module == "block_sparse_moe") {
+        c.model_type = "mixtral";
+        c.num_shared = 0;
+        c.noaux_tc = false;
+      }
+      LayerWeights expected;
+      const FakeCheckpoint ckpt = test::mxfp4_checkpoint(c, 11, 3, expected, naming);
+      TempDir dir;
+      ckpt.write(dir.str(), with_index);
+      EXPECT_EQ(checkpoint_stored_format(dir.str(), 3, c), StoredWeightFormat::kMxfp4);
+      EXPECT_EQ(checkpoint_weight_format(dir.str(), 3, c), WeightFormat::kBf16);
+      StoredWeightFormat stored = StoredWeightFormat::kE4m3;
+      EXPECT_EQ(check_checkpoint_layers(dir.str(), {3}, c, &stored), WeightFormat::kBf16);
+      EXPECT_EQ(stored, StoredWeightFormat::kMxfp4);
+      const LayerWeights got = load_checkpoint_layer(dir.str(), 3, c, 1, 2);
+      ASSERT_EQ(got.experts.size(), 2u);
+      EXPECT_EQ(got.experts[0].format, WeightFormat::kBf16);
+      LayerWeights want = expected;
+      want.first_expert = 1;
+      want.experts = {expected.experts[1], expected.experts[2]};
+      expect_layers_equal(want, got);
+      EXPECT_TRUE(bytes_equal(expected.experts[2].down_bf16, got.experts[1].down_bf16));
+      // Not all zeros, and both signs: the data exercises the decode.
+      int neg = 0, pos = 0;
+      for (const bf16 v : got.experts[0].gate_up_bf16) (to_f32(v) < 0 ? neg : pos) += to_f32(v) != 0;
+      EXPECT_GT(neg, 1000);
+      EXPECT_GT(pos, 1000);
+    }
+  }
+}
+
+TEST(Mxfp4, BadScalesAreNamed) {
+  const MoeConfig cfg = small_config();
+  LayerWeights expected;
+  const std::string s = "model.layers.3.mlp.experts.1.up_proj.scale";
+  const auto error_with = [&](const std::function<void(FakeCheckpoint&)>& edit) {
+    FakeCheckpoint ckpt = test::mxfp4_checkpoint(cfg, 5, 3, expected);
+    edit(ckpt);
+    TempDir dir;
+    ckpt.write(dir.str());
+    return error_of([&] { load_checkpoint_layer(dir.str(), 3, cfg, 0, cfg.num_experts); });
+  };
+  // A NaN scale (0xFF): named by the weight it scales.
+  std::string msg = error_with([&](FakeCheckpoint& c) { c.tensors.at(s).bytes[5] = 0xFF; });
+  EXPECT_HAS(msg, "tensor model.layers.3.mlp.experts.1.up_proj.weight");
+  EXPECT_HAS(msg, "must be finite");
+  // A scale that overflows bf16 (6 * 2^127).
+  msg = error_with([&](FakeCheckpoint& c) {
+    c.tensors.at(s).bytes[0] = 254;
+    c.tensors.at("model.layers.3.mlp.experts.1.up_proj.weight").bytes[0] = 0x77;
+  });
+  EXPECT_HAS(msg, "must be finite");
+  // Scales of the wrong shape or dtype, and missing scales after the first expert set the format.
+  msg = error_with([&](FakeCheckpoint& c) { c.tensors.at(s).shape = {256, 4}; });
+  EXPECT_HAS(msg, "tensor " + s);
+  EXPECT_HAS(msg, "shape [256, 4], expected [128, 8]");
+  msg = error_with([&](FakeCheckpoint& c) { c.tensors.at(s).dtype = StDtype::kI8; });
+  EXPECT_HAS(msg, "dtype I8, expected F8_E8M0 or U8");
+  msg = error_with([&](FakeCheckpoint& c) { c.erase(s); });
+  EXPECT_HAS(msg, "missing tensor " + s + " (ue8m0 scales of an mxfp4 expert weight)");
+  // A weight of the wrong packed shape.
+  msg = error_with([&](FakeCheckpoint& c) { c.tensors.at("model.layers.3.mlp.experts.1.up_proj.weight").shape = {64, 256}; });
+  EXPECT_HAS(msg, "shape [64, 256], expected [128, 128]");
+}
+
+// DeepSeek-V4 as its checkpoints store it: its own names, MXFP4 routed experts (I8 values, F8_E8M0
+// scales per 32) and an e4m3 shared expert with F8_E8M0 block scales, all held as bf16, every value
+// as the test decodes it on its own.
+TEST(DeepseekV4, OwnNamesMxfp4RoutedAndE4m3SharedLoadAsBf16) {
+  MoeConfig cfg = small_config();
+  cfg.model_type = "deepseek_v4";
+  LayerWeights expected;
+  const FakeCheckpoint ckpt = test::deepseek_v4_checkpoint(cfg, 17, 4, expected);
+  TempDir dir;
+  ckpt.write(dir.str());
+  EXPECT_EQ(deepseek_v4_own_tensor_names(4).expert_weight(2, "w3"), "layers.4.ffn.experts.2.w3.weight");
+  EXPECT_EQ(checkpoint_stored_format(dir.str(), 4, cfg), StoredWeightFormat::kMxfp4);
+  StoredWeightFormat stored = StoredWeightFormat::kE4m3;
+  EXPECT_EQ(check_checkpoint_layers(dir.str(), {4}, cfg, &stored), WeightFormat::kBf16);
+  EXPECT_EQ(stored, StoredWeightFormat::kMxfp4);
+  const LayerWeights got = load_checkpoint_layer(dir.str(), 4, cfg, 0, cfg.num_experts);
+  ASSERT_EQ(got.shared.size(), 1u);
+  EXPECT_EQ(got.shared[0].format, WeightFormat::kBf16);
+  EXPECT_TRUE(got.shared[0].gate_up_e4m3.empty());
+  expect_layers_equal(expected, got);
+  // A rank without routed experts of its own still holds the shared expert as bf16.
+  EXPECT_EQ(load_checkpoint_layer(dir.str(), 4, cfg, 1, 0).shared[0].format, WeightFormat::kBf16);
+  // Under another model_type the Hugging Face names are looked for, and named as missing.
+  MoeConfig v3 = cfg;
+  v3.model_type = "deepseek_v3";
+  EXPECT_HAS(error_of([&] { load_checkpoint_layer(dir.str(), 4, v3, 0, 1); }),
+             "missing tensor model.layers.4.mlp.experts.0.gate_proj.weight");
+}
+
+// A hash-routed layer (DeepSeek-V4's first layers: a gate.tid2eid table) is refused by name.
+TEST(DeepseekV4, HashRoutedLayerIsRefused) {
+  MoeConfig cfg = small_config();
+  cfg.model_type = "deepseek_v4";
+  LayerWeights expected;
+  FakeCheckpoint ckpt = test::deepseek_v4_checkpoint(cfg, 3, 0, expected);
+  const std::vector<int32_t> table(64 * 2, 1);
+  ckpt.add("layers.0.ffn.gate.tid2eid", StDtype::kI32, {64, 2}, test::span_of(table), 1);
+  TempDir dir;
+  ckpt.write(dir.str());
+  for (const auto& f : {std::function<void()>([&] { load_checkpoint_layer(dir.str(), 0, cfg, 0, 1); }),
+                        std::function<void()>([&] { check_checkpoint_layers(dir.str(), {0}, cfg); })}) {
+    const std::string msg = error_of(f);
+    EXPECT_HAS(msg, "tensor layers.0.ffn.gate.tid2eid");
+    EXPECT_HAS(msg, "routes its tokens by token id");
+  }
 }
 
 }  // namespace

@@ -128,38 +128,140 @@ class EvalLib : public ::testing::Test {
 };
 
 // A checkpoint's weight format reaches the memory plan (bf16: 2 bytes per parameter, e4m3: 1 and
-// the block scales), and a bf16 checkpoint is refused for the GPU evaluation before anything runs.
-TEST_F(EvalLib, TheCheckpointsFormatPlansMemoryAndBf16StaysOffTheGpu) {
-  const fs::path e4m3 = root_ / "e4m3", bf16 = root_ / "bf16";
+// the block scales, MXFP4: decoded to bf16 at load, so 2, and one tensor's packed bytes while it
+// is decoded), on the CPU and, for every format, on the GPU.
+TEST_F(EvalLib, TheCheckpointsFormatPlansMemory) {
+  const fs::path e4m3 = root_ / "e4m3", bf16 = root_ / "bf16", mxfp4 = root_ / "mxfp4";
   test::write_checkpoint(e4m3, {{0, 3}});
   const MoeConfig cfg = test::small_config();
-  fs::create_directories(bf16);
-  fs::copy_file(e4m3 / "config.json", bf16 / "config.json");
+  for (const fs::path& d : {bf16, mxfp4}) {
+    fs::create_directories(d);
+    fs::copy_file(e4m3 / "config.json", d / "config.json");
+  }
   test::FakeCheckpoint::from(cfg, synthetic_weights(cfg, WeightFormat::kBf16, 3, 0, cfg.num_experts), false,
                              test::TensorNaming::mlp(), 0)
       .write(bf16.string());
-  const auto weights_item = [](const MemoryPlan& plan) {
+  LayerWeights decoded;
+  test::mxfp4_checkpoint(cfg, 3, 0, decoded).write(mxfp4.string());
+  const auto item = [](const MemoryPlan& plan, const std::string& prefix) {
     for (const MemoryItem& m : plan.items)
-      if (m.what.rfind("expert weights", 0) == 0) return m;
-    ADD_FAILURE() << "no expert weights in the plan";
+      if (m.what.rfind(prefix, 0) == 0) return m;
+    ADD_FAILURE() << "no " << prefix << " in the plan\n" << plan.describe();
     return MemoryItem{};
+  };
+  const auto has = [](const MemoryPlan& plan, const std::string& prefix) {
+    for (const MemoryItem& m : plan.items)
+      if (m.what.rfind(prefix, 0) == 0) return true;
+    return false;
   };
   // 8 routed experts and the shared one on each of the 2 ranks, 3 * H * I parameters each.
   const double params = (8.0 + 2.0) * 3.0 * 256.0 * 128.0;
   o_.config_path.clear();
   o_.layers = {0};
-  o_.checkpoint_dir = e4m3.string();
-  MemoryItem m = weights_item(plan_eval_memory(o_));
-  EXPECT_EQ(m.what, "expert weights (e4m3, 1 layer)");
-  EXPECT_EQ(m.host_bytes, params + params / (128.0 * 128.0) * 4.0);
+  for (const EvalDevice device : {EvalDevice::kCpu, EvalDevice::kCuda}) {
+    SCOPED_TRACE(device == EvalDevice::kCpu ? "cpu" : "cuda");
+    o_.device = device;
+    const auto bytes = [&](const MemoryItem& m) { return device == EvalDevice::kCpu ? m.host_bytes : m.device_bytes; };
+    o_.checkpoint_dir = e4m3.string();
+    MemoryPlan plan = plan_eval_memory(o_);
+    MemoryItem m = item(plan, "expert weights");
+    EXPECT_EQ(m.what, "expert weights (e4m3, 1 layer)");
+    EXPECT_EQ(bytes(m), params + params / (128.0 * 128.0) * 4.0);
+    EXPECT_FALSE(has(plan, "mxfp4 tensor"));
+    o_.checkpoint_dir = bf16.string();
+    plan = plan_eval_memory(o_);
+    m = item(plan, "expert weights");
+    EXPECT_EQ(m.what, "expert weights (bf16, 1 layer)");
+    EXPECT_EQ(bytes(m), 2.0 * params);
+    o_.checkpoint_dir = mxfp4.string();
+    plan = plan_eval_memory(o_);
+    m = item(plan, "expert weights");
+    EXPECT_EQ(m.what, "expert weights (mxfp4 as bf16, 1 layer)");
+    EXPECT_EQ(bytes(m), 2.0 * params);
+    // The packed tensor decoded at a time: one [I * S, H] projection, half a byte a value and a
+    // byte per 32, on the host.
+    EXPECT_EQ(item(plan, "mxfp4 tensor being decoded").host_bytes, 256.0 * 128.0 * (0.5 + 1.0 / 32.0));
+    if (device == EvalDevice::kCuda) {  // the layer passes through the host, decoded
+      EXPECT_EQ(item(plan, "checkpoint layer read on the host").host_bytes, 2.0 * params);
+    }
+  }
+}
+
+// An MXFP4 checkpoint runs through the CPU engine as the bf16 checkpoint of its decoded values
+// does (the decode is exact, so every figure is the same), its source says what it was.
+TEST_F(EvalLib, Mxfp4CheckpointRunsAsItsDecodedBf16) {
+  const fs::path mxfp4 = root_ / "mxfp4", bf16 = root_ / "bf16";
+  const MoeConfig cfg = test::small_config();
+  LayerWeights decoded;
+  for (const fs::path& d : {mxfp4, bf16}) {
+    fs::create_directories(d);
+    std::ofstream(d / "config.json") << test::kSmallConfigJson;
+  }
+  test::mxfp4_checkpoint(cfg, 9, 0, decoded).write(mxfp4.string());
+  test::FakeCheckpoint::from(cfg, decoded, false, test::TensorNaming::mlp(), 0).write(bf16.string());
+  o_.config_path.clear();
+  o_.layers = {0};
+  o_.staging = Staging::kNone;
+  o_.recipes = {"moe_combine_fp8", "moe_dispatch_nvfp4"};
+  o_.checkpoint_dir = mxfp4.string();
+  const EvalResult a = run_eval(o_);
   o_.checkpoint_dir = bf16.string();
-  m = weights_item(plan_eval_memory(o_));
-  EXPECT_EQ(m.what, "expert weights (bf16, 1 layer)");
-  EXPECT_EQ(m.host_bytes, 2.0 * params);
-  o_.device = EvalDevice::kCuda;
-  const std::string msg = error_of([&] { plan_eval_memory(o_); });
-  EXPECT_NE(msg.find("--checkpoint " + bf16.string() + ": the expert weights are bf16"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("--device cpu"), std::string::npos) << msg;
+  const EvalResult b = run_eval(o_);
+  EXPECT_EQ(a.setup.weights_source, "checkpoint " + mxfp4.string() + " (mxfp4, decoded to bf16 at load)");
+  EXPECT_EQ(b.setup.weights_source, "checkpoint " + bf16.string() + " (bf16)");
+  ASSERT_EQ(a.rows.size(), b.rows.size());
+  ASSERT_EQ(a.rows.size(), 2u);
+  for (size_t i = 0; i < a.rows.size(); ++i) {
+    SCOPED_TRACE(a.rows[i].recipe);
+    EXPECT_EQ(a.rows[i].recipe, b.rows[i].recipe);
+    EXPECT_GT(a.rows[i].metrics.rel_l2, 0.0);
+    EXPECT_EQ(a.rows[i].metrics.rel_l2, b.rows[i].metrics.rel_l2);
+    EXPECT_EQ(a.rows[i].metrics.max_abs, b.rows[i].metrics.max_abs);
+    EXPECT_EQ(a.rows[i].dispatch_amax, b.rows[i].dispatch_amax);
+    EXPECT_EQ(a.rows[i].combine_amax, b.rows[i].combine_amax);
+  }
+  // Without --staging, an MXFP4 checkpoint follows its architecture (no model_type: e4m3), a bf16
+  // one its format (none).
+  o_.staging.reset();
+  o_.recipes = {"moe_combine_fp8"};
+  o_.checkpoint_dir = mxfp4.string();
+  EXPECT_EQ(run_eval(o_).setup.staging, Staging::kE4m3);
+  o_.checkpoint_dir = bf16.string();
+  EXPECT_EQ(run_eval(o_).setup.staging, Staging::kNone);
+}
+
+// A DeepSeek-V4 checkpoint under its own names (MXFP4 routed experts, e4m3 shared expert) runs
+// through the CPU engine as the Hugging Face-named bf16 checkpoint of its decoded values does.
+TEST_F(EvalLib, DeepseekV4OwnCheckpointRunsAsItsDecodedBf16) {
+  const fs::path own = root_ / "v4", bf16 = root_ / "v4_bf16";
+  for (const fs::path& d : {own, bf16}) {
+    fs::create_directories(d);
+    std::ofstream(d / "config.json") << test::kSmallDeepseekV4ConfigJson;
+  }
+  const MoeConfig cfg = load_hf_config((own / "config.json").string());
+  ASSERT_EQ(cfg.model_type, "deepseek_v4");
+  LayerWeights decoded;
+  test::deepseek_v4_checkpoint(cfg, 5, 2, decoded).write(own.string());
+  test::FakeCheckpoint::from(cfg, decoded, false, test::TensorNaming::mlp(), 2).write(bf16.string());
+  o_.config_path.clear();
+  o_.layers = {2};
+  o_.recipes = {"moe_combine_fp8", "moe_dispatch_nvfp4"};
+  o_.checkpoint_dir = own.string();
+  const EvalResult a = run_eval(o_);
+  o_.checkpoint_dir = bf16.string();
+  o_.staging = a.setup.staging;  // deepseek_v4: e4m3 (a bf16 checkpoint's own default is none)
+  const EvalResult b = run_eval(o_);
+  EXPECT_EQ(a.setup.staging, Staging::kE4m3);
+  EXPECT_EQ(a.setup.weights_source, "checkpoint " + own.string() + " (mxfp4, decoded to bf16 at load)");
+  ASSERT_EQ(a.rows.size(), 2u);
+  ASSERT_EQ(b.rows.size(), 2u);
+  for (size_t i = 0; i < a.rows.size(); ++i) {
+    SCOPED_TRACE(a.rows[i].recipe);
+    EXPECT_GT(a.rows[i].metrics.rel_l2, 0.0);
+    EXPECT_EQ(a.rows[i].metrics.rel_l2, b.rows[i].metrics.rel_l2);
+    EXPECT_EQ(a.rows[i].metrics.max_abs, b.rows[i].metrics.max_abs);
+    EXPECT_EQ(a.rows[i].combine_amax, b.rows[i].combine_amax);
+  }
 }
 
 TEST_F(EvalLib, CalibrationIsSharedAndTheFileRoundTrips) {

@@ -1,7 +1,8 @@
 // The device-resident runner of the evaluation (eval/layer_runner.h): the layer lives on the GPU
 // from start to finish. Synthetic weights are generated straight into the engine's weight sets
-// (checkpoint weights are read on the host and copied in), activations generated there (or copied
-// from the file), routed by the CUDA router, run through FakeQuantMoe on CUDA, and reduced to metric
+// (checkpoint weights, e4m3 with block scales or bf16, are read on the host and copied in),
+// activations generated there (or copied from the file), routed by the CUDA router, run through
+// FakeQuantMoe on CUDA, and reduced to metric
 // sums in fp64 on the device: only the per-token and per-channel sums come back. Where the memory
 // plan allows, the next layer's synthetic weights are generated on a second stream while the
 // current layer is evaluated.
@@ -73,12 +74,19 @@ class PinnedStager {
       MOEFQ_CUDA_CHECK(cudaEventRecord(done_[i], stream));
     }
   }
-  // Every expert of `experts` into `out` (e4m3: codes and scales), in the sets' layout.
-  void copy_experts(const std::vector<ExpertWeights>& experts, const DeviceExpertSet& out, cudaStream_t stream) {
+  // Every expert of `experts` into `out`, in the sets' layout: e4m3 codes and their block scales,
+  // or bf16 values (no scales). Each expert must be in `format`, the sets' (one layer, one format).
+  void copy_experts(const std::vector<ExpertWeights>& experts, WeightFormat format, const DeviceExpertSet& out,
+                    cudaStream_t stream) {
     for (size_t e = 0; e < experts.size(); ++e) {
       const ExpertWeights& w = experts[e];
-      MOEFQ_CHECK(w.format == WeightFormat::kE4m3, "--device cuda: checkpoint expert weights must be e4m3 (with "
-                  "weight_scale_inv) here; bf16 checkpoints run with --device cpu");
+      MOEFQ_CHECK(w.format == format, "--device cuda: checkpoint expert ", e, " has ", weight_format_name(w.format),
+                  " weights where the layer's are ", weight_format_name(format));
+      if (format == WeightFormat::kBf16) {
+        copy(out.gate_up + e * w.gate_up_bf16.size() * 2, w.gate_up_bf16.data(), w.gate_up_bf16.size() * 2, stream);
+        copy(out.down + e * w.down_bf16.size() * 2, w.down_bf16.data(), w.down_bf16.size() * 2, stream);
+        continue;
+      }
       copy(out.gate_up + e * w.gate_up_e4m3.size(), w.gate_up_e4m3.data(), w.gate_up_e4m3.size(), stream);
       copy(out.gate_up_scale + e * w.gate_up_scale.size(), w.gate_up_scale.data(), w.gate_up_scale.size() * 4, stream);
       copy(out.down + e * w.down_e4m3.size(), w.down_e4m3.data(), w.down_e4m3.size(), stream);
@@ -381,11 +389,15 @@ class DeviceRunner final : public LayerRunner {
       le->gate = w[0].gate;
       le->bias = w[0].gate_bias;
       PinnedStager stager;
+      // The engine's weight sets in the checkpoint's format as loaded (e4m3 with block scales, or
+      // bf16: a bf16 checkpoint, or an MXFP4 one decoded at load); the GEMMs take either weight
+      // format with either staging.
+      const WeightFormat f = s_.weight_format;
       le->engine = std::make_unique<CudaEngine>(
-          c, R, T, WeightFormat::kE4m3,
+          c, R, T, f,
           [&](int64_t rank, const DeviceExpertSet& routed, const DeviceExpertSet& shared) {
-            stager.copy_experts(w[size_t(rank)].experts, routed, stream);
-            if (shared.count) stager.copy_experts(w[size_t(rank)].shared, shared, stream);
+            stager.copy_experts(w[size_t(rank)].experts, f, routed, stream);
+            if (shared.count) stager.copy_experts(w[size_t(rank)].shared, f, shared, stream);
           },
           eo);
       MOEFQ_CUDA_CHECK(cudaStreamSynchronize(stream));  // the host weights go when the copies are done

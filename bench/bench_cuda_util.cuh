@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <functional>
 #include <string>
+#include <random>
 #include <vector>
 
 #include "bench/bench.h"
@@ -103,6 +104,51 @@ inline double median_us(const std::function<void(int, cudaStream_t)>& launch, in
 inline double median_us(const std::function<void(cudaStream_t)>& launch, int per_graph, int reps) {
   return median_us([&](int, cudaStream_t s) { launch(s); }, per_graph, reps);
 }
+// The benches' synthetic operands: a per-index hash (a 64-bit finalizer) and a triangular (roughly
+// bell-shaped) value in (-1, 1), the sum of two uniforms taken from it.
+__device__ __forceinline__ uint32_t bench_mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return uint32_t(x);
+}
+__device__ __forceinline__ uint32_t bench_hash(int64_t i, uint64_t seed) {
+  return bench_mix(uint64_t(i) * 0x9E3779B97F4A7C15ull + seed);
+}
+__device__ __forceinline__ float bench_triangular(int64_t i, uint64_t seed) {
+  const uint32_t h = bench_hash(i, seed);
+  return (float(h & 0xFFFF) + float(h >> 16)) / 65536.0f - 1.0f;
+}
+
+// Rows of a grouped GEMM spread over the local experts with a mild skew, as real routers show:
+// expert e weighted by 1 / (1 + e / experts).
+inline std::vector<int32_t> route_counts(int64_t rows, int64_t experts, std::mt19937_64& rng) {
+  std::vector<int32_t> c(static_cast<size_t>(experts), 0);
+  std::vector<double> w(static_cast<size_t>(experts));
+  for (int64_t e = 0; e < experts; ++e) w[size_t(e)] = 1.0 / (1.0 + double(e) / double(experts));
+  std::discrete_distribution<int> pick(w.begin(), w.end());
+  for (int64_t r = 0; r < rows; ++r) ++c[size_t(pick(rng))];
+  return c;
+}
+
+// Each group's first row (the exclusive prefix sum of the counts) and how many groups have rows.
+struct GroupOffsets {
+  std::vector<int32_t> offsets;
+  int64_t touched = 0;
+};
+inline GroupOffsets group_offsets(const std::vector<int32_t>& counts) {
+  GroupOffsets g;
+  int64_t off = 0;
+  for (const int32_t c : counts) {
+    g.offsets.push_back(int32_t(off));
+    off += c;
+    g.touched += c > 0;
+  }
+  return g;
+}
+
 
 // A plain 16-byte-per-thread grid-stride copy.
 static __global__ void copy16_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, int64_t n) {

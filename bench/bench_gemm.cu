@@ -30,25 +30,14 @@ namespace {
 using cuda::DeviceBuffer;
 
 // Deterministic fill: e4m3 codes of N(0, 0.4 * 448)-like magnitudes (no NaN), or fp32 scales.
-__device__ __forceinline__ uint32_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return uint32_t(x);
-}
 __global__ void fill_e4m3_kernel(uint8_t* p, int64_t n, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint32_t h = mix(uint64_t(i) * 0x9E3779B97F4A7C15ull + seed);
-    // Sum of two uniforms: a triangular (roughly bell-shaped) value in (-1, 1) times 400.
-    const float v = (float(h & 0xFFFF) + float(h >> 16)) / 65536.0f - 1.0f;
-    p[i] = e4m3_encode_sat(v * 400.0f);
+    p[i] = e4m3_encode_sat(bench_triangular(i, seed) * 400.0f);
   }
 }
 __global__ void fill_scale_kernel(float* p, int64_t n, uint64_t seed, float lo_exp, float hi_exp) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint32_t h = mix(uint64_t(i) * 0x9E3779B97F4A7C15ull + seed);
+    const uint32_t h = bench_hash(i, seed);
     p[i] = exp2f(lo_exp + (hi_exp - lo_exp) * float(h >> 8) / 16777216.0f);
   }
 }
@@ -59,20 +48,6 @@ void fill_e4m3(uint8_t* p, int64_t n, uint64_t seed) {
 void fill_scale(float* p, int64_t n, uint64_t seed, float lo, float hi) {
   fill_scale_kernel<<<256, 256>>>(p, n, seed, lo, hi);
   MOEFQ_CUDA_CHECK_LAUNCH();
-}
-
-// Random top-k routing of `tokens` tokens over E = experts * 8 global experts (this rank holds
-// experts [0, experts)), scaled so that the rank receives tokens * top_k rows in all, as every
-// rank does on average under expert parallelism: rows fall on the local experts with the
-// uneven counts routing gives.
-std::vector<int32_t> route_counts(int64_t rows, int64_t experts, std::mt19937_64& rng) {
-  std::vector<int32_t> c(static_cast<size_t>(experts), 0);
-  // Mild skew, as real routers show: expert e weighted by 1 / (1 + e / experts).
-  std::vector<double> w(static_cast<size_t>(experts));
-  for (int64_t e = 0; e < experts; ++e) w[size_t(e)] = 1.0 / (1.0 + double(e) / double(experts));
-  std::discrete_distribution<int> pick(w.begin(), w.end());
-  for (int64_t r = 0; r < rows; ++r) ++c[size_t(pick(rng))];
-  return c;
 }
 
 }  // namespace
@@ -163,13 +138,9 @@ int run_bench_gemm(const GemmBenchOptions& o) {
   for (const int64_t tokens : o.tokens) {
     const int64_t rows = tokens * o.top_k;
     const std::vector<int32_t> counts = route_counts(rows, G, rng);
-    std::vector<int32_t> offsets(static_cast<size_t>(G));
-    int64_t touched = 0;
-    for (int64_t g = 0, off = 0; g < G; ++g) {
-      offsets[size_t(g)] = int32_t(off);
-      off += counts[size_t(g)];
-      touched += counts[size_t(g)] > 0;
-    }
+    const GroupOffsets go = group_offsets(counts);
+    const std::vector<int32_t>& offsets = go.offsets;
+    const int64_t touched = go.touched;
     counts_d.upload(counts);
     offsets_d.upload(offsets);
     cuda::GroupedGemmArgs a;

@@ -29,35 +29,15 @@ namespace {
 
 using cuda::DeviceBuffer;
 
-__device__ __forceinline__ uint32_t mix_bf16(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return uint32_t(x);
-}
 // Triangular values in (-scale, scale), rounded to bf16.
 __global__ void fill_bf16_kernel(bf16* p, int64_t n, uint64_t seed, float scale) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint32_t h = mix_bf16(uint64_t(i) * 0x9E3779B97F4A7C15ull + seed);
-    const float v = (float(h & 0xFFFF) + float(h >> 16)) / 65536.0f - 1.0f;
-    p[i].bits = bf16_round(v * scale);
+    p[i].bits = bf16_round(bench_triangular(i, seed) * scale);
   }
 }
 void fill_bf16(bf16* p, int64_t n, uint64_t seed, float scale) {
   fill_bf16_kernel<<<1024, 256>>>(p, n, seed, scale);
   MOEFQ_CUDA_CHECK_LAUNCH();
-}
-
-// As bench_gemm.cu: rows spread over the local experts with a mild skew.
-std::vector<int32_t> skewed_counts(int64_t rows, int64_t experts, std::mt19937_64& rng) {
-  std::vector<int32_t> c(static_cast<size_t>(experts), 0);
-  std::vector<double> w(static_cast<size_t>(experts));
-  for (int64_t e = 0; e < experts; ++e) w[size_t(e)] = 1.0 / (1.0 + double(e) / double(experts));
-  std::discrete_distribution<int> pick(w.begin(), w.end());
-  for (int64_t r = 0; r < rows; ++r) ++c[size_t(pick(rng))];
-  return c;
 }
 
 template <typename T>
@@ -111,14 +91,10 @@ int run_bench_gemm_bf16(const GemmBenchOptions& o) {
               "TFLOPS", "cub_g_us", "TFLOPS", "ratio", "target", "check");
   for (const int64_t tokens : o.tokens) {
     const int64_t rows = tokens * o.top_k;
-    const std::vector<int32_t> counts = skewed_counts(rows, G, rng);
-    std::vector<int32_t> offsets(static_cast<size_t>(G));
-    int64_t touched = 0;
-    for (int64_t g = 0, off = 0; g < G; ++g) {
-      offsets[size_t(g)] = int32_t(off);
-      off += counts[size_t(g)];
-      touched += counts[size_t(g)] > 0;
-    }
+    const std::vector<int32_t> counts = route_counts(rows, G, rng);
+    const GroupOffsets go = group_offsets(counts);
+    const std::vector<int32_t>& offsets = go.offsets;
+    const int64_t touched = go.touched;
     counts_d.upload(counts);
     offsets_d.upload(offsets);
     // As the engine launches them with bf16 weights under staging none (cuda_engine.cu's gemm_args).

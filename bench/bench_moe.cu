@@ -188,6 +188,7 @@ int run_bench_moe(const MoeBenchOptions& o) {
         };
         cases.push_back({prepare, [&, restore_amax](int i, cudaStream_t s) {
                            if (i == 0) restore_amax(s);
+                           if (c.num_shared == 0) return fq.forward({&batch, 1}, s);  // Qwen3, Mixtral, OLMoE
                            side.fork(s);
                            fq.engine().shared_expert(0, x.get(), T, ys.get(), side.stream);
                            fq.forward({&batch, 1}, s);

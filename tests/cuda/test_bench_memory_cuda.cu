@@ -165,6 +165,10 @@ TEST_F(BenchMemoryCuda, PlansCoverWhatTheBenchmarksTake) {
   m.configs = {"both-fp8"};
   m.reps = 2;
   m.calls_per_graph = 1;
+  // A model without a shared expert (its layer runs no side stream), bf16 weights, staging none.
+  MoeBenchOptions mq = m;
+  mq.presets = {"qwen3-30b-a3b"};
+  mq.tokens = {128};
   const struct {
     const char* name;
     double plan;
@@ -174,6 +178,7 @@ TEST_F(BenchMemoryCuda, PlansCoverWhatTheBenchmarksTake) {
       {"qdq", plan_qdq_bench_memory(q, l2_bytes()).device_bytes, [&] { return run_bench_qdq(q); }},
       {"combine", plan_combine_bench_memory(c).device_bytes, [&] { return run_bench_combine(c); }},
       {"moe", plan_moe_bench_memory(m, "deepseek-v3").device_bytes, [&] { return run_bench_moe(m); }},
+      {"moe qwen3", plan_moe_bench_memory(mq, "qwen3-30b-a3b").device_bytes, [&] { return run_bench_moe(mq); }},
   };
   for (const auto& k : cases) {
     SCOPED_TRACE(k.name);

@@ -149,7 +149,9 @@ class DeviceRunner final : public LayerRunner {
     // Activations of every batch from the first one needed.
     b0_ = need_calibration ? 0 : s_.calib_batches;
     const int64_t first = int64_t(b0_) * R * T, rows = s_.num_tokens() - first;
-    if (le->model) {
+    // Synthetic activations only without an activations file: synthetic weights with a captured
+    // file (--activations) take the file's rows, as the CPU runner does.
+    if (le->model && s_.acts == nullptr) {
       le->model->generate_activations(first, rows, acts_.get(), stream_);
     } else {
       const std::vector<bf16> x = layer_activations(s_, layer, first, rows);

@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "moefq/qdq.h"
+
 namespace moefq::slow {
 
 using u128 = unsigned __int128;
@@ -608,25 +610,8 @@ inline void logfmt_row(const std::vector<float>& x, int64_t begin, int64_t cols,
 // ---------------------------------------------------------------------------------------------
 // Tensors: row-major [rows, cols], blocks along cols, a short final block uses what it has.
 
-enum class Fmt {
-  kFp8,
-  kNvfp4,
-  kMxfp8,
-  kMxfp4,
-  kInt8,
-  kFp8Block128,
-  kFp8Block128Ue8m0,
-  kLogfmt10,
-  // The other peers' rules (docs/numerics.md), each from its block's maximum: peer_elem.
-  kFp8Cast,
-  kFp8CastNan,
-  kFp8Block128Ue8m0NoFloor,
-  kFp8Block128Mori,
-  kFp4Block128Mori,
-  kFp8Block128DeepGemm,
-  kFp8Block128Vllm,
-  kFp4Block16FlashInfer,
-};
+// The formats are the library's own names (moefq/qdq.h); only the rules here are independent.
+using Fmt = Format;
 inline bool is_peer(Fmt f) { return f >= Fmt::kFp8Cast; }
 inline int64_t peer_block(Fmt f) {
   return f == Fmt::kFp8Cast || f == Fmt::kFp8CastNan ? 1 : (f == Fmt::kFp4Block16FlashInfer ? 16 : 128);

@@ -37,28 +37,6 @@ const float kAmaxes[] = {0.0f,   1e-30f, 1e-40f,  0x1p-24f, 0x1.fffffep-25f, 0x1
                          1e-5f,  0.37f,  1.0f,    6.0f,     127.0f,          448.0f,          2688.0f,
                          1e4f,   1e30f,  3e38f,   FLT_MAX};
 
-slow::Fmt to_slow(Format f) {
-  switch (f) {
-    case Format::kFp8: return slow::Fmt::kFp8;
-    case Format::kNvfp4: return slow::Fmt::kNvfp4;
-    case Format::kMxfp8: return slow::Fmt::kMxfp8;
-    case Format::kMxfp4: return slow::Fmt::kMxfp4;
-    case Format::kInt8: return slow::Fmt::kInt8;
-    case Format::kFp8Block128: return slow::Fmt::kFp8Block128;
-    case Format::kFp8Block128Ue8m0: return slow::Fmt::kFp8Block128Ue8m0;
-    case Format::kLogfmt10: return slow::Fmt::kLogfmt10;
-    case Format::kFp8Cast: return slow::Fmt::kFp8Cast;
-    case Format::kFp8CastNan: return slow::Fmt::kFp8CastNan;
-    case Format::kFp8Block128Ue8m0NoFloor: return slow::Fmt::kFp8Block128Ue8m0NoFloor;
-    case Format::kFp8Block128Mori: return slow::Fmt::kFp8Block128Mori;
-    case Format::kFp4Block128Mori: return slow::Fmt::kFp4Block128Mori;
-    case Format::kFp8Block128DeepGemm: return slow::Fmt::kFp8Block128DeepGemm;
-    case Format::kFp8Block128Vllm: return slow::Fmt::kFp8Block128Vllm;
-    case Format::kFp4Block16FlashInfer: return slow::Fmt::kFp4Block16FlashInfer;
-  }
-  return slow::Fmt::kFp8;
-}
-
 // The formats that scale each block from its own data ignore the amax argument.
 bool ignores_amax(Format f) { return !format_has_global_amax(f); }
 
@@ -84,7 +62,7 @@ void expect_bf16_qdq(Format f, const std::vector<uint16_t>& x, Shape s, float am
   std::vector<bf16> xi(x.size()), yi(x.size());
   for (size_t i = 0; i < x.size(); ++i) xi[i].bits = x[i];
   qdq_ref(f, xi.data(), yi.data(), s.rows, s.cols, amax);
-  const std::vector<uint16_t> want = slow::qdq_bf16(to_slow(f), x, s.rows, s.cols, amax);
+  const std::vector<uint16_t> want = slow::qdq_bf16(f, x, s.rows, s.cols, amax);
   Mismatches m(label(f, "bf16", data, s, amax));
   for (size_t i = 0; i < x.size(); ++i)
     if (want[i] != yi[i].bits) m.add(x[i], want[i], yi[i].bits, 4, 4, at(int64_t(i), s.cols));
@@ -96,7 +74,7 @@ void expect_f32_qdq(Format f, const std::vector<uint32_t>& x, Shape s, float ama
   std::vector<float> xi(x.size()), yi(x.size());
   for (size_t i = 0; i < x.size(); ++i) xi[i] = f32_from_bits(x[i]);
   qdq_ref(f, xi.data(), yi.data(), s.rows, s.cols, amax);
-  const std::vector<uint32_t> want = slow::qdq_f32(to_slow(f), x, s.rows, s.cols, amax);
+  const std::vector<uint32_t> want = slow::qdq_f32(f, x, s.rows, s.cols, amax);
   Mismatches m(label(f, "fp32", data, s, amax));
   for (size_t i = 0; i < x.size(); ++i)
     if (want[i] != f32_to_bits(yi[i])) m.add(x[i], want[i], f32_to_bits(yi[i]), 8, 8, at(int64_t(i), s.cols));
@@ -255,8 +233,8 @@ TEST_P(QdqExhaustive, InfiniteAmax) {
     std::vector<uint32_t> want_f(xf.size(), slow::kNanF32);
     std::vector<uint16_t> want_b(xb.size(), slow::kNanBf16);
     if (ignores_amax(f)) {
-      want_f = slow::qdq_f32(to_slow(f), xf, s.rows, s.cols, 1.0f);
-      want_b = slow::qdq_bf16(to_slow(f), xb, s.rows, s.cols, 1.0f);
+      want_f = slow::qdq_f32(f, xf, s.rows, s.cols, 1.0f);
+      want_b = slow::qdq_bf16(f, xb, s.rows, s.cols, 1.0f);
     }
     Mismatches mf(label(f, "fp32", "stress", s, INFINITY) + (ignores_amax(f) ? " (as amax 1)" : " (all NaN)"));
     Mismatches mb(label(f, "bf16", "stress", s, INFINITY) + (ignores_amax(f) ? " (as amax 1)" : " (all NaN)"));
@@ -265,8 +243,8 @@ TEST_P(QdqExhaustive, InfiniteAmax) {
     EXPECT_EQ(mf.count(), 0) << mf.report();
     EXPECT_EQ(mb.count(), 0) << mb.report();
     // The slow reference reaches the same by its own arithmetic.
-    EXPECT_EQ(slow::qdq_f32(to_slow(f), xf, s.rows, s.cols, INFINITY), want_f) << format_name(f);
-    EXPECT_EQ(slow::qdq_bf16(to_slow(f), xb, s.rows, s.cols, INFINITY), want_b) << format_name(f);
+    EXPECT_EQ(slow::qdq_f32(f, xf, s.rows, s.cols, INFINITY), want_f) << format_name(f);
+    EXPECT_EQ(slow::qdq_bf16(f, xb, s.rows, s.cols, INFINITY), want_b) << format_name(f);
     expect_f32_qdq(f, xf, s, INFINITY, "stress");
     expect_bf16_qdq(f, xb, s, INFINITY, "stress");
   }

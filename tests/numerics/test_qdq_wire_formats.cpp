@@ -63,11 +63,6 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
   return b;
 }
 
-slow::Fmt to_slow(Format f) {
-  return f == Format::kFp8Block128 ? slow::Fmt::kFp8Block128
-                                   : (f == Format::kFp8Block128Ue8m0 ? slow::Fmt::kFp8Block128Ue8m0 : slow::Fmt::kLogfmt10);
-}
-
 std::string shape_label(Format f, const char* dtype, int64_t rows, int64_t cols, const std::string& what) {
   return std::string(format_name(f)) + " " + dtype + " [" + std::to_string(rows) + " x " + std::to_string(cols) +
          "] " + what;
@@ -79,7 +74,7 @@ double expect_matches_slow(Format f, const std::vector<float>& x, int64_t rows, 
   std::vector<bf16> in(x.size()), out(x.size());
   for (size_t i = 0; i < x.size(); ++i) in[i].bits = xb[i];
   qdq_ref(f, in.data(), out.data(), rows, cols, 0.0f);
-  const std::vector<uint16_t> want = slow::qdq_bf16(to_slow(f), xb, rows, cols, 0.0f);
+  const std::vector<uint16_t> want = slow::qdq_bf16(f, xb, rows, cols, 0.0f);
   Mismatches mb(shape_label(f, "bf16", rows, cols, what));
   int64_t changed = 0;
   for (size_t i = 0; i < x.size(); ++i) {
@@ -92,7 +87,7 @@ double expect_matches_slow(Format f, const std::vector<float>& x, int64_t rows, 
   for (size_t i = 0; i < x.size(); ++i) xf[i] = f32_to_bits(x[i]);
   std::vector<float> yf(x.size());
   qdq_ref(f, x.data(), yf.data(), rows, cols, 0.0f);
-  const std::vector<uint32_t> wantf = slow::qdq_f32(to_slow(f), xf, rows, cols, 0.0f);
+  const std::vector<uint32_t> wantf = slow::qdq_f32(f, xf, rows, cols, 0.0f);
   Mismatches mf(shape_label(f, "fp32", rows, cols, what));
   for (size_t i = 0; i < x.size(); ++i) mf.add(xf[i], wantf[i], f32_to_bits(yf[i]), 8, 8, "element " + std::to_string(i));
   EXPECT_EQ(mf.count(), 0) << mf.report();

@@ -65,6 +65,12 @@ class AbsHistogram {
  public:
   // Bins: the finite non-negative bf16 bit patterns 0x0000 .. 0x7F7F.
   static constexpr int kBins = 0x7F80;
+  // The bin of a bf16 value's magnitude (its bit pattern without the sign), or -1 for NaN and inf:
+  // the one rule of the host's add() and the GPU evaluation's histogram kernel.
+  static constexpr MOEFQ_HD int bin_of(uint16_t bits) {
+    const int mag = int(bits & 0x7FFFu);
+    return mag < kBins ? mag : -1;
+  }
   AbsHistogram() : counts_(size_t(kBins), 0) {}
 
   // Counts |x| of every element; NaN and inf are not counted (calibration refuses them elsewhere)

@@ -112,24 +112,24 @@ std::vector<CalibrationMethod> parse_calibration_methods(const std::string& text
 
 void AbsHistogram::add(const bf16* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t mag = x[i].bits & 0x7FFFu;
-    if (mag >= uint32_t(kBins)) {
+    const int bin = bin_of(x[i].bits);
+    if (bin < 0) {
       ++nonfinite_;
       continue;
     }
-    ++counts_[mag];
+    ++counts_[size_t(bin)];
     ++total_;
   }
 }
 
 void AbsHistogram::add(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t mag = bf16_round(x[i]) & 0x7FFFu;  // a finite fp32 beyond the bf16 range rounds to inf
-    if (!std::isfinite(x[i]) || mag >= uint32_t(kBins)) {
+    const int bin = bin_of(bf16_round(x[i]));  // a finite fp32 beyond the bf16 range rounds to inf
+    if (!std::isfinite(x[i]) || bin < 0) {
       ++nonfinite_;
       continue;
     }
-    ++counts_[mag];
+    ++counts_[size_t(bin)];
     ++total_;
   }
 }

@@ -41,13 +41,13 @@ __global__ void __launch_bounds__(kHistThreads) abs_histogram_kernel(Calibration
   for (int64_t t = blockIdx.x; t < in.num_tokens; t += gridDim.x)
     for_each_row(in, t, [&](const bf16* x, int64_t) {
       for (int64_t h = threadIdx.x; h < in.hidden; h += blockDim.x) {
-        const unsigned int mag = x[h].bits & 0x7FFFu;
-        if (mag >= unsigned(kBins)) {
+        const int bin = AbsHistogram::bin_of(x[h].bits);
+        if (bin < 0) {
           ++bad;
         } else if (kShared) {
-          atomicAdd(&sh_bins[mag], 1u);
+          atomicAdd(&sh_bins[bin], 1u);
         } else {
-          atomicAdd(&bins[mag], 1ull);
+          atomicAdd(&bins[bin], 1ull);
         }
       }
     });
